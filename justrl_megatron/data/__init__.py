@@ -1,0 +1,11 @@
+"""Datasets and prompts: loaders for the math/code sets, generated tasks, prompt templates, the prepared format."""
+from .generated import RECOMMENDED_TASKS, generate_rows
+from .loaders import FORMATS, LoadResult, countdown_problem, last_boxed_content, load_rows, strip_dapo_wrapper
+from .prepared import encode_answer, prepare_dataset, prepare_rows, read_parquet, write_parquet
+from .prompts import (CHAT_TEMPLATES, COUNTDOWN_RAW, JUSTRL_SUFFIX, RAW_TEMPLATES, build_messages, render_prompt)
+
+__all__ = [
+    "CHAT_TEMPLATES", "COUNTDOWN_RAW", "FORMATS", "JUSTRL_SUFFIX", "LoadResult", "RAW_TEMPLATES", "RECOMMENDED_TASKS",
+    "build_messages", "countdown_problem", "encode_answer", "generate_rows", "last_boxed_content", "load_rows",
+    "prepare_dataset", "prepare_rows", "read_parquet", "render_prompt", "strip_dapo_wrapper", "write_parquet",
+]

@@ -1,0 +1,447 @@
+"""Dataset loaders: local parquet / jsonl / json files (or a hub name through `datasets`) → uniform rows.
+
+Every loader yields rows ``{"problem": str, "answer": str | dict, "data_source": str, "id": str}``:
+
+========== ===================================================================================================
+fmt        source columns → row
+========== ===================================================================================================
+dapo       ``prompt`` (chat list or str; the "Solve … Answer:" wrapper is stripped), ``reward_model.ground_truth``
+gsm8k      ``question``, ``answer`` (the text after ``####``, commas removed)
+math       ``problem``, ``answer`` if present (MATH-500) else the last ``\\boxed{}`` of ``solution`` (MATH)
+aime       ``problem``/``question``, ``answer`` (integers written without leading zeros)
+countdown  ``nums``/``numbers``, ``target`` → answer ``{"numbers": [...], "target": int}``
+mbpp       ``text``/``prompt``, ``test_list``, ``test_setup_code`` → answer ``{"tests": [...], "setup": str}``
+generic    ``problem``/``question``/``prompt``, ``answer``/``ground_truth``/``solution``
+========== ===================================================================================================
+
+Malformed rows (missing answer, empty problem, non-UTF-8 text, wrong types, bad JSON lines) are skipped and counted
+by reason; a source with a missing column or with zero usable rows is an error naming the file and the column.
+Exact duplicates (same problem and answer) are dropped when ``dedup`` is on: DAPO-Math-17k on the hub repeats each of
+its ~17k prompts ~100 times, and the summary reports that factor.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic")
+
+
+class _Skip(Exception):
+    """A malformed row; the message is the reason it is counted under."""
+
+
+@dataclass
+class LoadResult:
+    """Rows of one source plus what was dropped on the way. ``skipped`` counts malformed rows by reason."""
+
+    rows: list[dict]
+    skipped: Counter = field(default_factory=Counter)
+    source: str = ""
+    fmt: str = ""
+    read: int = 0  # records seen in the source
+    duplicates: int = 0  # exact duplicates dropped (dedup=True)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def summary(self) -> str:
+        parts = [f"{self.source} (fmt={self.fmt}): {len(self.rows):,} rows from {self.read:,} records"]
+        if self.duplicates:
+            factor = (len(self.rows) + self.duplicates) / max(len(self.rows), 1)
+            parts.append(f"dropped {self.duplicates:,} duplicates (x{factor:.1f} duplication)")
+        n_skipped = sum(self.skipped.values())
+        if n_skipped:
+            reasons = ", ".join(f"{k}={v:,}" for k, v in sorted(self.skipped.items()))
+            parts.append(f"skipped {n_skipped:,} malformed ({reasons})")
+        return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------- readers
+class _Source:
+    """Iterates the records (dicts) of a local file, a directory of files, or a hub dataset; tracks column names."""
+
+    def __init__(self, path_or_name: str, split: str):
+        self.label = path_or_name
+        self.split = split
+        self.columns: set[str] = set()
+        if os.path.isdir(path_or_name):
+            self.files = _data_files(path_or_name, split)
+            if not self.files:
+                raise FileNotFoundError(f"{path_or_name}: no .parquet/.jsonl/.json files in this directory")
+        elif os.path.exists(path_or_name):
+            self.files = [path_or_name]
+        elif _looks_like_path(path_or_name):
+            raise FileNotFoundError(f"{path_or_name}: no such file or directory")
+        else:
+            self.files = None  # a hub name
+        # parquet and hub sources know their columns before the first row, so a missing column fails fast
+        self.schema_known = self.files is None or all(p.endswith(".parquet") for p in self.files)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.files is None:
+            yield from self._hub()
+            return
+        for path in self.files:
+            if path.endswith(".parquet"):
+                yield from self._parquet(path)
+            elif path.endswith(".jsonl"):
+                yield from self._jsonl(path)
+            else:
+                yield from self._json(path)
+
+    def _parquet(self, path):
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - any arrow error means an unreadable file
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+        self.columns.update(pf.schema_arrow.names)
+        for batch in pf.iter_batches(batch_size=4096):
+            yield from batch.to_pylist()
+
+    def _jsonl(self, path):
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                # surrogateescape keeps bad bytes as lone surrogates, which the row checks then reject as non_utf8;
+                # one bad line must not cost the whole file.
+                text = raw.decode("utf-8", errors="surrogateescape")
+                try:
+                    rec = json.loads(text)
+                except json.JSONDecodeError:
+                    yield _Skip("bad_json")
+                    continue
+                if isinstance(rec, dict):
+                    self.columns.update(rec)
+                yield rec
+
+    def _json(self, path):
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8", errors="surrogateescape")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            # A ".json" file is often JSON lines in disguise.
+            yield from self._jsonl(path)
+            return
+        if isinstance(data, dict):
+            lists = [v for v in data.values() if isinstance(v, list)]
+            if "data" in data and isinstance(data["data"], list):
+                data = data["data"]
+            elif len(lists) == 1:
+                data = lists[0]
+            else:
+                raise ValueError(f"{path}: expected a JSON list of records (or {{'data': [...]}})")
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        for rec in data:
+            if isinstance(rec, dict):
+                self.columns.update(rec)
+            yield rec
+
+    def _hub(self):
+        try:
+            import datasets
+        except ImportError as e:  # pragma: no cover - datasets is a hard dependency
+            raise FileNotFoundError(f"{self.label}: not a local path and `datasets` is not installed") from e
+        name, _, config = self.label.partition(":")
+        try:
+            ds = datasets.load_dataset(name, config or None, split=self.split)
+        except Exception as e:  # noqa: BLE001 - offline, unknown name, bad split: all mean "cannot load"
+            raise FileNotFoundError(f"{self.label}: not a local path, and loading it from the hub failed ({e})") from e
+        self.columns.update(ds.column_names)
+        yield from ds
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub names are "name" or "owner/name" (optionally ":config"); anything else that does not exist is a path."""
+    return (name.startswith(("/", ".", "~")) or name.count("/") > 1
+            or name.endswith((".parquet", ".jsonl", ".json")))
+
+
+def _data_files(directory: str, split: str) -> list[str]:
+    files = sorted(p for ext in ("parquet", "jsonl", "json")
+                   for p in glob.glob(os.path.join(directory, "**", f"*.{ext}"), recursive=True))
+    # Hub snapshots hold every split (data/train-*.parquet, data/test-*.parquet): keep the requested one if named.
+    named = [p for p in files if re.search(rf"(^|[/_.-]){re.escape(split)}([/_.-]|$)", os.path.relpath(p, directory))]
+    return named or files
+
+
+# ----------------------------------------------------------------------------------------------------- field checks
+def _get(rec: dict, names: tuple[str, ...]):
+    for n in names:
+        if n in rec and rec[n] is not None:
+            return rec[n]
+    return None
+
+
+def _text(value, what: str) -> str:
+    """A non-empty, valid UTF-8 string, or _Skip with the reason."""
+    if value is None:
+        raise _Skip(f"missing_{what}")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Skip("non_utf8") from None
+    if not isinstance(value, str):
+        raise _Skip(f"bad_type_{what}")
+    try:
+        value.encode("utf-8")  # lone surrogates = undecodable bytes from the reader
+    except UnicodeEncodeError:
+        raise _Skip("non_utf8") from None
+    value = value.strip()
+    if not value:
+        raise _Skip(f"empty_{what}")
+    return value
+
+
+def _scalar_answer(value) -> str:
+    """Answers may be stored as numbers (AIME as int): integral values are written without a fractional part."""
+    if isinstance(value, bool):
+        raise _Skip("bad_type_answer")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _Skip("bad_type_answer")
+        return str(int(value)) if value.is_integer() else repr(value)
+    return _text(value, "answer")
+
+
+def _user_content(prompt) -> Any:
+    """The problem text inside a chat-format prompt (the last user turn), or the prompt itself if it is a string."""
+    if isinstance(prompt, list):
+        users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        if not users:
+            raise _Skip("bad_type_problem")
+        return users[-1].get("content")
+    return prompt
+
+
+def last_boxed_content(text: str) -> str | None:
+    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces, as MATH solutions write it."""
+    idx = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if idx < 0:
+        return None
+    start = text.index("{", idx)
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------ row parsers
+# Each parser maps one source record to (problem, answer, id or None); the column tuples name accepted aliases.
+_DAPO_PREFIX = re.compile(r"^\s*Solve the following math problem step by step\..*?where \$Answer is the answer to the "
+                          r"problem\.\s*", re.S)
+_DAPO_SUFFIX = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
+
+
+def strip_dapo_wrapper(prompt: str) -> str:
+    """The bare problem of a DAPO-Math-17k prompt ("Solve the following … Answer: $Answer …\\n\\n{problem}\\n\\n
+    Remember to put your answer on its own line after "Answer:".")."""
+    return _DAPO_SUFFIX.sub("", _DAPO_PREFIX.sub("", prompt, count=1), count=1).strip()
+
+
+def _parse_dapo(rec):
+    problem = strip_dapo_wrapper(_text(_user_content(_get(rec, ("prompt", "problem", "question"))), "problem"))
+    if not problem:
+        raise _Skip("empty_problem")
+    rm = rec.get("reward_model")
+    answer = rm.get("ground_truth") if isinstance(rm, dict) else _get(rec, ("answer", "solution", "ground_truth"))
+    extra = rec.get("extra_info")
+    rid = extra.get("index") if isinstance(extra, dict) else None
+    return problem, _scalar_answer(answer), rid
+
+
+_GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.S)
+_NUMBER = re.compile(r"^-?[\d,]*\.?\d+$")
+
+
+def _parse_gsm8k(rec):
+    problem = _text(_get(rec, ("question", "problem")), "problem")
+    solution = _scalar_answer(_get(rec, ("answer",)))
+    m = _GSM8K_FINAL.search(solution)
+    final = m.group(1) if m else solution
+    final = final.replace(",", "").strip()
+    if not _NUMBER.match(final):
+        raise _Skip("no_final_answer")
+    return problem, final, None
+
+
+def _parse_math(rec):
+    problem = _text(_get(rec, ("problem", "question")), "problem")
+    answer = _get(rec, ("answer",))
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+        solution = _text(_get(rec, ("solution",)), "answer")
+        answer = last_boxed_content(solution)
+        if answer is None or not answer.strip():
+            raise _Skip("no_boxed_answer")
+    return problem, _scalar_answer(answer), _get(rec, ("unique_id", "id"))
+
+
+def _parse_aime(rec):
+    problem = _text(_get(rec, ("problem", "question", "Problem", "Question")), "problem")
+    answer = _scalar_answer(_get(rec, ("answer", "Answer")))
+    if answer.isdigit():
+        answer = str(int(answer))  # "033" and 33 are the same AIME answer
+    return problem, answer, _get(rec, ("id", "ID", "unique_id"))
+
+
+def countdown_problem(numbers: list[int], target: int) -> str:
+    """The TinyZero countdown question (the COUNTDOWN_RAW template adds the format instructions)."""
+    return (f"Using the numbers {list(numbers)}, create an equation that equals {target}. You can use basic arithmetic "
+            f"operations (+, -, *, /) and each number can only be used once.")
+
+
+def _as_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                          and not value.is_integer()):
+        raise _Skip(f"bad_type_{what}")
+    return int(value)
+
+
+def _parse_countdown(rec):
+    nums, target = _get(rec, ("nums", "numbers")), _get(rec, ("target",))
+    if nums is None:
+        raise _Skip("missing_numbers")
+    if target is None:
+        raise _Skip("missing_answer")
+    if not isinstance(nums, (list, tuple)) or not nums:
+        raise _Skip("bad_type_numbers")
+    numbers = [_as_int(n, "numbers") for n in nums]
+    target = _as_int(target, "answer")
+    return countdown_problem(numbers, target), {"numbers": numbers, "target": target}, None
+
+
+def mbpp_problem(text: str, tests: list[str]) -> str:
+    return (f"{text}\nYour code should pass these tests:\n\n" + "\n".join(tests)
+            + "\n\nWrite the complete Python function in a ```python code block.")
+
+
+def _parse_mbpp(rec):
+    text = _text(_get(rec, ("text", "prompt", "problem")), "problem")
+    tests = rec.get("test_list")
+    if tests is None:
+        raise _Skip("missing_answer")
+    if not isinstance(tests, (list, tuple)) or not tests:
+        raise _Skip("bad_type_tests")
+    tests = [_text(t, "tests") for t in tests]
+    setup = rec.get("test_setup_code") or ""
+    if not isinstance(setup, str):
+        raise _Skip("bad_type_setup")
+    return mbpp_problem(text, tests), {"tests": tests, "setup": setup}, _get(rec, ("task_id", "id"))
+
+
+def _parse_generic(rec):
+    problem = _text(_user_content(_get(rec, ("problem", "question", "prompt", "text", "input"))), "problem")
+    answer = _get(rec, ("answer", "ground_truth", "solution", "target", "output"))
+    if isinstance(answer, dict) and "ground_truth" in answer:  # verl's reward_model column
+        answer = answer["ground_truth"]
+    if not isinstance(answer, (dict, list)):
+        answer = _scalar_answer(answer)
+    elif not answer:
+        raise _Skip("empty_answer")
+    return problem, answer, _get(rec, ("id", "unique_id", "task_id"))
+
+
+@dataclass(frozen=True)
+class _Format:
+    parse: Callable[[dict], tuple]
+    columns: tuple[tuple[str, ...], ...]  # each tuple: aliases of one required column
+    data_source: str
+
+
+_FORMATS = {
+    "dapo": _Format(_parse_dapo, (("prompt", "problem", "question"), ("reward_model", "answer", "solution",
+                                                                     "ground_truth")), "math_dapo"),
+    "gsm8k": _Format(_parse_gsm8k, (("question", "problem"), ("answer",)), "openai/gsm8k"),
+    "math": _Format(_parse_math, (("problem", "question"), ("answer", "solution")), "math"),
+    "aime": _Format(_parse_aime, (("problem", "question", "Problem", "Question"), ("answer", "Answer")), "aime"),
+    "countdown": _Format(_parse_countdown, (("nums", "numbers"), ("target",)), "countdown"),
+    "mbpp": _Format(_parse_mbpp, (("text", "prompt", "problem"), ("test_list",)), "mbpp"),
+    "generic": _Format(_parse_generic, (("problem", "question", "prompt", "text", "input"),
+                                        ("answer", "ground_truth", "solution", "target", "output")), "generic"),
+}
+
+
+def _check_columns(source: _Source, fmt: _Format):
+    for aliases in fmt.columns:
+        if not source.columns.intersection(aliases):
+            names = " / ".join(repr(a) for a in aliases)
+            raise ValueError(f"{source.label}: missing column {names} (columns present: {sorted(source.columns)})")
+
+
+def _dedup_key(problem: str, answer) -> str:
+    a = answer if isinstance(answer, str) else json.dumps(answer, sort_keys=True)
+    return hashlib.blake2b(f"{problem}\0{a}".encode("utf-8"), digest_size=16).hexdigest()
+
+
+def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool = True, limit: int | None = None,
+              data_source: str | None = None, verbose: bool = True) -> LoadResult:
+    """Load ``path_or_name`` (file, directory, or hub name ``"owner/name[:config]"``) as ``fmt`` rows.
+
+    ``data_source`` overrides the one in the data; ``limit`` stops after that many usable rows. The summary line
+    goes to stderr unless ``verbose=False``.
+    """
+    if fmt not in _FORMATS:
+        raise ValueError(f"unknown dataset format {fmt!r}; known: {FORMATS}")
+    spec = _FORMATS[fmt]
+    source = _Source(path_or_name, split)
+    result = LoadResult(rows=[], source=path_or_name, fmt=fmt)
+    seen: set[str] = set()
+    checked = not source.schema_known
+    for index, rec in enumerate(source):
+        if not checked:
+            _check_columns(source, spec)
+            checked = True
+        result.read += 1
+        try:
+            if isinstance(rec, _Skip):
+                raise rec
+            if not isinstance(rec, dict):
+                raise _Skip("not_an_object")
+            problem, answer, rid = spec.parse(rec)
+        except _Skip as e:
+            result.skipped[str(e)] += 1
+            continue
+        if dedup:
+            key = _dedup_key(problem, answer)
+            if key in seen:
+                result.duplicates += 1
+                continue
+            seen.add(key)
+        src = data_source or (rec.get("data_source") if isinstance(rec.get("data_source"), str) else None) \
+            or spec.data_source
+        result.rows.append({"problem": problem, "answer": answer, "data_source": src,
+                            "id": str(rid) if rid is not None and str(rid) else f"{src}-{index}"})
+        if limit is not None and len(result.rows) >= limit:
+            break
+    if result.read == 0:
+        raise ValueError(f"{path_or_name}: no records (empty source)")
+    _check_columns(source, spec)
+    if not result.rows:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "the source is empty"
+        raise ValueError(f"{path_or_name}: no usable rows for fmt={fmt!r} ({result.read} records; {reasons})")
+    if verbose:
+        print(f"[data] {result.summary()}", file=sys.stderr)
+    return result

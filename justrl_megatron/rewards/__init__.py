@@ -1,0 +1,66 @@
+"""Reward verifiers: ``get_reward_fn(name, **options)`` → a picklable ``fn(response: str, answer) -> float``.
+
+=========================  ==========================================================================  ==========
+name                       what                                                                        defaults
+=========================  ==========================================================================  ==========
+``dapo``                   DAPO math_dapo, strict box (JustRL's training reward); ``strict=False``       +1 / -1
+``dapo_minerva``           DAPO math_dapo, Minerva "Answer:" path with normalisation                     +1 / -1
+``math_verify``            math-verify symbolic equivalence (run it through a BatchScorer)               1 / 0
+``gsm8k``                  final number, numeric comparison                                              1 / 0
+``countdown``              equation over the given numbers (safe parser)                                 1 / 0.1 / 0
+``code``                   MBPP tests in a sandboxed subprocess, grade = pass rate                       1 / 0
+``weighted``               correctness + format components (see weighted.py)                             weights
+``dapo_then_math_verify``  correct if either dapo (strict) or math_verify says so (eval)                 1 / 0
+=========================  ==========================================================================  ==========
+
+Every verifier takes ``correct=``, ``wrong=``, ``no_answer=`` (e.g. +1 / -1 / -0.5; no_answer defaults to wrong),
+and has ``is_correct(response, answer)`` for accuracy metrics. ``BatchScorer`` runs a verifier over a batch in worker
+processes with per-item timeouts.
+"""
+from __future__ import annotations
+
+from .base import Verifier
+from .code import CodeReward
+from .countdown import CountdownReward
+from .dapo import DapoReward
+from .gsm8k import Gsm8kReward
+from .mathverify import MathVerifyReward
+from .pool import BatchScorer
+from .weighted import DEFAULT_WEIGHTS, AnyCorrect, WeightedReward
+
+
+def _dapo_then_math_verify(correct=None, wrong=None, no_answer=None, **math_verify_options):
+    return AnyCorrect([DapoReward(strict=True), MathVerifyReward(**math_verify_options)], correct=correct,
+                      wrong=wrong, no_answer=no_answer)
+
+
+def _dapo_minerva(**options):
+    return DapoReward(strict=False, **options)
+
+
+_REGISTRY = {
+    "dapo": DapoReward,
+    "dapo_minerva": _dapo_minerva,
+    "math_verify": MathVerifyReward,
+    "gsm8k": Gsm8kReward,
+    "countdown": CountdownReward,
+    "code": CodeReward,
+    "weighted": WeightedReward,
+    "dapo_then_math_verify": _dapo_then_math_verify,
+}
+REWARD_NAMES = tuple(_REGISTRY)
+
+
+def get_reward_fn(name: str, **options):
+    """The verifier registered as ``name``, built with ``options`` (unknown options raise TypeError)."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; known: {REWARD_NAMES}") from None
+    return factory(**options)
+
+
+__all__ = [
+    "AnyCorrect", "BatchScorer", "CodeReward", "CountdownReward", "DEFAULT_WEIGHTS", "DapoReward", "Gsm8kReward",
+    "MathVerifyReward", "REWARD_NAMES", "Verifier", "WeightedReward", "get_reward_fn",
+]

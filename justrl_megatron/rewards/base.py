@@ -1,0 +1,59 @@
+"""What every verifier shares: a grade in [0, 1] (or None: no answer found) mapped to configurable reward values.
+
+``grade(response, answer)`` is the verifier's judgement — 1.0 correct, 0.0 wrong, a pass rate for code, None when
+the response holds no parsable answer. ``__call__`` maps it to a reward: ``no_answer`` for None, else
+``wrong + (correct - wrong) * grade``; so +1 / -1 / -0.5 (correct / wrong / no answer) is one keyword each.
+
+Verifiers are plain objects with only plain attributes: picklable, stateless between calls, safe in worker processes.
+"""
+from __future__ import annotations
+
+import json
+
+
+class Verifier:
+    """Base class. Subclasses implement ``grade``. ``in_process`` marks pure, fast, bounded-time verifiers that a
+    BatchScorer may run in the calling process; ``tail_chars`` lets it send workers only the response's tail."""
+
+    in_process = False
+    tail_chars: int | None = None  # the verifier reads only this many final characters (None: the whole response)
+    default_correct = 1.0
+    default_wrong = 0.0
+
+    def __init__(self, correct: float | None = None, wrong: float | None = None, no_answer: float | None = None):
+        self.correct = float(self.default_correct if correct is None else correct)
+        self.wrong = float(self.default_wrong if wrong is None else wrong)
+        # No answer scores like a wrong one unless configured (JustRL: a truncated response has no box -> -1).
+        self.no_answer = self.wrong if no_answer is None else float(no_answer)
+
+    def grade(self, response: str, answer) -> float | None:
+        raise NotImplementedError
+
+    def __call__(self, response: str, answer) -> float:
+        g = self.grade(response, answer)
+        if g is None:
+            return self.no_answer
+        return self.wrong + (self.correct - self.wrong) * g
+
+    def is_correct(self, response: str, answer) -> bool:
+        return self.grade(response, answer) == 1.0
+
+    @property
+    def failure_value(self) -> float:
+        """The reward an item gets when its verification crashed or timed out: the wrong-answer value."""
+        return self.wrong
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({opts})"
+
+
+def structured_answer(answer) -> dict:
+    """Structured answers (countdown, MBPP) arrive as dicts from the loaders and as JSON strings from parquet."""
+    if isinstance(answer, dict):
+        return answer
+    if isinstance(answer, (str, bytes)):
+        value = json.loads(answer)
+        if isinstance(value, dict):
+            return value
+    raise TypeError(f"expected a dict (or its JSON string) as answer, got {type(answer).__name__}")

@@ -1,0 +1,102 @@
+"""GSM8K-style numeric answers: find the response's final number, compare numerically with the ground truth.
+
+Where the final answer is looked for, in order (``mode="flexible"``, the default):
+``#### N`` (GSM8K's own format), the last ``\\boxed{…}``, the last ``<answer>…</answer>``, the last "answer is N" /
+"Answer: N", and finally the last number anywhere. ``mode="strict"`` accepts only ``#### N`` (verl's gsm8k strict).
+Within the chosen span the last number counts; commas, ``$``, ``%``, and units around it are ignored.
+Only the response's last ``clip_chars`` characters are searched (the answer is at the end; bounded time on 1 MB).
+"""
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from .base import Verifier
+
+_NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+_NUM_RE = re.compile(_NUM)
+_HASHES = re.compile(r"####\s*([^\n]*)")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_ANSWER_IS = re.compile(r"(?i)answer\s*(?:is\s*:?|:)\s*([^\n]*)")
+
+
+def to_number(text: str) -> Fraction | None:
+    """The last number in ``text`` as an exact Fraction ("1,234.50" -> 2469/2, "3/4" -> 3/4), or None."""
+    found = _NUM_RE.findall(text.replace("$", "").replace("\\!", "").replace("{,}", ","))
+    if not found:
+        return None
+    token = found[-1].replace(",", "")
+    try:
+        if "/" in token:
+            num, den = token.split("/")
+            return Fraction(Fraction(num), Fraction(den)) if Fraction(den) != 0 else None
+        return Fraction(token)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + 6, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 7:i]
+    return None
+
+
+def extract_final_number(response: str, mode: str = "flexible") -> Fraction | None:
+    hashes = _HASHES.findall(response)
+    if hashes:
+        return to_number(hashes[-1])
+    if mode == "strict":
+        return None
+    spans = []
+    boxed = _last_boxed(response)
+    if boxed is not None:
+        spans.append(boxed)
+    tags = _ANSWER_TAG.findall(response)
+    if tags:
+        spans.append(tags[-1])
+    said = _ANSWER_IS.findall(response)
+    if said:
+        spans.append(said[-1])
+    spans.append(response)
+    for span in spans:
+        value = to_number(span)
+        if value is not None:
+            return value
+    return None
+
+
+class Gsm8kReward(Verifier):
+    """Numeric match of the final number (exact for integers and fractions; ``rel_tol`` for decimals)."""
+
+    in_process = True
+
+    def __init__(self, mode: str = "flexible", correct: float | None = None, wrong: float | None = None,
+                 no_answer: float | None = None, clip_chars: int | None = 2000, rel_tol: float = 1e-6):
+        super().__init__(correct, wrong, no_answer)
+        if mode not in ("flexible", "strict"):
+            raise ValueError(f"gsm8k mode must be 'flexible' or 'strict', got {mode!r}")
+        self.mode = mode
+        self.clip_chars = self.tail_chars = clip_chars
+        self.rel_tol = float(rel_tol)
+
+    def grade(self, response: str, answer) -> float | None:
+        if self.clip_chars is not None:
+            response = response[-self.clip_chars:]
+        pred = extract_final_number(response, self.mode)
+        if pred is None:
+            return None
+        gt = to_number(str(answer))
+        if gt is None:
+            return 0.0
+        if pred == gt:
+            return 1.0
+        return 1.0 if abs(pred - gt) <= self.rel_tol * max(abs(gt), 1) else 0.0

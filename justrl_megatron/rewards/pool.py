@@ -1,0 +1,232 @@
+"""BatchScorer: score many (response, answer) pairs in worker processes, surviving hangs and crashes.
+
+Why not ``concurrent.futures``: when a worker dies there it breaks the whole pool and cannot say which item killed it,
+and a hung item cannot be timed out at all. Here each worker owns a pipe and three pieces of shared memory — the
+index of the item it is on, when that item started, and a result slot per item of its chunk — so the parent knows,
+at any moment, which item is running and which results are already done:
+
+* an item running longer than ``timeout_s`` gets its worker SIGKILLed: the item scores ``failure_value``,
+  ``stats["timeouts"]`` grows, the finished items of that chunk are kept, the rest are re-queued;
+* a worker that dies (``os._exit``, segfault, OOM kill) is handled the same way, counted in ``stats["crashes"]``;
+* an exception inside the verifier scores ``failure_value`` and counts in ``stats["errors"]``;
+* dead workers are replaced at once (``stats["restarts"]``); the batch always completes.
+
+Pure, bounded-time verifiers (``fn.in_process``: dapo, gsm8k, countdown) are scored in the calling process: for them
+pickling and pipes would cost more than the verification. Verifiers that only read the response's tail
+(``fn.tail_chars``) get only that tail sent to the workers.
+
+Workers start with ``forkserver`` (never plain ``fork``: the trainer has threads, and forking a threaded process can
+deadlock the child), so ``fn`` must be picklable and importable by module path.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import Counter, deque
+from multiprocessing.connection import wait
+
+MAX_CHUNK = 512
+
+
+def _worker_main(conn, fn, progress, started, out):
+    """Score chunks until told to stop. Item i of a chunk: set progress/started, write out[i]."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    while True:
+        try:
+            items = conn.recv()
+        except (EOFError, OSError):
+            return
+        if items is None:
+            return
+        errors = []
+        for i, (response, answer) in enumerate(items):
+            started.value = time.monotonic()
+            progress.value = i
+            try:
+                out[i] = float(fn(response, answer))
+            except Exception:  # noqa: BLE001 - any verifier bug costs the item, never the batch
+                out[i] = math.nan
+                errors.append(i)
+        progress.value = len(items)
+        conn.send(errors)
+
+
+class _Worker:
+    def __init__(self, ctx, fn):
+        self.progress = ctx.RawValue("l", 0)
+        self.started = ctx.RawValue("d", 0.0)
+        self.out = ctx.RawArray("d", MAX_CHUNK)
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, fn, self.progress, self.started, self.out),
+                                   daemon=True, name="justrl-reward-worker")
+        self.process.start()
+        child.close()
+        self.chunk = None  # (start, end) while busy
+
+    def dispatch(self, start: int, end: int, items: list):
+        self.progress.value = 0
+        self.started.value = time.monotonic()  # before the send: a stale value must not look like a hang
+        self.chunk = (start, end)
+        self.conn.send(items)
+
+    def kill(self):
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(timeout=5)
+        self.conn.close()
+
+    def stop(self):
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=2)
+        if self.process.is_alive():
+            self.kill()
+        else:
+            self.conn.close()
+
+
+class BatchScorer:
+    """``with BatchScorer(fn, num_workers=2, timeout_s=10) as s: rewards = s.score(responses, answers)``.
+
+    ``failure_value`` defaults to ``fn.failure_value`` (the verifier's wrong-answer reward). ``in_process`` overrides
+    the verifier's own flag (``num_workers=0`` also means in-process). ``stats`` counts items, timeouts, crashes,
+    errors and worker restarts over the scorer's life.
+    """
+
+    def __init__(self, fn, num_workers: int = 2, timeout_s: float = 10.0, *, failure_value: float | None = None,
+                 in_process: bool | None = None, chunk_size: int | None = None, start_method: str | None = None):
+        self.fn = fn
+        self.num_workers = int(num_workers)
+        self.timeout_s = float(timeout_s)
+        self.failure_value = float(getattr(fn, "failure_value", 0.0) if failure_value is None else failure_value)
+        flag = getattr(fn, "in_process", False) if in_process is None else in_process
+        self.in_process = bool(flag) or self.num_workers <= 0
+        self.chunk_size = chunk_size
+        self.tail_chars = getattr(fn, "tail_chars", None)
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        self._ctx = mp.get_context(start_method)
+        self._workers: list[_Worker] = []
+        self.stats = Counter(items=0, timeouts=0, crashes=0, errors=0, restarts=0)
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        for w in self._workers:
+            w.stop()
+        self._workers = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _ensure_workers(self):
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.fn))
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        fresh = _Worker(self._ctx, self.fn)
+        self._workers[self._workers.index(worker)] = fresh
+        self.stats["restarts"] += 1
+        return fresh
+
+    # -------------------------------------------------------------------------------------------------- scoring
+    def score(self, responses: list[str], answers: list) -> list[float]:
+        """Rewards in input order. Never raises for a bad item: it gets ``failure_value`` and is counted."""
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        self.stats["items"] += len(responses)
+        if not responses:
+            return []
+        if self.in_process:
+            return self._score_here(responses, answers)
+        return self._score_pool(responses, answers)
+
+    def _score_here(self, responses, answers) -> list[float]:
+        fn, out = self.fn, []
+        for response, answer in zip(responses, answers):
+            try:
+                out.append(float(fn(response, answer)))
+            except Exception:  # noqa: BLE001
+                self.stats["errors"] += 1
+                out.append(self.failure_value)
+        return out
+
+    def _chunks(self, n: int) -> deque:
+        size = self.chunk_size or math.ceil(n / (self.num_workers * 4))
+        size = max(1, min(size, MAX_CHUNK))
+        return deque((s, min(s + size, n)) for s in range(0, n, size))
+
+    def _score_pool(self, responses, answers) -> list[float]:
+        self._ensure_workers()
+        tail = self.tail_chars
+        if tail is not None:
+            responses = [r[-tail:] for r in responses]
+        results: list[float | None] = [None] * len(responses)
+        pending = self._chunks(len(responses))
+        idle = list(self._workers)
+        busy: dict = {}  # conn -> worker
+
+        while pending or busy:
+            while pending and idle:
+                w = idle.pop()
+                if not w.process.is_alive():  # died while idle (killed from outside)
+                    w = self._replace(w)
+                start, end = pending.popleft()
+                w.dispatch(start, end, list(zip(responses[start:end], answers[start:end])))
+                busy[w.conn] = w
+            now = time.monotonic()
+            next_deadline = min(w.started.value + self.timeout_s for w in busy.values())
+            ready = wait(list(busy) + [w.process.sentinel for w in busy.values()],
+                         timeout=max(0.0, min(next_deadline - now, 1.0)))
+            now = time.monotonic()
+            for conn, w in list(busy.items()):
+                # A worker that finished its chunk and then died still left its message in the pipe: read first.
+                if conn in ready or not w.process.is_alive():
+                    try:
+                        message = conn.recv() if conn.poll() else None
+                    except (EOFError, OSError):
+                        message = None
+                    if message is not None:
+                        self._collect(w, message, results)
+                        del busy[conn]
+                        idle.append(w)
+                        continue
+                dead = not w.process.is_alive()
+                hung = not dead and now - w.started.value > self.timeout_s
+                if dead or hung:
+                    self._salvage(w, results, pending)
+                    self.stats["timeouts" if hung else "crashes"] += 1
+                    del busy[conn]
+                    idle.append(self._replace(w))
+        return [float(r) for r in results]
+
+    def _collect(self, w: _Worker, errors: list, results: list):
+        start, end = w.chunk
+        results[start:end] = w.out[:end - start]
+        for i in errors:
+            results[start + i] = self.failure_value
+        self.stats["errors"] += len(errors)
+
+    def _salvage(self, w: _Worker, results: list, pending: deque):
+        """After a crash or hang: keep the chunk's finished items, fail the running one, re-queue the rest."""
+        start, end = w.chunk
+        done = min(w.progress.value, end - start)
+        results[start:start + done] = w.out[:done]
+        if done < end - start:
+            results[start + done] = self.failure_value
+            if start + done + 1 < end:
+                pending.appendleft((start + done + 1, end))
