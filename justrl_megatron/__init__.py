@@ -1,0 +1,1 @@
+"""justrl-megatron."""

