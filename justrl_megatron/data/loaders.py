@@ -11,7 +11,7 @@ math       ``problem``, ``answer`` if present (MATH-500) else the last ``\\boxed
 aime       ``problem``/``question``, ``answer`` (integers written without leading zeros)
 countdown  ``nums``/``numbers``, ``target`` → answer ``{"numbers": [...], "target": int}``
 mbpp       ``text``/``prompt``, ``test_list``, ``test_setup_code`` → answer ``{"tests": [...], "setup": str}``
-generic    ``problem``/``question``/``prompt``, ``answer``/``ground_truth``/``solution``
+generic    ``problem``/``question``/``prompt``, ``answer``/``ground_truth``/``reward_model``/``solution``
 ========== ===================================================================================================
 
 Malformed rows (missing answer, empty problem, non-UTF-8 text, wrong types, bad JSON lines) are skipped and counted
@@ -352,9 +352,12 @@ def _parse_mbpp(rec):
     return mbpp_problem(text, tests), {"tests": tests, "setup": setup}, _get(rec, ("task_id", "id"))
 
 
+_GENERIC_ANSWER = ("answer", "ground_truth", "reward_model", "solution", "target", "output")
+
+
 def _parse_generic(rec):
     problem = _text(_user_content(_get(rec, ("problem", "question", "prompt", "text", "input"))), "problem")
-    answer = _get(rec, ("answer", "ground_truth", "solution", "target", "output"))
+    answer = _get(rec, _GENERIC_ANSWER)
     if isinstance(answer, dict) and "ground_truth" in answer:  # verl's reward_model column
         answer = answer["ground_truth"]
     if not isinstance(answer, (dict, list)):
@@ -379,8 +382,8 @@ _FORMATS = {
     "aime": _Format(_parse_aime, (("problem", "question", "Problem", "Question"), ("answer", "Answer")), "aime"),
     "countdown": _Format(_parse_countdown, (("nums", "numbers"), ("target",)), "countdown"),
     "mbpp": _Format(_parse_mbpp, (("text", "prompt", "problem"), ("test_list",)), "mbpp"),
-    "generic": _Format(_parse_generic, (("problem", "question", "prompt", "text", "input"),
-                                        ("answer", "ground_truth", "solution", "target", "output")), "generic"),
+    "generic": _Format(_parse_generic, (("problem", "question", "prompt", "text", "input"), _GENERIC_ANSWER),
+                       "generic"),
 }
 
 

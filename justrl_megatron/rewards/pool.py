@@ -8,7 +8,7 @@ at any moment, which item is running and which results are already done:
 * an item running longer than ``timeout_s`` gets its worker SIGKILLed: the item scores ``failure_value``,
   ``stats["timeouts"]`` grows, the finished items of that chunk are kept, the rest are re-queued;
 * a worker that dies (``os._exit``, segfault, OOM kill) is handled the same way, counted in ``stats["crashes"]``;
-* an exception inside the verifier scores ``failure_value`` and counts in ``stats["errors"]``;
+* an exception inside the verifier (or a NaN reward) scores ``failure_value`` and counts in ``stats["errors"]``;
 * dead workers are replaced at once (``stats["restarts"]``); the batch always completes.
 
 Pure, bounded-time verifiers (``fn.in_process``: dapo, gsm8k, countdown) are scored in the calling process: for them
@@ -32,7 +32,7 @@ MAX_CHUNK = 512
 
 
 def _worker_main(conn, fn, progress, started, out):
-    """Score chunks until told to stop. Item i of a chunk: set progress/started, write out[i]."""
+    """Score chunks until told to stop. Item i of a chunk: set progress/started, write out[i] (NaN: it raised)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     while True:
         try:
@@ -41,17 +41,15 @@ def _worker_main(conn, fn, progress, started, out):
             return
         if items is None:
             return
-        errors = []
         for i, (response, answer) in enumerate(items):
             started.value = time.monotonic()
             progress.value = i
             try:
                 out[i] = float(fn(response, answer))
             except Exception:  # noqa: BLE001 - any verifier bug costs the item, never the batch
-                out[i] = math.nan
-                errors.append(i)
+                out[i] = math.nan  # the error marker the parent counts
         progress.value = len(items)
-        conn.send(errors)
+        conn.send(True)
 
 
 class _Worker:
@@ -161,9 +159,16 @@ class BatchScorer:
             try:
                 out.append(float(fn(response, answer)))
             except Exception:  # noqa: BLE001
-                self.stats["errors"] += 1
-                out.append(self.failure_value)
-        return out
+                out.append(math.nan)
+        return self._clean(out)
+
+    def _clean(self, values: list) -> list:
+        """NaN marks an item whose verifier raised: it gets the failure value and is counted."""
+        bad = sum(1 for v in values if v != v)
+        if bad:
+            self.stats["errors"] += bad
+            values = [self.failure_value if v != v else v for v in values]
+        return values
 
     def _chunks(self, n: int) -> deque:
         size = self.chunk_size or math.ceil(n / (self.num_workers * 4))
@@ -201,7 +206,7 @@ class BatchScorer:
                     except (EOFError, OSError):
                         message = None
                     if message is not None:
-                        self._collect(w, message, results)
+                        self._collect(w, results)
                         del busy[conn]
                         idle.append(w)
                         continue
@@ -214,18 +219,15 @@ class BatchScorer:
                     idle.append(self._replace(w))
         return [float(r) for r in results]
 
-    def _collect(self, w: _Worker, errors: list, results: list):
+    def _collect(self, w: _Worker, results: list):
         start, end = w.chunk
-        results[start:end] = w.out[:end - start]
-        for i in errors:
-            results[start + i] = self.failure_value
-        self.stats["errors"] += len(errors)
+        results[start:end] = self._clean(w.out[:end - start])
 
     def _salvage(self, w: _Worker, results: list, pending: deque):
         """After a crash or hang: keep the chunk's finished items, fail the running one, re-queue the rest."""
         start, end = w.chunk
         done = min(w.progress.value, end - start)
-        results[start:start + done] = w.out[:done]
+        results[start:start + done] = self._clean(w.out[:done])
         if done < end - start:
             results[start + done] = self.failure_value
             if start + done + 1 < end:
