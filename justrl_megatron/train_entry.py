@@ -1,0 +1,40 @@
+"""The hydra entry point of justrl-train: compose -> validate (before any heavy work) -> run the GRPO loop."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+
+from .config import CONFIG_DIR, ConfigError, register, validate
+
+register()
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_config(cfg):
+    """Everything that can be checked without starting megatron or vLLM. Returns the model's ModelShape."""
+    from transformers import AutoConfig
+
+    from .assets import resolve_model_path
+    from .model.hf_config import model_shape
+
+    model_dir = resolve_model_path(cfg.model.path)
+    shape = model_shape(AutoConfig.from_pretrained(model_dir))
+    validate(cfg, world_size=_world_size(), shape=shape)
+    return model_dir, shape
+
+
+@hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
+def main(cfg) -> None:
+    try:
+        model_dir, shape = check_config(cfg)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"justrl-train: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print("justrl-train: config valid; the GRPO loop is not implemented yet (it lands with issue 7).", file=sys.stderr)
+    sys.exit(2)
