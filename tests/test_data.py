@@ -173,6 +173,27 @@ def test_generic_accepts_verl_style_rows(tmp_path):
         {"problem": "2+2?", "answer": "4", "data_source": "generic", "id": "a"}]
 
 
+def test_hub_names_go_through_datasets(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        if name == "offline/missing":
+            raise ConnectionError("no network")
+        return datasets.Dataset.from_list([{"question": "1+1?", "answer": "2\n#### 2"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    res = load_rows("openai/gsm8k:main", "gsm8k", split="test", verbose=False)
+    assert calls == [("openai/gsm8k", "main", "test")] and res.rows[0]["answer"] == "2"
+    with pytest.raises(FileNotFoundError, match="offline/missing: not a local path.*no network"):
+        load_rows("offline/missing", "gsm8k")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_rows("./missing/dir/data.jsonl", "gsm8k")  # path-like names never go to the hub
+    assert len(calls) == 2
+
+
 # --------------------------------------------------------------------------------------------- generated tasks
 @pytest.mark.parametrize("task", ["basic_arithmetic", "chain_sum", "gsm_symbolic"])
 def test_generated_tasks_are_reproducible(task):

@@ -102,6 +102,8 @@ def test_minerva_normalisation():
     ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
     ("first $1$, finally \\boxed{2}", "2", 1.0),  # a box outranks inline math
     ("\\boxed{3}", "4", 0.0),
+    ("so \\boxed{3", "3", 0.0),  # unclosed box: no answer
+    (BOX + " and some more words" * 10, "42", 1.0),  # unlike dapo, no 100-character window
     ("no math here at all", "4", 0.0),
     ("", "4", 0.0),
     ("z" * MB + "\\boxed{5}", "5", 1.0),  # the tail is what gets parsed
@@ -139,6 +141,8 @@ def test_dapo_then_math_verify():
     ("I think 7, no wait, 9", "9", 1.0),
     ("Answer: -3.50", "-3.5", 1.0),
     ("It is 3/4 of it: 3/4", "0.75", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{\\dfrac{3}{2}}", "2", 0.0),
     ("#### 12\nbut actually 13", "12", 1.0),  # the #### line wins
     ("The answer is 12", "13", 0.0),
     ("no numbers", "13", 0.0),
@@ -350,3 +354,17 @@ def test_fast_verifiers_score_in_process_and_errors_are_contained():
         resp = ["x" * 5000 + "\\boxed{%d}" % i for i in range(100)]
         assert forced.score(resp, [str(i) if i % 2 else "no" for i in range(100)]) == [
             1.0 if i % 2 else -1.0 for i in range(100)]
+
+
+def test_batch_scorer_reports_a_verifier_workers_cannot_load(monkeypatch):
+    import sys
+    import types
+
+    # picklable here (by reference to a module), but the module exists only in this process
+    module = types.ModuleType("justrl_test_parent_only")
+    exec("class Verifier:\n    def __call__(self, response, answer):\n        return 1.0\n", module.__dict__)
+    module.Verifier.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(RuntimeError, match="did not start"):
+        with BatchScorer(module.Verifier(), num_workers=1) as scorer:
+            scorer.score(["x"], ["y"])

@@ -15,14 +15,17 @@ from .base import Verifier
 
 _NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
 _NUM_RE = re.compile(_NUM)
+_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}")
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _ANSWER_IS = re.compile(r"(?i)answer\s*(?:is\s*:?|:)\s*([^\n]*)")
 
 
 def to_number(text: str) -> Fraction | None:
-    """The last number in ``text`` as an exact Fraction ("1,234.50" -> 2469/2, "3/4" -> 3/4), or None."""
-    found = _NUM_RE.findall(text.replace("$", "").replace("\\!", "").replace("{,}", ","))
+    """The last number in ``text`` as an exact Fraction ("1,234.50" -> 2469/2, "3/4" and "\\frac{3}{4}" -> 3/4),
+    or None."""
+    text = _FRAC.sub(r"\1/\2", text.replace("$", "").replace("\\!", "").replace("{,}", ","))
+    found = _NUM_RE.findall(text)
     if not found:
         return None
     token = found[-1].replace(",", "")

@@ -43,14 +43,15 @@ def _parse_gold(answer: str, timeout):
 class MathVerifyReward(Verifier):
     """Correct when math-verify finds the response's final answer equivalent to the ground truth.
 
-    ``clip_chars`` keeps only the response's tail (the final answer is at the end; parsing 15K-token reasoning is what
-    costs time); None parses it all. ``timeout_s`` is math-verify's own per-call timeout.
+    ``clip_chars`` keeps only the response's tail: the final answer is at the end, and parsing the LaTeX of the
+    reasoning before it is what costs time (measured on 3,000-char responses, one core: ~490/s with 2,000 chars,
+    ~840/s with 1,000, identical verdicts). None parses it all. ``timeout_s`` is math-verify's own per-call timeout.
     """
 
     in_process = False
 
     def __init__(self, correct: float | None = None, wrong: float | None = None, no_answer: float | None = None,
-                 timeout_s: int = 5, clip_chars: int | None = 2000):
+                 timeout_s: int = 5, clip_chars: int | None = 1000):
         super().__init__(correct, wrong, no_answer)
         self.timeout_s = int(timeout_s)
         self.clip_chars = self.tail_chars = clip_chars

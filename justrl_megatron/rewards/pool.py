@@ -29,11 +29,13 @@ from collections import Counter, deque
 from multiprocessing.connection import wait
 
 MAX_CHUNK = 512
+STARTUP_TIMEOUT_S = 120.0  # a worker imports the verifier's module; slow on a loaded machine, never minutes
 
 
 def _worker_main(conn, fn, progress, started, out):
     """Score chunks until told to stop. Item i of a chunk: set progress/started, write out[i] (NaN: it raised)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    conn.send("ready")  # fn is unpickled (its module imported): item timeouts may start counting
     while True:
         try:
             items = conn.recv()
@@ -63,6 +65,18 @@ class _Worker:
         self.process.start()
         child.close()
         self.chunk = None  # (start, end) while busy
+
+    def wait_ready(self, timeout_s: float):
+        """Block until the worker has started; a worker that cannot start is a setup error, not an item failure."""
+        try:
+            ok = self.conn.poll(timeout_s) and self.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ok = False
+        if not ok:
+            self.kill()
+            raise RuntimeError(f"reward worker did not start within {timeout_s:.0f}s (exit code "
+                               f"{self.process.exitcode}); the verifier must be picklable and importable by module "
+                               f"path, and a script using BatchScorer needs an `if __name__ == '__main__':` guard")
 
     def dispatch(self, start: int, end: int, items: list):
         self.progress.value = 0
@@ -131,12 +145,16 @@ class BatchScorer:
             pass
 
     def _ensure_workers(self):
-        while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self.fn))
+        fresh = [_Worker(self._ctx, self.fn) for _ in range(self.num_workers - len(self._workers))]
+        for w in fresh:  # started together, awaited together
+            w.wait_ready(STARTUP_TIMEOUT_S)
+        self._workers.extend(fresh)
 
     def _replace(self, worker: _Worker) -> _Worker:
+        # Waiting for the replacement keeps its start-up time (imports) off the next item's timeout clock.
         worker.kill()
         fresh = _Worker(self._ctx, self.fn)
+        fresh.wait_ready(STARTUP_TIMEOUT_S)
         self._workers[self._workers.index(worker)] = fresh
         self.stats["restarts"] += 1
         return fresh
