@@ -268,6 +268,9 @@ def test_weighted_weights_values_and_inner_verifiers():
                                 "no_trailing_text": 0})
     assert fn(GOOD, "42") == 2.5 and fn(GOOD, "41") == -1.5 and fn("<think>x</think>", "1") == -1.0
     assert fn.failure_value == -2.0
+    assert fn.evaluate(GOOD, "42") == (2.5, True) and fn.is_correct(GOOD, "42") and not fn.is_correct(GOOD, "41")
+    with BatchScorer(fn) as scorer:  # gsm8k inside: scored in-process
+        assert scorer.in_process and scorer.evaluate([GOOD, GOOD], ["42", "41"]) == ([2.5, -1.5], [True, False])
     with pytest.raises(ValueError, match="unknown reward components"):
         get_reward_fn("weighted", weights={"style": 1.0})
     # countdown with a prompt that pre-fills <think>; only the <answer> block is graded
@@ -326,7 +329,9 @@ def test_batch_scorer_survives_crashes_hangs_and_errors():
         assert out == [-1.0 if r in bad else float(a) for r, a in zip(responses, answers)]
         assert (scorer.stats["crashes"], scorer.stats["timeouts"], scorer.stats["errors"]) == (2, 1, 1)
         assert scorer.stats["restarts"] == 3
-        # the rebuilt pool keeps working
+        # the rebuilt pool keeps working; failed items are never "correct"
+        rewards, correct = scorer.evaluate(["ok", "ok", "raise", "exit"], [1, 2, 1, 1])
+        assert rewards == [1.0, 2.0, -1.0, -1.0] and correct == [True, False, False, False]
         assert scorer.score(["ok"] * 5, [1, 2, 3, 4, 5]) == [1.0, 2.0, 3.0, 4.0, 5.0]
         assert scorer.score([], []) == []
         with pytest.raises(ValueError):
@@ -339,7 +344,9 @@ def test_batch_scorer_matches_direct_scoring():
     answers = [str(i % 3) for i in range(40)] + ["1", "0.5"]
     with BatchScorer(fn, num_workers=2, timeout_s=10, chunk_size=3) as scorer:
         assert not scorer.in_process
-        assert scorer.score(responses, answers) == [fn(r, a) for r, a in zip(responses, answers)]
+        rewards, correct = scorer.evaluate(responses, answers)
+        assert rewards == [fn(r, a) for r, a in zip(responses, answers)]
+        assert correct == [fn.is_correct(r, a) for r, a in zip(responses, answers)] and any(correct)
         assert scorer.stats["crashes"] == scorer.stats["timeouts"] == 0
 
 

@@ -29,11 +29,16 @@ class Verifier:
     def grade(self, response: str, answer) -> float | None:
         raise NotImplementedError
 
+    def value(self, grade: float | None) -> float:
+        return self.no_answer if grade is None else self.wrong + (self.correct - self.wrong) * grade
+
     def __call__(self, response: str, answer) -> float:
+        return self.value(self.grade(response, answer))
+
+    def evaluate(self, response: str, answer) -> tuple[float, bool]:
+        """(reward, fully correct) from one verification — what BatchScorer.evaluate runs in its workers."""
         g = self.grade(response, answer)
-        if g is None:
-            return self.no_answer
-        return self.wrong + (self.correct - self.wrong) * g
+        return self.value(g), g == 1.0
 
     def is_correct(self, response: str, answer) -> bool:
         return self.grade(response, answer) == 1.0
@@ -46,6 +51,15 @@ class Verifier:
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({opts})"
+
+
+def evaluate_with(fn, response: str, answer) -> tuple[float, bool]:
+    """(reward, fully correct) for any reward callable: a verifier's own ``evaluate``, else a plain function's result
+    compared with its ``correct`` value (1.0 if it has none)."""
+    if hasattr(fn, "evaluate"):
+        return fn.evaluate(response, answer)
+    reward = fn(response, answer)
+    return reward, reward == getattr(fn, "correct", 1.0)
 
 
 def structured_answer(answer) -> dict:

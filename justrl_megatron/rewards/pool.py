@@ -1,9 +1,9 @@
 """BatchScorer: score many (response, answer) pairs in worker processes, surviving hangs and crashes.
 
 Why not ``concurrent.futures``: when a worker dies there it breaks the whole pool and cannot say which item killed it,
-and a hung item cannot be timed out at all. Here each worker owns a pipe and three pieces of shared memory — the
-index of the item it is on, when that item started, and a result slot per item of its chunk — so the parent knows,
-at any moment, which item is running and which results are already done:
+and a hung item cannot be timed out at all. Here each worker owns a pipe and some shared memory — the index of the
+item it is on, when that item started, and a result slot per item of its chunk — so the parent knows, at any moment,
+which item is running and which results are already done:
 
 * an item running longer than ``timeout_s`` gets its worker SIGKILLed: the item scores ``failure_value``,
   ``stats["timeouts"]`` grows, the finished items of that chunk are kept, the rest are re-queued;
@@ -11,12 +11,16 @@ at any moment, which item is running and which results are already done:
 * an exception inside the verifier (or a NaN reward) scores ``failure_value`` and counts in ``stats["errors"]``;
 * dead workers are replaced at once (``stats["restarts"]``); the batch always completes.
 
+``evaluate`` returns, with each reward, whether the verifier judged the response fully correct (for accuracy
+metrics) from the same verification — no second, unprotected pass in the caller.
+
 Pure, bounded-time verifiers (``fn.in_process``: dapo, gsm8k, countdown) are scored in the calling process: for them
 pickling and pipes would cost more than the verification. Verifiers that only read the response's tail
 (``fn.tail_chars``) get only that tail sent to the workers.
 
 Workers start with ``forkserver`` (never plain ``fork``: the trainer has threads, and forking a threaded process can
-deadlock the child), so ``fn`` must be picklable and importable by module path.
+deadlock the child), so ``fn`` must be picklable and importable by module path, and a script that uses a
+BatchScorer needs an ``if __name__ == "__main__":`` guard.
 """
 from __future__ import annotations
 
@@ -28,12 +32,15 @@ import time
 from collections import Counter, deque
 from multiprocessing.connection import wait
 
+from .base import evaluate_with
+
 MAX_CHUNK = 512
 STARTUP_TIMEOUT_S = 120.0  # a worker imports the verifier's module; slow on a loaded machine, never minutes
 
 
-def _worker_main(conn, fn, progress, started, out):
-    """Score chunks until told to stop. Item i of a chunk: set progress/started, write out[i] (NaN: it raised)."""
+def _worker_main(conn, fn, progress, started, rewards, correct):
+    """Score chunks until told to stop. Item i of a chunk: set progress/started, then write rewards[i] (NaN: it
+    raised) and correct[i]."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     conn.send("ready")  # fn is unpickled (its module imported): item timeouts may start counting
     while True:
@@ -47,9 +54,10 @@ def _worker_main(conn, fn, progress, started, out):
             started.value = time.monotonic()
             progress.value = i
             try:
-                out[i] = float(fn(response, answer))
+                reward, ok = evaluate_with(fn, response, answer)
+                rewards[i], correct[i] = float(reward), float(bool(ok))
             except Exception:  # noqa: BLE001 - any verifier bug costs the item, never the batch
-                out[i] = math.nan  # the error marker the parent counts
+                rewards[i], correct[i] = math.nan, 0.0
         progress.value = len(items)
         conn.send(True)
 
@@ -58,10 +66,11 @@ class _Worker:
     def __init__(self, ctx, fn):
         self.progress = ctx.RawValue("l", 0)
         self.started = ctx.RawValue("d", 0.0)
-        self.out = ctx.RawArray("d", MAX_CHUNK)
+        self.rewards = ctx.RawArray("d", MAX_CHUNK)
+        self.correct = ctx.RawArray("d", MAX_CHUNK)
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, fn, self.progress, self.started, self.out),
-                                   daemon=True, name="justrl-reward-worker")
+        self.process = ctx.Process(target=_worker_main, daemon=True, name="justrl-reward-worker",
+                                   args=(child, fn, self.progress, self.started, self.rewards, self.correct))
         self.process.start()
         child.close()
         self.chunk = None  # (start, end) while busy
@@ -83,6 +92,9 @@ class _Worker:
         self.started.value = time.monotonic()  # before the send: a stale value must not look like a hang
         self.chunk = (start, end)
         self.conn.send(items)
+
+    def results(self, n: int) -> tuple[list, list]:
+        return self.rewards[:n], self.correct[:n]
 
     def kill(self):
         if self.process.is_alive():
@@ -162,43 +174,45 @@ class BatchScorer:
     # -------------------------------------------------------------------------------------------------- scoring
     def score(self, responses: list[str], answers: list) -> list[float]:
         """Rewards in input order. Never raises for a bad item: it gets ``failure_value`` and is counted."""
+        return self.evaluate(responses, answers)[0]
+
+    def evaluate(self, responses: list[str], answers: list) -> tuple[list[float], list[bool]]:
+        """(rewards, fully-correct flags) in input order; a failed item is (failure_value, False)."""
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         self.stats["items"] += len(responses)
         if not responses:
-            return []
-        if self.in_process:
-            return self._score_here(responses, answers)
-        return self._score_pool(responses, answers)
+            return [], []
+        rewards, correct = (self._score_here if self.in_process else self._score_pool)(responses, answers)
+        bad = [i for i, r in enumerate(rewards) if r != r]  # NaN: the verifier raised (or returned NaN)
+        self.stats["errors"] += len(bad)
+        for i in bad:
+            rewards[i], correct[i] = self.failure_value, 0.0
+        return [float(r) for r in rewards], [bool(c) for c in correct]
 
-    def _score_here(self, responses, answers) -> list[float]:
-        fn, out = self.fn, []
+    def _score_here(self, responses, answers):
+        fn, rewards, correct = self.fn, [], []
         for response, answer in zip(responses, answers):
             try:
-                out.append(float(fn(response, answer)))
+                reward, ok = evaluate_with(fn, response, answer)
+                rewards.append(float(reward))
+                correct.append(float(bool(ok)))
             except Exception:  # noqa: BLE001
-                out.append(math.nan)
-        return self._clean(out)
-
-    def _clean(self, values: list) -> list:
-        """NaN marks an item whose verifier raised: it gets the failure value and is counted."""
-        bad = sum(1 for v in values if v != v)
-        if bad:
-            self.stats["errors"] += bad
-            values = [self.failure_value if v != v else v for v in values]
-        return values
+                rewards.append(math.nan)
+                correct.append(0.0)
+        return rewards, correct
 
     def _chunks(self, n: int) -> deque:
         size = self.chunk_size or math.ceil(n / (self.num_workers * 4))
         size = max(1, min(size, MAX_CHUNK))
         return deque((s, min(s + size, n)) for s in range(0, n, size))
 
-    def _score_pool(self, responses, answers) -> list[float]:
+    def _score_pool(self, responses, answers):
         self._ensure_workers()
-        tail = self.tail_chars
-        if tail is not None:
-            responses = [r[-tail:] for r in responses]
-        results: list[float | None] = [None] * len(responses)
+        if self.tail_chars is not None:
+            responses = [r[-self.tail_chars:] for r in responses]
+        rewards: list = [None] * len(responses)
+        correct: list = [0.0] * len(responses)
         pending = self._chunks(len(responses))
         idle = list(self._workers)
         busy: dict = {}  # conn -> worker
@@ -224,29 +238,23 @@ class BatchScorer:
                     except (EOFError, OSError):
                         message = None
                     if message is not None:
-                        self._collect(w, results)
+                        start, end = w.chunk
+                        rewards[start:end], correct[start:end] = w.results(end - start)
                         del busy[conn]
                         idle.append(w)
                         continue
                 dead = not w.process.is_alive()
                 hung = not dead and now - w.started.value > self.timeout_s
                 if dead or hung:
-                    self._salvage(w, results, pending)
+                    # Keep the chunk's finished items, fail the running one, re-queue the rest.
+                    start, end = w.chunk
+                    done = min(w.progress.value, end - start)
+                    rewards[start:start + done], correct[start:start + done] = w.results(done)
+                    if done < end - start:
+                        rewards[start + done] = self.failure_value
+                        if start + done + 1 < end:
+                            pending.appendleft((start + done + 1, end))
                     self.stats["timeouts" if hung else "crashes"] += 1
                     del busy[conn]
                     idle.append(self._replace(w))
-        return [float(r) for r in results]
-
-    def _collect(self, w: _Worker, results: list):
-        start, end = w.chunk
-        results[start:end] = self._clean(w.out[:end - start])
-
-    def _salvage(self, w: _Worker, results: list, pending: deque):
-        """After a crash or hang: keep the chunk's finished items, fail the running one, re-queue the rest."""
-        start, end = w.chunk
-        done = min(w.progress.value, end - start)
-        results[start:start + done] = self._clean(w.out[:done])
-        if done < end - start:
-            results[start + done] = self.failure_value
-            if start + done + 1 < end:
-                pending.appendleft((start + done + 1, end))
+        return rewards, correct

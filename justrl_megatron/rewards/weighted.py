@@ -13,7 +13,7 @@ Tag names are configurable; ``think_prefilled=True`` is for prompts that already
 """
 from __future__ import annotations
 
-from .base import Verifier
+from .base import Verifier, evaluate_with
 
 DEFAULT_WEIGHTS = {"correctness": 1.0, "strict_format": 0.2, "has_thinking": 0.1, "has_answer": 0.1,
                    "no_trailing_text": 0.1}
@@ -73,6 +73,9 @@ class WeightedReward:
         return self.weights["correctness"] * getattr(self.inner, "failure_value", 0.0)
 
     def components(self, response: str, answer) -> dict[str, float]:
+        return self._components(response, answer)[0]
+
+    def _components(self, response: str, answer) -> tuple[dict[str, float], bool]:
         if self.think_prefilled:
             response = f"<{self.think_tag}>" + response
         last_answer = self._last_block(response, self.answer_tag)
@@ -81,18 +84,26 @@ class WeightedReward:
             graded = f"<{self.answer_tag}>{last_answer}</{self.answer_tag}>"
         thinking = self._last_block(response, self.think_tag)
         close = self._tags(self.answer_tag)[1]
+        inner_reward, inner_correct = evaluate_with(self.inner, graded, answer)
         return {
-            "correctness": float(self.inner(graded, answer)),
+            "correctness": float(inner_reward),
             "strict_format": float(self._strict(response)),
             "has_thinking": float(thinking is not None and bool(thinking.strip())),
             "has_answer": float(last_answer is not None and bool(last_answer.strip())),
             "no_trailing_text": float(last_answer is not None
                                       and not response[response.rfind(close) + len(close):].strip()),
-        }
+        }, inner_correct
+
+    def evaluate(self, response: str, answer) -> tuple[float, bool]:
+        """(weighted reward, whether the correctness verifier judged it fully correct)."""
+        parts, correct = self._components(response, answer)
+        return sum(self.weights[k] * v for k, v in parts.items()), correct
 
     def __call__(self, response: str, answer) -> float:
-        parts = self.components(response, answer)
-        return sum(self.weights[k] * v for k, v in parts.items())
+        return self.evaluate(response, answer)[0]
+
+    def is_correct(self, response: str, answer) -> bool:
+        return self.evaluate(response, answer)[1]
 
     def __repr__(self) -> str:
         return f"WeightedReward(inner={self.inner!r}, weights={self.weights})"
