@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic")
+_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
 class _Skip(Exception):
@@ -80,6 +81,8 @@ class _Source:
             if not self.files:
                 raise FileNotFoundError(f"{path_or_name}: no .parquet/.jsonl/.json files in this directory")
         elif os.path.exists(path_or_name):
+            if not path_or_name.endswith(_SUFFIXES):
+                raise ValueError(f"{path_or_name}: unsupported file type (expected {' / '.join(_SUFFIXES)})")
             self.files = [path_or_name]
         elif _looks_like_path(path_or_name):
             raise FileNotFoundError(f"{path_or_name}: no such file or directory")
@@ -168,8 +171,7 @@ class _Source:
 
 def _looks_like_path(name: str) -> bool:
     """Hub names are "name" or "owner/name" (optionally ":config"); anything else that does not exist is a path."""
-    return (name.startswith(("/", ".", "~")) or name.count("/") > 1
-            or name.endswith((".parquet", ".jsonl", ".json")))
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith(_SUFFIXES)
 
 
 def _data_files(directory: str, split: str) -> list[str]:
@@ -251,15 +253,25 @@ def last_boxed_content(text: str) -> str | None:
 
 # ------------------------------------------------------------------------------------------------------ row parsers
 # Each parser maps one source record to (problem, answer, id or None); the column tuples name accepted aliases.
-_DAPO_PREFIX = re.compile(r"^\s*Solve the following math problem step by step\..*?where \$Answer is the answer to the "
-                          r"problem\.\s*", re.S)
-_DAPO_SUFFIX = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"\.?\s*$")
+_DAPO_HEAD = "Solve the following math problem step by step."
+_DAPO_HEAD_END = "where $Answer is the answer to the problem."
+_DAPO_TAIL = 'Remember to put your answer on its own line after "Answer:".'
 
 
 def strip_dapo_wrapper(prompt: str) -> str:
     """The bare problem of a DAPO-Math-17k prompt ("Solve the following … Answer: $Answer …\\n\\n{problem}\\n\\n
-    Remember to put your answer on its own line after "Answer:".")."""
-    return _DAPO_SUFFIX.sub("", _DAPO_PREFIX.sub("", prompt, count=1), count=1).strip()
+    Remember to put your answer on its own line after "Answer:"."); other text is returned stripped.
+
+    Plain string operations: this runs 1.8M times on the hub's copy, where a regex with a leading ``\\s*`` was the
+    loader's main cost."""
+    text = prompt.strip()
+    if text.startswith(_DAPO_HEAD):
+        cut = text.find(_DAPO_HEAD_END)
+        if cut >= 0:
+            text = text[cut + len(_DAPO_HEAD_END):].lstrip()
+    if text.endswith(_DAPO_TAIL):
+        text = text[:-len(_DAPO_TAIL)].rstrip()
+    return text
 
 
 def _parse_dapo(rec):
