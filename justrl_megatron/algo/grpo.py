@@ -66,7 +66,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
     seq-mean-token-sum:    sum_b sum_t(values_b) / num_sequences   (default: rows with at least one token)
 
     Pass the mini-batch's global token (or sequence) count and the losses of its micro-batches, on all ranks, add up
-    to the loss of the whole mini-batch.
+    to the loss of the whole mini-batch. The gradients add up too — so the caller must undo any averaging its
+    framework does on top: Megatron's schedule divides each micro-batch loss by the number of micro-batches, and DDP
+    averages gradients over data-parallel ranks (multiply back, or configure sum reductions).
     """
     mask = mask.to(values.dtype)
     if agg == "token-mean":
