@@ -38,8 +38,9 @@ def bench_main(argv: list[str] | None = None) -> None:
 
 
 def eval_main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    sys.exit(_not_implemented("justrl-eval", "issue 7 (trainer loop and evaluation)", argv))
+    from .evaluate import main
+
+    sys.exit(main(argv))
 
 
 if __name__ == "__main__":  # python -m justrl_megatron.cli {train,convert,bench,eval} ...

@@ -45,6 +45,7 @@ class DataConfig:
     eval: Optional[str] = None
     eval_format: Optional[str] = None
     num_generated: int = 2000  # rows drawn from a generated task
+    task_options: dict = field(default_factory=dict)  # reasoning-gym options of a generated task
     template: str = "justrl"  # justrl | raw:<format string>
     system_prompt: Optional[str] = None
     max_prompt_length: int = 1024

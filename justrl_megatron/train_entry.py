@@ -36,5 +36,6 @@ def main(cfg) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
-    print("justrl-train: config valid; the GRPO loop is not implemented yet (it lands with issue 7).", file=sys.stderr)
-    sys.exit(2)
+    from .train.loop import run
+
+    run(cfg, model_dir, shape)

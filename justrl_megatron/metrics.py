@@ -1,0 +1,158 @@
+"""Where a run's numbers go: metrics.jsonl in the run dir, wandb (offline by default), a console table, a live
+progress bar, GPU memory / utilisation / power through nvidia-ml-py, and curves.png at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+CURVES = ("reward/mean", "reward/accuracy", "response/length_mean", "actor/entropy")
+
+
+def gpu_stats() -> dict[str, float]:
+    """Memory, utilisation and power of this process' GPU; empty where there is no NVIDIA driver (CPU machines)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    try:
+        import torch
+
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(index))
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        return {
+            "gpu/memory_used_gib": mem.used / 2**30,
+            "gpu/memory_total_gib": mem.total / 2**30,
+            "gpu/utilization_pct": float(util.gpu),
+            "gpu/power_w": pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
+            "gpu/torch_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    except Exception:
+        return {}
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks get a logger that does nothing (so the loop needs no `if rank == 0`)."""
+
+    def __init__(self, run_dir: str | os.PathLike, logging_cfg, *, config: dict, total_steps: int, start_step: int,
+                 enabled: bool = True):
+        self.enabled = enabled
+        self.every = max(int(logging_cfg.console_every), 1)
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.console = Console(stderr=True)
+        self._wandb = None
+        self._progress = None
+        if not enabled:
+            return
+        if logging_cfg.wandb_mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(project=logging_cfg.wandb_project, name=logging_cfg.wandb_name,
+                                     mode=logging_cfg.wandb_mode, dir=str(run_dir), config=config,
+                                     resume="allow", id=_wandb_id(run_dir))
+        if logging_cfg.progress:
+            self._progress = Progress(
+                TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                TimeRemainingColumn(), console=self.console, transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self._progress.start()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, stats=(
+                f"reward {metrics.get('reward/mean', float('nan')):+.3f}  acc {metrics.get('reward/accuracy', 0):.2f}  "
+                f"len {metrics.get('response/length_mean', 0):.0f}  {metrics.get('time/step_s', 0):.1f} s/step"))
+        if step % self.every == 0:
+            self.console.print(_table(step, record))
+
+    def print(self, *args) -> None:
+        if self.enabled:
+            self.console.print(*args)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_id(run_dir) -> str:
+    """One wandb run per run dir, so that a resumed job continues its curves."""
+    marker = Path(run_dir) / "wandb_id"
+    if not marker.exists():
+        import wandb
+
+        marker.write_text(wandb.util.generate_id())
+    return marker.read_text().strip()
+
+
+def _plain(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _table(step: int, record: dict) -> Table:
+    table = Table(title=f"step {step}", show_header=False, box=None, padding=(0, 2))
+    keys = [k for k in record if "/" in k]
+    for i in range(0, len(keys), 3):
+        row = []
+        for k in keys[i:i + 3]:
+            v = record[k]
+            row += [k, f"{v:.4g}" if isinstance(v, float) else str(v)]
+        table.add_row(*row)
+    return table
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    by_step = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[rec["step"]] = rec  # a resumed run rewrites the steps after its checkpoint: keep the last
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_curves(run_dir, keys=CURVES) -> Path:
+    """curves.png: reward, accuracy, response length and entropy against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    for ax, key in zip(axes, keys):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
