@@ -281,6 +281,21 @@ def test_prepared_parquet_round_trip(tmp_path):
         read_parquet(str(tmp_path / "bad.parquet"))
 
 
+def test_prepared_parquet_loads_back_as_rows(tmp_path):
+    rows = [{"problem": "1+1?", "answer": "2", "data_source": "s", "id": "a"},
+            {"problem": countdown_problem([1, 2], 3), "answer": {"numbers": [1, 2], "target": 3},
+             "data_source": "countdown", "id": "b"}]
+    path = str(tmp_path / "p.parquet")
+    write_parquet(rows, path, system="sys")
+    res = load_rows(path, "prepared", verbose=False)
+    assert res.rows[0] == {"problem": "1+1?" + JUSTRL_SUFFIX, "answer": "2", "data_source": "s", "id": "a",
+                           "prompt": [{"role": "system", "content": "sys"},
+                                      {"role": "user", "content": "1+1?" + JUSTRL_SUFFIX}]}
+    assert json.loads(res.rows[1]["answer"]) == {"numbers": [1, 2], "target": 3}
+    assert write_parquet(res.rows, str(tmp_path / "again.parquet")) == 2  # prompts are kept, not re-templated
+    assert read_parquet(str(tmp_path / "again.parquet")) == read_parquet(path)
+
+
 def test_prepare_dataset_generated_and_loaded(tmp_path, dapo_parquet):
     out = str(tmp_path / "demo.parquet")
     assert prepare_dataset(out, task="chain_sum", n=6, seed=1) == 6

@@ -12,6 +12,7 @@ aime       ``problem``/``question``, ``answer`` (integers written without leadin
 countdown  ``nums``/``numbers``, ``target`` → answer ``{"numbers": [...], "target": int}``
 mbpp       ``text``/``prompt``, ``test_list``, ``test_setup_code`` → answer ``{"tests": [...], "setup": str}``
 generic    ``problem``/``question``/``prompt``, ``answer``/``ground_truth``/``reward_model``/``solution``
+prepared   our own prepared parquet (prepared.py): rows also keep ``prompt``, the messages as written there
 ========== ===================================================================================================
 
 Malformed rows (missing answer, empty problem, non-UTF-8 text, wrong types, bad JSON lines) are skipped and counted
@@ -31,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic")
+FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic", "prepared")
 _SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
@@ -252,7 +253,8 @@ def last_boxed_content(text: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------------ row parsers
-# Each parser maps one source record to (problem, answer, id or None); the column tuples name accepted aliases.
+# Each parser maps one source record to (problem, answer, id or None[, prompt messages]); the column tuples name
+# accepted aliases.
 _DAPO_HEAD = "Solve the following math problem step by step."
 _DAPO_HEAD_END = "where $Answer is the answer to the problem."
 _DAPO_TAIL = 'Remember to put your answer on its own line after "Answer:".'
@@ -379,6 +381,21 @@ def _parse_generic(rec):
     return problem, answer, _get(rec, ("id", "unique_id", "task_id"))
 
 
+def _parse_prepared(rec):
+    prompt = rec.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        raise _Skip("bad_type_prompt")
+    for m in prompt:
+        _text(m["content"], "problem")  # UTF-8 and non-empty
+    users = [m["content"] for m in prompt if m["role"] in ("user", "raw")]
+    if not users:
+        raise _Skip("bad_type_prompt")
+    answer = _scalar_answer(rec.get("answer"))
+    return users[-1], answer, rec.get("id"), [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
 @dataclass(frozen=True)
 class _Format:
     parse: Callable[[dict], tuple]
@@ -396,6 +413,7 @@ _FORMATS = {
     "mbpp": _Format(_parse_mbpp, (("text", "prompt", "problem"), ("test_list",)), "mbpp"),
     "generic": _Format(_parse_generic, (("problem", "question", "prompt", "text", "input"), _GENERIC_ANSWER),
                        "generic"),
+    "prepared": _Format(_parse_prepared, (("prompt",), ("answer",), ("data_source",), ("id",)), "prepared"),
 }
 
 
@@ -414,6 +432,8 @@ def _dedup_key(problem: str, answer) -> str:
 def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool = True, limit: int | None = None,
               data_source: str | None = None, verbose: bool = True) -> LoadResult:
     """Load ``path_or_name`` (file, directory, or hub name ``"owner/name[:config]"``) as ``fmt`` rows.
+
+    Rows of ``fmt="prepared"`` carry their ready ``prompt`` messages too (the problem is then the templated user turn).
 
     ``data_source`` overrides the one in the data; ``limit`` stops after that many usable rows. The summary line
     goes to stderr unless ``verbose=False``.
@@ -435,7 +455,7 @@ def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool 
                 raise rec
             if not isinstance(rec, dict):
                 raise _Skip("not_an_object")
-            problem, answer, rid = spec.parse(rec)
+            problem, answer, rid, *prompt = spec.parse(rec)
         except _Skip as e:
             result.skipped[str(e)] += 1
             continue
@@ -447,8 +467,11 @@ def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool 
             seen.add(key)
         src = data_source or (rec.get("data_source") if isinstance(rec.get("data_source"), str) else None) \
             or spec.data_source
-        result.rows.append({"problem": problem, "answer": answer, "data_source": src,
-                            "id": str(rid) if rid is not None and str(rid) else f"{src}-{index}"})
+        row = {"problem": problem, "answer": answer, "data_source": src,
+               "id": str(rid) if rid is not None and str(rid) else f"{src}-{index}"}
+        if prompt:  # fmt="prepared": the prompt is already templated; build_messages must not run again
+            row["prompt"] = prompt[0]
+        result.rows.append(row)
         if limit is not None and len(result.rows) >= limit:
             break
     if result.read == 0:
