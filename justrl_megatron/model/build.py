@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from .hf_config import ModelShape, padded_vocab_size
 from .spec import block_spec
 
@@ -41,3 +43,62 @@ def build_model_chunks(
             )
         )
     return chunks
+
+
+def _unwrap(chunk):
+    """The GPTModel inside a DDP (or other megatron) wrapper."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "output_layer"):
+        chunk = chunk.module
+    return chunk
+
+
+def output_weight(model):
+    """The [vocab/TP, hidden] weight of the output projection on a last-stage GPTModel (tied or not)."""
+    model = _unwrap(model)
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def _install_hidden_passthrough(layer) -> None:
+    """Give a ColumnParallelLinear output layer a switch that returns its (TP-replicated) input instead of logits.
+
+    The switch keeps the layer's parameters and names (checkpoints, converters) untouched. When on, the layer does
+    only the communication its matmul would have done: the sequence-parallel all-gather (backward: reduce-scatter),
+    or the copy into the TP region (backward: all-reduce of the partial input gradients). The caller then computes
+    logprobs from the hidden states and `output_weight(model)` in chunks (model/logprobs.py).
+    """
+    if getattr(layer, "_justrl_passthrough", False):
+        return
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    logits_forward = layer.forward
+
+    def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
+        if not layer.justrl_return_hidden:
+            return logits_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(input_, True, group=layer.tp_group), None
+        return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+
+    layer.forward = forward
+    layer.justrl_return_hidden = False
+    layer._justrl_passthrough = True
+
+
+@contextlib.contextmanager
+def returning_hidden_states(chunks):
+    """Within the block, last-stage chunks return final hidden states [b, s, h] (after the final norm, full sequence
+    on every TP rank) instead of logits, so the logits are never materialised."""
+    layers = [_unwrap(c).output_layer for c in chunks if getattr(_unwrap(c), "post_process", False)]
+    for layer in layers:
+        _install_hidden_passthrough(layer)
+        layer.justrl_return_hidden = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.justrl_return_hidden = False

@@ -1,6 +1,8 @@
 """The layer spec: TransformerEngine modules on GPU when TE is importable, megatron's local modules otherwise.
 
-This is the one place that chooses (`model.transformer_impl: auto|te|local`).
+This is the one place that chooses (`model.transformer_impl: auto|te|local`). The local spec swaps in two modules:
+an RMSNorm that works with sequence parallelism (`norm.py`) and a torch-SDPA core attention that never materialises
+the S x S scores and understands packed (THD) rows (`attention.py`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import copy
 
 import torch
 
+from .attention import SDPAttention
 from .norm import RMSNorm
 
 
@@ -48,5 +51,6 @@ def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = No
         layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
         layer.submodules.input_layernorm = RMSNorm
         layer.submodules.pre_mlp_layernorm = RMSNorm
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
         final_norm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

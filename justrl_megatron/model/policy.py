@@ -1,0 +1,176 @@
+"""The trainable policy: GPTModel chunks wrapped in megatron DDP, megatron's (distributed) Adam, and the LR schedule.
+
+`Policy.build` is the one place that turns a `ModelShape` plus parallel and optimizer knobs into the live training
+objects. Everything is megatron-core's own machinery:
+  * model chunks from `build.build_model_chunks` (TE spec on GPU, local spec otherwise), moved to the policy's device;
+  * `DistributedDataParallel` with fp32 gradient buffers (grad reduction in fp32);
+  * `get_megatron_optimizer`: Adam with decoupled weight decay (AdamW), the distributed optimizer by default, global
+    grad-norm clipping; bf16 params keep fp32 master weights;
+  * `OptimizerParamScheduler`: linear warmup from 0 to `lr` over `warmup_steps`, then constant (JustRL). The step
+    code advances it once per RL step (as verl does), so every mini-batch of an RL step uses the same LR.
+Loss scaling: the config sets `calculate_per_token_loss=True`, which turns off every implicit division in megatron
+(by the number of micro-batches in the schedule, by the DP size in DDP). The GRPO loss of each micro-batch is
+already divided by the GLOBAL token count of its mini-batch (train/step.py), so summing the micro-batch gradients
+over micro-batches and DP ranks gives exactly the mini-batch gradient; `finalize_model_grads` is told not to
+rescale by its own token count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import compat
+from .build import build_model_chunks
+from .hf_config import ModelShape, padded_vocab_size, transformer_config
+from .spec import resolve_impl
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """`model.dtype`: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if compat.cuda_available() else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be auto, bf16 or fp32, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
+    """megatron's finalize_model_grads (DP reduce, SP norm reduce, tied-embedding reduce) without the 1/num_tokens
+    rescale: the GRPO loss is already normalised by the global denominator (see the module docstring)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, **kwargs)
+
+
+def _pipeline_options(pp: int, vpp: int | None) -> dict:
+    # The interleaved schedule with batched p2p matches the forward activation and the backward gradient that two
+    # neighbouring stages exchange in the same call in the wrong order when the previous and the next stage are the
+    # same rank (PP=2): megatron-LM requires PP > 2 there unless p2p overlap (unbatched, per-direction ops) is on.
+    if vpp:
+        return dict(overlap_p2p_comm=True, batch_p2p_comm=False)
+    return {}
+
+
+def _gpu_fusions(impl: str) -> dict:
+    # On the TE path the fused RoPE (also for packed THD rows) and the fused SwiGLU are what megatron's GPU recipes
+    # run; the local path keeps the plain torch ops (no apex/TE kernels needed).
+    if impl == "te":
+        return dict(apply_rope_fusion=True, bias_activation_fusion=True)
+    return {}
+
+
+@dataclass
+class Policy:
+    chunks: list            # DDP-wrapped GPTModel chunks of this rank (one per virtual pipeline stage)
+    optimizer: object       # megatron MegatronOptimizer (ChainedOptimizer / DistributedOptimizer / ...)
+    scheduler: object       # megatron OptimizerParamScheduler
+    config: object          # megatron TransformerConfig
+    shape: ModelShape
+    transformer_impl: str   # resolved: "te" | "local"
+    dtype: torch.dtype
+    padded_vocab_size: int
+    hyper: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+              sequence_parallel: bool = False, dtype="auto", transformer_impl: str = "auto", recompute: str = "none",
+              lr: float = 1e-6, warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
+              adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
+              distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
+              max_sequence_length: int | None = None) -> "Policy":
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from ..distributed import init_distributed, init_model_parallel
+
+        impl = resolve_impl(transformer_impl)
+        torch_dtype = resolve_dtype(dtype)
+        if recompute not in (None, "none", "selective", "full"):
+            raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
+        if shape.num_attention_heads % tp or shape.num_query_groups % tp:
+            raise ValueError(f"parallel.tensor={tp} must divide the {shape.num_attention_heads} attention heads and "
+                             f"{shape.num_query_groups} KV heads of the model")
+        if shape.num_layers % (pp * (vpp or 1)):
+            raise ValueError(f"{shape.num_layers} layers do not split into parallel.pipeline x "
+                             f"parallel.virtual_pipeline = {pp} x {vpp or 1} equal stages")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+
+        init_distributed()
+        if (not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp
+                or ps.get_pipeline_model_parallel_world_size() != pp
+                or ps.get_virtual_pipeline_model_parallel_world_size() != vpp):
+            init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed)
+        else:
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+
+        config = transformer_config(
+            shape, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, dtype=torch_dtype,
+            recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
+            **_pipeline_options(pp, vpp), **_gpu_fusions(impl))
+        config.finalize_model_grads_func = finalize_grads_without_token_scaling
+        device = compat.default_device()
+        modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
+                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        modules = [m.to(device) for m in modules]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer)
+        chunks = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
+                  for i, m in enumerate(modules)]
+        for c in chunks:
+            c.broadcast_params()  # every DP replica starts from the same weights
+
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, min_lr=0.0, weight_decay=weight_decay, adam_beta1=adam_beta1,
+                            adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=grad_clip,
+                            bf16=torch_dtype == torch.bfloat16, fp16=False, params_dtype=torch_dtype,
+                            use_distributed_optimizer=distributed_optimizer),
+            chunks)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=warmup_steps,
+            lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant")
+        hyper = dict(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, tp=tp, pp=pp,
+                     vpp=vpp, sequence_parallel=config.sequence_parallel, recompute=recompute,
+                     distributed_optimizer=distributed_optimizer, seed=seed)
+        return cls(chunks=chunks, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape,
+                   transformer_impl=impl, dtype=torch_dtype,
+                   padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
+                   hyper=hyper)
+
+    # --- small helpers the step code and tools use ---------------------------------------------------------------
+    @property
+    def modules(self) -> list:
+        """The GPTModel of each chunk (DDP unwrapped)."""
+        return [c.module for c in self.chunks]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.chunks[0].parameters()).device
+
+    def current_lr(self) -> float:
+        for group in self.optimizer.param_groups:
+            return float(group["lr"])
+        return 0.0
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (all TP/PP ranks; tied embeddings counted once)."""
+        s = self.shape
+        attn = s.hidden_size * s.head_dim * (s.num_attention_heads * 2 + s.num_query_groups * 2)
+        if s.qkv_bias:
+            attn += s.head_dim * (s.num_attention_heads + 2 * s.num_query_groups)
+        mlp = 3 * s.hidden_size * s.ffn_hidden_size
+        per_layer = attn + mlp + 2 * s.hidden_size
+        embed = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+        return s.num_layers * per_layer + embed + s.hidden_size

@@ -1,0 +1,1 @@
+"""Training: packing samples into micro-batches (batching), one GRPO update (step), the loop, checkpoints."""

@@ -1,0 +1,187 @@
+"""GRPO samples -> packed micro-batches under a token budget, balanced over data-parallel ranks.
+
+Every rank holds the same full list of samples, so every rank computes the same plan locally (no communication):
+  1. `split_over_dp`: the samples of a mini-batch go to DP ranks, longest first, each to the rank with the fewest
+     tokens so far (token-balanced, deterministic);
+  2. `pack_micro_batches`: each rank's samples go into as few micro-batches as hold `max_tokens_per_micro_batch`
+     tokens, again longest-first into the lightest bin; all DP ranks use the same number of micro-batches (a rank
+     with fewer samples than that gets an empty one: a few padding tokens that carry no loss);
+  3. `make_micro_batch`: the samples of one micro-batch are laid end to end in one row (prompt + response each) with
+     `cu_seqlens` marking the boundaries: megatron's packed "thd" format. Attention and RoPE restart at each boundary,
+     so a packed row computes exactly what separate padded rows would, without the padding.
+The loss covers response tokens only: position p predicts token p + 1, so a sample with prompt P and response R
+contributes positions P-1 .. P+R-2 of its segment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One response of a GRPO group (the same full list on every rank)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+    rollout_logprobs: list[float] | None = None
+    group: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def response_offsets(samples: Sequence[Sample]) -> list[int]:
+    """Start of each sample's response tokens in the concatenation of all responses (length len(samples) + 1)."""
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + len(s.response_ids))
+    return offsets
+
+
+def _longest_first(ids: Sequence[int], lengths: Sequence[int]) -> list[int]:
+    return sorted(ids, key=lambda i: (-lengths[i], i))
+
+
+def split_over_dp(ids: Sequence[int], lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Token-balanced split of sample ids over DP ranks (each rank's list keeps the original order)."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    loads = [(0, 0, r) for r in range(dp_size)]  # (tokens, samples, rank)
+    out: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in _longest_first(ids, lengths):
+        tokens, count, r = min(loads)
+        out[r].append(i)
+        loads[r] = (tokens + lengths[i], count + 1, r)
+    return [sorted(x) for x in out]
+
+
+def _balanced_bins(ids: Sequence[int], lengths: Sequence[int], num_bins: int) -> list[list[int]]:
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [(0, b) for b in range(num_bins)]
+    for i in _longest_first(ids, lengths):
+        load, b = min(loads)
+        bins[b].append(i)
+        loads[b] = (load + lengths[i], b)
+    return bins
+
+
+def _fits(bins, lengths, max_tokens) -> bool:
+    return all(sum(lengths[i] for i in b) <= max_tokens for b in bins)
+
+
+def pack_micro_batches(per_rank: Sequence[Sequence[int]], lengths: Sequence[int], max_tokens: int, *,
+                       multiple_of: int = 1) -> list[list[list[int]]]:
+    """Micro-batches (lists of sample ids) for every DP rank, the same count on each, each within ``max_tokens``.
+
+    ``multiple_of``: the count is rounded up to a multiple of it (the interleaved pipeline schedule wants a multiple
+    of the pipeline size).
+    """
+    for ids in per_rank:
+        for i in ids:
+            if lengths[i] > max_tokens:
+                raise ValueError(
+                    f"sample {i} has {lengths[i]} tokens (prompt + response), more than "
+                    f"trainer.max_tokens_per_micro_batch={max_tokens}; raise the budget to at least the longest "
+                    f"prompt + response")
+    count = max(max((math.ceil(sum(lengths[i] for i in ids) / max_tokens) for ids in per_rank), default=1), 1)
+    while True:
+        count = math.ceil(count / multiple_of) * multiple_of
+        plans = [_balanced_bins(ids, lengths, count) for ids in per_rank]
+        if all(_fits(p, lengths, max_tokens) for p in plans):
+            # keep the original sample order inside each micro-batch; lightest-last is irrelevant for the math
+            return [[sorted(b) for b in p] for p in plans]
+        count += 1
+
+
+@dataclass
+class MicroBatch:
+    """One packed row: what the model needs (tokens, positions, boundaries) and where each target comes from."""
+
+    sample_ids: list[int]            # global sample indices, in packed order
+    tokens: torch.Tensor             # [1, T] int64 (T includes trailing padding)
+    position_ids: torch.Tensor       # [1, T] int64, restarting at each sample
+    cu_seqlens: torch.Tensor         # [n + 1] int32 (the padding, if any, is one more segment)
+    max_seqlen: int
+    logit_positions: torch.Tensor    # [N] int64: positions whose next token is a response token
+    targets: torch.Tensor            # [N] int64: those response tokens
+    row: torch.Tensor                # [N] int64: index into sample_ids of each target
+    col: torch.Tensor                # [N] int64: index of each target within its response
+    response_lengths: list[int]
+    num_real_tokens: int             # prompt + response tokens (no padding)
+    extras: dict = field(default_factory=dict)  # per-target inputs added by the caller (old logprobs, advantages ...)
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets.numel())
+
+    def packed_seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+    def to(self, device) -> "MicroBatch":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return MicroBatch(self.sample_ids, move(self.tokens), move(self.position_ids), move(self.cu_seqlens),
+                          self.max_seqlen, move(self.logit_positions), move(self.targets), move(self.row),
+                          move(self.col), self.response_lengths, self.num_real_tokens,
+                          {k: move(v) for k, v in self.extras.items()})
+
+
+def make_micro_batch(samples: Sequence[Sample], ids: Sequence[int], *, pad_to_multiple_of: int = 1,
+                     pad_token_id: int = 0) -> MicroBatch:
+    """Pack ``samples[i] for i in ids`` into one row (on the CPU; `.to(device)` moves it), padded to a multiple of
+    ``pad_to_multiple_of`` tokens (sequence parallelism splits the row over TP ranks)."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    cu = [0]
+    logit_positions: list[int] = []
+    targets: list[int] = []
+    row: list[int] = []
+    col: list[int] = []
+    for r, i in enumerate(ids):
+        s = samples[i]
+        if not s.prompt_ids:
+            raise ValueError(f"sample {i} has an empty prompt: its first response token would have no context")
+        start, p = len(tokens), len(s.prompt_ids)
+        seq = list(s.prompt_ids) + list(s.response_ids)
+        tokens.extend(seq)
+        positions.extend(range(len(seq)))
+        cu.append(len(tokens))
+        n = len(s.response_ids)
+        logit_positions.extend(range(start + p - 1, start + p - 1 + n))
+        targets.extend(s.response_ids)
+        row.extend([r] * n)
+        col.extend(range(n))
+    real = len(tokens)
+    multiple = max(pad_to_multiple_of, 1)
+    pad = (-real) % multiple if real else multiple
+    if pad:  # one more segment, attended only by itself, never a target
+        tokens.extend([pad_token_id] * pad)
+        positions.extend(range(pad))
+        cu.append(len(tokens))
+    seg = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return MicroBatch(
+        sample_ids=list(ids), tokens=long(tokens).unsqueeze(0), position_ids=long(positions).unsqueeze(0),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(seg), logit_positions=long(logit_positions),
+        targets=long(targets), row=long(row), col=long(col),
+        response_lengths=[len(samples[i].response_ids) for i in ids], num_real_tokens=real)
+
+
+def gather_per_target(values: Sequence[torch.Tensor | Sequence[float]], mb: MicroBatch) -> torch.Tensor:
+    """Per-sample sequences (one per global sample id) -> one value per target of ``mb`` (fp32, on the CPU)."""
+    parts = []
+    for i, n in zip(mb.sample_ids, mb.response_lengths):
+        v = torch.as_tensor(values[i], dtype=torch.float32).reshape(-1).cpu()
+        if v.numel() != n:
+            raise ValueError(f"sample {i}: {v.numel()} values for {n} response tokens")
+        parts.append(v)
+    return torch.cat(parts) if parts else torch.zeros(0)

@@ -1,0 +1,322 @@
+"""One GRPO update on the Megatron policy: old-logprob recomputation and the clipped policy-gradient steps.
+
+Both go through megatron's own schedule (`get_forward_backward_func()`), so TP, SP, PP and virtual PP all work the
+same way. Every rank holds the full list of samples; each data-parallel replica takes its token-balanced share,
+packed into micro-batches (train/batching.py). The last pipeline stage never builds logits: the policy's output
+layer hands back hidden states and logprobs/entropy are computed from them in chunks (model/logprobs.py).
+
+Loss normalisation (JustRL: token-mean over the whole mini-batch): every rank knows every sample, so the global
+denominator (response tokens of the mini-batch over all micro-batches and DP ranks; sequences for the seq-mean
+modes) is computed locally, with no collective. Each micro-batch's loss is `policy_loss(..., denominator=D)`, a
+partial sum that adds up to the mini-batch loss; megatron is configured not to rescale it (model/policy.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algo.grpo import AGG_MODES, policy_loss
+from ..model.build import output_weight, returning_hidden_states
+from ..model.logprobs import logprobs_from_hidden
+from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, pack_micro_batches, \
+    response_offsets, split_over_dp
+
+# Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
+SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
+            "clip_dual_count", "approx_kl_sum", "entropy_sum", "logprob_sum", "old_logprob_sum", "ref_kl_sum")
+
+
+# --- parallel layout ---------------------------------------------------------------------------------------------
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps
+
+
+def _tp_group():
+    ps = _ps()
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def _is_contributor() -> bool:
+    """One rank per DP replica reports results: the last pipeline stage's first TP rank."""
+    ps = _ps()
+    return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+
+
+def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Combine one value per DP replica into the same result on every training rank (DP group, then TP x PP group).
+    Non-contributors must hold the identity of ``op`` (0 for SUM, -inf for MAX, +inf for MIN)."""
+    ps = _ps()
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
+    if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(t, op=op, group=ps.get_model_parallel_group())
+    return t
+
+
+# --- planning and running micro-batches --------------------------------------------------------------------------
+
+def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], max_tokens_per_micro_batch: int
+                       ) -> list[MicroBatch]:
+    """This DP rank's packed micro-batches for the samples ``ids`` (same count on every DP rank)."""
+    ps = _ps()
+    lengths = [s.length for s in samples]
+    per_rank = split_over_dp(ids, lengths, ps.get_data_parallel_world_size())
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    multiple = ps.get_pipeline_model_parallel_world_size() if vpp else 1
+    plans = pack_micro_batches(per_rank, lengths, max_tokens_per_micro_batch, multiple_of=multiple)
+    pad = policy.config.tensor_model_parallel_size if policy.config.sequence_parallel else 1
+    return [make_micro_batch(samples, b, pad_to_multiple_of=pad) for b in plans[ps.get_data_parallel_rank()]]
+
+
+def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
+    """Run all micro-batches through megatron's schedule; returns the loss functions' dicts (last stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = policy.device
+    mbs = [mb.to(device) for mb in micro_batches]
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        return out, functools.partial(loss_fn, mb, model)
+
+    chunks = policy.chunks
+    iterators = [iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs)
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    with returning_hidden_states(chunks), grad_mode:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(mbs), seq_length=max(mb.tokens.size(1) for mb in mbs), micro_batch_size=1,
+            forward_only=forward_only)
+
+
+def _target_logprobs(policy, mb: MicroBatch, model, output: torch.Tensor, with_entropy: bool):
+    hidden = output[0].index_select(0, mb.logit_positions)  # [N, h] positions that predict response tokens
+    return logprobs_from_hidden(hidden, output_weight(model), mb.targets, vocab_size=policy.shape.vocab_size,
+                                with_entropy=with_entropy, group=_tp_group())
+
+
+def _scatter_to_samples(samples, per_mb: list[tuple[MicroBatch, torch.Tensor]], device) -> list[torch.Tensor]:
+    """Per-micro-batch target values -> one fp32 CPU tensor per sample, identical on all training ranks."""
+    offsets = response_offsets(samples)
+    flat = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
+    if _is_contributor():
+        starts = torch.tensor(offsets[:-1], dtype=torch.int64)
+        for mb, values in per_mb:
+            ids = torch.tensor(mb.sample_ids, dtype=torch.int64)
+            pos = (starts[ids[mb.row.cpu()]] + mb.col.cpu()).to(device)
+            flat[pos] = values.float()
+    flat = _reduce_over_training_ranks(flat).cpu()
+    return [flat[a:b].clone() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+# --- public API ------------------------------------------------------------------------------------------------------
+
+def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_batch: int,
+                     with_entropy: bool = False):
+    """Response-token logprobs of the current weights, one fp32 CPU tensor per sample, the same on every rank.
+
+    Forward-only through megatron's schedule, without autograd. With ``with_entropy`` returns
+    ``(logprobs, entropies)``.
+    """
+    if not samples:
+        return ([], []) if with_entropy else []
+    micro_batches = plan_micro_batches(policy, samples, range(len(samples)), max_tokens_per_micro_batch)
+
+    def loss_fn(mb, model, output):
+        logp, ent = _target_logprobs(policy, mb, model, output, with_entropy)
+        zero = torch.zeros((), device=output.device)
+        return zero, torch.tensor(mb.num_targets, dtype=torch.int), {"logprobs": logp, "entropy": ent}
+
+    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True)
+    logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
+                                   policy.device)
+    if not with_entropy:
+        return logprobs
+    entropy = _scatter_to_samples(samples, [(mb, r["entropy"]) for mb, r in zip(micro_batches, results)],
+                                  policy.device)
+    return logprobs, entropy
+
+
+def loss_denominator(samples: Sequence[Sample], ids: Sequence[int], loss_agg: str) -> int:
+    """The mini-batch's global denominator: response tokens (token-mean) or responses with a token (seq-mean-*)."""
+    if loss_agg not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {loss_agg!r}; known: {AGG_MODES}")
+    if loss_agg == "token-mean":
+        return sum(len(samples[i].response_ids) for i in ids)
+    return sum(1 for i in ids if samples[i].response_ids)
+
+
+def _padded(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Per-target values [N] -> [num samples, longest response] (zeros past each response)."""
+    rows, cols = len(mb.sample_ids), max(mb.response_lengths, default=0)
+    out = torch.zeros(rows, cols, dtype=values.dtype, device=values.device)
+    return out.index_put((mb.row, mb.col), values)
+
+
+def _empty_stats(device) -> dict:
+    stats = {k: torch.zeros((), device=device) for k in SUM_KEYS}
+    stats["ratio_min"] = torch.full((), math.inf, device=device)
+    stats["ratio_max"] = torch.full((), -math.inf, device=device)
+    return stats
+
+
+def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor], *, mini_batch_size: int,
+                max_tokens_per_micro_batch: int, clip_low: float = 0.2, clip_high: float = 0.28,
+                dual_clip_c: float | None = 10.0, loss_agg: str = "token-mean", kl_coef: float = 0.0,
+                entropy_coef: float = 0.0, ref_logprobs: Sequence[torch.Tensor] | None = None,
+                kl_estimator: str = "k3", on_grads: Callable | None = None) -> dict[str, float]:
+    """One RL step of GRPO updates: ``ceil(len(samples) / mini_batch_size)`` optimizer steps over consecutive
+    mini-batches, then one LR-scheduler step. Returns metrics, the same on every rank.
+
+    ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
+    `compute_logprobs` before the first step). ``ref_logprobs``: needed only with ``kl_coef`` > 0. ``on_grads``:
+    called as ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the optimizer step);
+    for tests and diagnostics.
+    """
+    if mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
+    if len(old_logprobs) != len(samples):
+        raise ValueError(f"{len(old_logprobs)} old logprob sequences for {len(samples)} samples")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (reference-policy logprobs of every response)")
+    lr = policy.current_lr()
+    totals = None
+    grad_norms, steps_ok, micro_batch_counts, tokens_total = [], [], [], 0
+
+    for step, start in enumerate(range(0, len(samples), mini_batch_size)):
+        ids = list(range(start, min(start + mini_batch_size, len(samples))))
+        denom = max(loss_denominator(samples, ids, loss_agg), 1)
+        micro_batches = plan_micro_batches(policy, samples, ids, max_tokens_per_micro_batch)
+        for mb in micro_batches:
+            mb.extras["old"] = gather_per_target(old_logprobs, mb)
+            mb.extras["adv"] = torch.tensor([samples[i].advantage for i in mb.sample_ids],
+                                            dtype=torch.float32)[mb.row]
+            if kl_coef:
+                mb.extras["ref"] = gather_per_target(ref_logprobs, mb)
+        micro_batch_counts.append(len(micro_batches))
+        tokens_total += sum(samples[i].length for i in ids)
+
+        loss_fn = functools.partial(
+            _grpo_loss, policy, dict(clip_low=clip_low, clip_high=clip_high, dual_clip_c=dual_clip_c, agg=loss_agg,
+                                     kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef),
+            denom)
+        for chunk in policy.chunks:
+            chunk.zero_grad_buffer()
+        policy.optimizer.zero_grad()
+        results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False)
+        if on_grads is not None:
+            on_grads(policy, step)
+        ok, grad_norm, _ = policy.optimizer.step()
+        steps_ok.append(bool(ok))
+        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        for r in results:
+            if totals is None:
+                totals = {k: v.detach().clone() for k, v in r.items()}
+                continue
+            for k, v in r.items():
+                if k == "ratio_min":
+                    totals[k] = torch.minimum(totals[k], v)
+                elif k == "ratio_max":
+                    totals[k] = torch.maximum(totals[k], v)
+                else:
+                    totals[k] = totals[k] + v
+    policy.scheduler.step(increment=1)
+    return _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
+                             tokens_total, lr)
+
+
+def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output: torch.Tensor):
+    """Loss function of one micro-batch (last pipeline stage): returns (loss, tokens, stats) as megatron expects."""
+    device = output.device
+    if mb.num_targets == 0:  # an empty filler micro-batch: zero loss, but keep the graph for the pipeline backward
+        return output.sum() * 0.0, torch.tensor(0, dtype=torch.int), _empty_stats(device)
+    entropy_coef = loss_kw["entropy_coef"]
+    logp, ent = _target_logprobs(policy, mb, model, output, with_entropy=True)
+    if not entropy_coef:
+        ent = ent.detach()  # metric only: no backward through the entropy
+    ones = torch.ones_like(logp)
+    token_mean = loss_kw["agg"] == "token-mean"
+    loss, m = policy_loss(
+        _padded(logp, mb), _padded(mb.extras["old"], mb), _padded(mb.extras["adv"], mb), _padded(ones, mb),
+        clip_low=loss_kw["clip_low"], clip_high=loss_kw["clip_high"], dual_clip_c=loss_kw["dual_clip_c"],
+        agg=loss_kw["agg"], denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,
+        ref_logprobs=_padded(mb.extras["ref"], mb) if "ref" in mb.extras else None, kl_coef=loss_kw["kl_coef"],
+        kl_estimator=loss_kw["kl_estimator"], entropy=_padded(ent, mb) if entropy_coef else None,
+        entropy_coef=entropy_coef)
+    stats = _empty_stats(device)
+    stats.update({
+        "loss": loss.detach().clone(),  # megatron may rescale the returned loss in place
+        "pg_loss": m["pg_loss"], "num_tokens": m["num_tokens"], "clip_low_count": m["clip_low_count"],
+        "clip_high_count": m["clip_high_count"], "clip_dual_count": m["clip_dual_count"],
+        "approx_kl_sum": m["approx_kl_sum"], "ratio_min": m["ratio_min"], "ratio_max": m["ratio_max"],
+        "entropy_sum": ent.detach().sum(), "logprob_sum": logp.detach().sum(),
+        "old_logprob_sum": mb.extras["old"].sum()})
+    for k in ("kl_loss", "entropy_loss", "ref_kl_sum"):
+        if k in m:
+            stats[k] = m[k]
+    return loss, torch.tensor(mb.num_targets, dtype=torch.int), {k: v.detach().float() for k, v in stats.items()}
+
+
+def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
+                      tokens_total, lr) -> dict[str, float]:
+    device = policy.device
+    contributor = _is_contributor() and totals is not None
+    sums = torch.stack([totals[k] if contributor else torch.zeros((), device=device) for k in SUM_KEYS])
+    sums = _reduce_over_training_ranks(sums.to(device))
+    rmin = _reduce_over_training_ranks(
+        (totals["ratio_min"] if contributor else torch.full((), math.inf, device=device)).reshape(1).clone(),
+        dist.ReduceOp.MIN)
+    rmax = _reduce_over_training_ranks(
+        (totals["ratio_max"] if contributor else torch.full((), -math.inf, device=device)).reshape(1).clone(),
+        dist.ReduceOp.MAX)
+    s = dict(zip(SUM_KEYS, sums.tolist()))
+    n_steps = len(grad_norms)
+    tokens = max(s["num_tokens"], 1.0)
+    metrics = {
+        "loss": s["loss"] / max(n_steps, 1),  # mean over mini-batches of the mini-batch loss
+        "pg_loss": s["pg_loss"] / max(n_steps, 1),
+        "grad_norm": sum(grad_norms) / max(n_steps, 1),
+        "grad_norm_max": max(grad_norms, default=0.0),
+        "clip_frac_low": s["clip_low_count"] / tokens,
+        "clip_frac_high": s["clip_high_count"] / tokens,
+        "clip_frac_dual": s["clip_dual_count"] / tokens,
+        "approx_kl": s["approx_kl_sum"] / tokens,
+        "entropy": s["entropy_sum"] / tokens,
+        "logprob_mean": s["logprob_sum"] / tokens,
+        "old_logprob_mean": s["old_logprob_sum"] / tokens,
+        "ratio_min": rmin.item(),
+        "ratio_max": rmax.item(),
+        "lr": lr,
+        "num_optimizer_steps": float(n_steps),
+        "num_skipped_steps": float(sum(not ok for ok in steps_ok)),
+        "num_micro_batches": float(sum(micro_batch_counts)),
+        "num_response_tokens": s["num_tokens"],
+        "num_tokens": float(tokens_total),
+    }
+    if s["kl_loss"]:
+        metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
+    if s["entropy_loss"]:
+        metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
+    metrics.update(rollout_logprob_gap(samples, old_logprobs))
+    return metrics
+
+
+def rollout_logprob_gap(samples: Sequence[Sample], logprobs: Sequence[torch.Tensor]) -> dict[str, float]:
+    """Trainer vs rollout-engine logprobs of the same tokens (a weight-sync / numerics check); {} without rollouts'."""
+    diffs = [(torch.as_tensor(lp, dtype=torch.float32).reshape(-1)
+              - torch.as_tensor(s.rollout_logprobs, dtype=torch.float32).reshape(-1)).abs()
+             for s, lp in zip(samples, logprobs) if s.rollout_logprobs is not None and len(s.rollout_logprobs)]
+    if not diffs:
+        return {}
+    d = torch.cat(diffs)
+    return {"rollout_logprob_abs_diff_mean": d.mean().item(), "rollout_logprob_abs_diff_max": d.max().item()}
