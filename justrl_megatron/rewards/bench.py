@@ -4,9 +4,13 @@ Responses are ~``response_chars`` characters of LaTeX-heavy reasoning ending the
 box, a wrong box, a box followed by chatter, or no box (truncated). Targets from issue 3, on 2 cores: dapo >= 20,000/s,
 math_verify >= 1,000/s through the worker pool. ``run_reward_bench`` is what ``tools/bench_rewards.py`` (and the
 CLI's bench phase) call.
+
+Wall-clock rates depend on what else runs on the machine; the verifications per CPU-second (this process plus the
+pool workers; the code sandbox's own subprocesses are not counted) say what the verifiers cost.
 """
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -82,16 +86,31 @@ def code_batch(n: int, seed: int = 0):
     return ([f"```python\ndef add(a, b):\n    {rng.choice(bodies)}\n```" for _ in range(n)], [tests] * n)
 
 
+def _cpu_seconds(scorer: BatchScorer) -> float:
+    """CPU time of this process plus the scorer's workers (Linux /proc): verifications per CPU-second stay
+    meaningful when other jobs share the cores and wall-clock throughput does not."""
+    total = time.process_time()
+    for w in scorer._workers:
+        try:
+            with open(f"/proc/{w.process.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def _measure(name: str, fn, responses, answers, workers: int, timeout_s: float, in_process=None) -> dict:
     with BatchScorer(fn, num_workers=workers, timeout_s=timeout_s, in_process=in_process) as scorer:
         scorer.score(responses[:min(len(responses), 4 * max(workers, 1))],
                      answers[:min(len(answers), 4 * max(workers, 1))])  # start the workers, warm caches
-        t0 = time.perf_counter()
+        cpu0, t0 = _cpu_seconds(scorer), time.perf_counter()
         scores = scorer.score(responses, answers)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, _cpu_seconds(scorer) - cpu0
         mode = "in-process" if scorer.in_process else f"pool x{workers}"
         stats = dict(scorer.stats)
     return {"name": name, "mode": mode, "items": len(responses), "seconds": dt, "per_s": len(responses) / dt,
+            "cpu_seconds": cpu, "per_cpu_s": len(responses) / max(cpu, 1e-9),
             "mean_reward": sum(scores) / len(scores), "timeouts": stats["timeouts"], "crashes": stats["crashes"],
             "errors": stats["errors"], "target": TARGETS.get(name)}
 
@@ -121,13 +140,14 @@ def run_reward_bench(n_fast: int = 100_000, n_slow: int = 4_000, n_code: int = 4
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'verifier':<24}{'mode':<12}{'items':>9}{'seconds':>9}{'verif/s':>12}{'target':>9}  ok"
+    head = (f"{'verifier':<24}{'mode':<12}{'items':>9}{'seconds':>9}{'verif/s':>12}{'verif/CPU-s':>13}{'target':>9}"
+            f"  ok")
     lines = [head, "-" * len(head)]
     for r in rows:
         ok = "" if r["target"] is None else ("yes" if r["per_s"] >= r["target"] else "NO")
         target = f"{r['target']:,}" if r["target"] else "-"
         lines.append(f"{r['name']:<24}{r['mode']:<12}{r['items']:>9,}{r['seconds']:>9.2f}{r['per_s']:>12,.0f}"
-                     f"{target:>9}  {ok}")
+                     f"{r['per_cpu_s']:>13,.0f}{target:>9}  {ok}")
         if r["timeouts"] or r["crashes"] or r["errors"]:
             lines.append(f"{'':<24}timeouts={r['timeouts']} crashes={r['crashes']} errors={r['errors']}")
     return "\n".join(lines)
