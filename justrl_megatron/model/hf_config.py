@@ -70,6 +70,18 @@ def model_shape(hf_config) -> ModelShape:
     )
 
 
+def num_parameters(shape: ModelShape) -> int:
+    """Parameters of the whole model as HF counts them (tied embeddings once, no vocab padding).
+    DeepSeek-R1-Distill-Qwen-1.5B: 1,777,088,000."""
+    s = shape
+    attn = s.hidden_size * s.head_dim * (2 * s.num_attention_heads + 2 * s.num_query_groups)
+    if s.qkv_bias:
+        attn += s.head_dim * (s.num_attention_heads + 2 * s.num_query_groups)
+    per_layer = attn + 3 * s.hidden_size * s.ffn_hidden_size + 2 * s.hidden_size
+    embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    return s.num_layers * per_layer + embeddings + s.hidden_size
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron pads the vocabulary so that each TP rank holds an equal, aligned slice."""
     multiple = divisible_by * tp

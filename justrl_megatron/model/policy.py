@@ -163,14 +163,3 @@ class Policy:
         for group in self.optimizer.param_groups:
             return float(group["lr"])
         return 0.0
-
-    def num_parameters(self) -> int:
-        """Parameters of the whole model (all TP/PP ranks; tied embeddings counted once)."""
-        s = self.shape
-        attn = s.hidden_size * s.head_dim * (s.num_attention_heads * 2 + s.num_query_groups * 2)
-        if s.qkv_bias:
-            attn += s.head_dim * (s.num_attention_heads + 2 * s.num_query_groups)
-        mlp = 3 * s.hidden_size * s.ffn_hidden_size
-        per_layer = attn + mlp + 2 * s.hidden_size
-        embed = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
-        return s.num_layers * per_layer + embed + s.hidden_size

@@ -199,6 +199,25 @@ def mode_ref(out):
         one_step(pol, samples, old)
         v["real_adv_max_change"] = max(float((p - before[k]).abs().max()) for k, p in params(pol).items())
         verdict[shape] = v
+
+    # the layer spec really in use on the CPU: SDPA core attention and the SP-capable RMSNorm
+    from justrl_megatron.model.attention import SDPAttention
+    from justrl_megatron.model.norm import RMSNorm
+    layer = policy.chunks[0].module.decoder.layers[0]
+    verdict["spec"] = {"impl": policy.transformer_impl,
+                       "core_attention": isinstance(layer.self_attention.core_attention, SDPAttention),
+                       "norms": isinstance(layer.input_layernorm, RMSNorm)
+                       and isinstance(policy.chunks[0].module.decoder.final_layernorm, RMSNorm)}
+
+    # bf16 params (megatron's Float16 optimizer with fp32 master weights) on the same weights: close to fp32
+    pol = Policy.build(SHAPES["qwen"], dtype="bf16", transformer_impl="local", lr=1e-3, warmup_steps=0)
+    load_ckpt(pol, f"{out}/weights_qwen")
+    ref = torch.load(f"{out}/ref_qwen.pt")
+    lp = compute_logprobs(pol, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    m, _ = one_step(pol, samples, ref["old"])
+    verdict["bf16"] = {"param_dtype": str(next(pol.chunks[0].module.parameters()).dtype),
+                       "logprob_diff": maxdiff(lp, ref["logprobs"]), "loss": m["loss"], "ref_loss":
+                       ref["metrics"]["loss"], "grad_norm": m["grad_norm"], "ref_grad_norm": ref["metrics"]["grad_norm"]}
     return verdict
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `justrl-bench --phase ...` (train: `bench.train.bench_train`)."""

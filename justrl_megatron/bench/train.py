@@ -1,0 +1,263 @@
+"""`justrl-bench --phase train`: throughput of the policy's update step (and of old-logprob recomputation).
+
+Random weights, random tokens, the real code path: `Policy.build` -> `compute_logprobs` (forward only) ->
+`grpo_update` (one optimizer step over all samples). Reports tokens/s, achieved TFLOP/s per device, MFU and peak
+memory, as JSON and as a table.
+
+Model FLOPs (per device, what MFU divides by the peak): forward = 2 x (matmul parameters of the decoder) per token
++ causal attention 4 x heads x head_dim x L(L+1)/2 per sequence + the output projection 2 x hidden x vocab per
+position whose logprob is computed; an update is 3 x forward (recomputation, if on, is not counted: it is hardware
+FLOPs, not model FLOPs).
+
+    justrl-bench --phase train model=deepseek-r1-distill-qwen-1.5b tokens=16384        # one 16K sequence, GPU
+    justrl-bench --phase train                                                          # tiny model on the CPU
+    torchrun --nproc-per-node 2 -m justrl_megatron.bench.train tp=2 sp=true
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import resource
+import sys
+import time
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
+
+import torch
+import torch.distributed as dist
+
+from .. import compat
+from ..model.hf_config import ModelShape, model_shape, num_parameters, padded_vocab_size
+
+BUILTIN_SHAPES = {
+    "tiny": ModelShape(family="qwen2", num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=4,
+                       num_query_groups=2, head_dim=64, vocab_size=4096, max_position_embeddings=4096,
+                       rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=False,
+                       init_std=0.02),
+    "deepseek-r1-distill-qwen-1.5b": ModelShape(
+        family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
+        num_query_groups=2, head_dim=128, vocab_size=151936, max_position_embeddings=131072, rope_theta=10000.0,
+        rms_norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=False, init_std=0.02),
+    "smollm2-135m": ModelShape(
+        family="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
+        num_query_groups=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True, init_std=0.041666666666666664),
+}
+
+# Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; MFU is reported only where the peak is known.
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "H20": 148.0, "A100": 312.0, "A800": 312.0,
+                    "L40S": 362.05, "B200": 2250.0}
+
+
+def resolve_shape(model: str) -> ModelShape:
+    if model in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[model]
+    from transformers import AutoConfig
+
+    from ..assets import resolve_model_path
+
+    try:
+        return model_shape(AutoConfig.from_pretrained(str(resolve_model_path(model))))
+    except OSError as err:
+        raise ValueError(f"model={model!r} is neither a built-in shape {sorted(BUILTIN_SHAPES)} nor an HF folder "
+                         f"with a config.json ({err})") from err
+
+
+def forward_flops(shape: ModelShape, seq_lens: list[int], logit_rows: int, vocab: int | None = None) -> float:
+    """Model FLOPs of one forward pass over packed sequences of ``seq_lens`` (see the module docstring)."""
+    s = shape
+    q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
+    matmul_params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + 3 * s.hidden_size * s.ffn_hidden_size
+    tokens = sum(seq_lens)
+    linear = 2.0 * matmul_params * s.num_layers * tokens
+    attention = 4.0 * q * s.num_layers * sum(n * (n + 1) / 2 for n in seq_lens)
+    head = 2.0 * s.hidden_size * (vocab or s.vocab_size) * logit_rows
+    return linear + attention + head
+
+
+def peak_tflops(dtype: torch.dtype) -> float | None:
+    if not compat.cuda_available() or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def _sync():
+    if compat.cuda_available():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _peak_memory_gib() -> tuple[str, float]:
+    if compat.cuda_available():
+        local = torch.cuda.max_memory_allocated() / 2**30
+        kind = "gpu_peak_allocated_gib"
+    else:
+        local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        kind = "cpu_peak_rss_gib"
+    t = torch.tensor([local], dtype=torch.float64, device=compat.default_device())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return kind, float(t.item())
+
+
+def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int | None = None,
+                prompt_len: int | None = None, tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False,
+                dtype: str = "auto", transformer_impl: str = "auto", recompute: str = "none", steps: int = 3,
+                warmup: int = 1, max_tokens_per_micro_batch: int | None = None, distributed_optimizer: bool = True,
+                peak: float | None = None, seed: int = 0) -> dict:
+    """Benchmark one policy update. ``tokens``: tokens per model replica per step (default 16384 on GPU, 2048 on
+    CPU), as sequences of ``seq_len`` (default: one sequence of all of them on GPU, 512 on CPU) whose first
+    ``prompt_len`` tokens are the prompt. ``peak``: the device's peak TFLOP/s, when not in the built-in table."""
+    from megatron.core import parallel_state as ps
+
+    from ..distributed import init_distributed
+    from ..model.policy import Policy
+    from ..train.batching import Sample
+    from ..train.step import compute_logprobs, grpo_update
+
+    on_gpu = compat.cuda_available()
+    tokens = tokens or (16384 if on_gpu else 2048)
+    seq_len = seq_len or (tokens if on_gpu else min(512, tokens))
+    if tokens % seq_len:
+        raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
+    prompt_len = prompt_len or max(1, min(1024, seq_len // 16))
+    if not 0 < prompt_len < seq_len:
+        raise ValueError(f"prompt_len={prompt_len} must be in [1, seq_len={seq_len})")
+    shape = resolve_shape(model)
+    init_distributed()
+    policy = Policy.build(shape, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, dtype=dtype,
+                          transformer_impl=transformer_impl, recompute=recompute, lr=1e-6, warmup_steps=0,
+                          weight_decay=0.1, grad_clip=1.0, distributed_optimizer=distributed_optimizer, seed=seed,
+                          max_sequence_length=max(seq_len, shape.max_position_embeddings))
+    dp = ps.get_data_parallel_world_size()
+    world = dist.get_world_size()
+    rng = random.Random(seed)
+    samples = [Sample(prompt_ids=[rng.randrange(shape.vocab_size) for _ in range(prompt_len)],
+                      response_ids=[rng.randrange(shape.vocab_size) for _ in range(seq_len - prompt_len)],
+                      advantage=rng.choice([-1.0, 1.0]), group=i)
+               for i in range(dp * tokens // seq_len)]
+    budget = max_tokens_per_micro_batch or tokens
+    kw = dict(max_tokens_per_micro_batch=budget)
+
+    def logprob_pass():
+        return compute_logprobs(policy, samples, **kw)
+
+    def update_pass(old):
+        return grpo_update(policy, samples, old, mini_batch_size=len(samples), **kw)
+
+    old = logprob_pass()
+    for _ in range(warmup):
+        logprob_pass()
+        update_pass(old)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logprob_pass()
+    _sync()
+    t_logprob = (time.perf_counter() - t0) / steps
+    t0 = time.perf_counter()
+    metrics = {}
+    for _ in range(steps):
+        metrics = update_pass(old)
+    _sync()
+    t_update = (time.perf_counter() - t0) / steps
+    mem_kind, mem = _peak_memory_gib()
+
+    vocab = padded_vocab_size(shape.vocab_size, tp, 128)
+    fwd = forward_flops(shape, [s.length for s in samples], sum(len(s.response_ids) for s in samples), vocab)
+    total_tokens = sum(s.length for s in samples)
+    peak_tf = peak or peak_tflops(policy.dtype)
+
+    def phase(seconds, flops):
+        tflops = flops / seconds / world / 1e12
+        return {"time_s": seconds, "tokens_per_s": total_tokens / seconds,
+                "tokens_per_s_per_device": total_tokens / seconds / world, "tflops_per_device": tflops,
+                "mfu": tflops / peak_tf if peak_tf else None}
+
+    return {
+        "phase": "train", "model": model, "parameters": num_parameters(shape),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world,
+        "tp": tp, "pp": pp, "vpp": vpp, "dp": dp, "sequence_parallel": bool(policy.config.sequence_parallel),
+        "dtype": str(policy.dtype).replace("torch.", ""), "transformer_impl": policy.transformer_impl,
+        "recompute": recompute, "distributed_optimizer": distributed_optimizer,
+        "tokens_per_step": total_tokens, "seq_len": seq_len, "prompt_len": prompt_len, "num_sequences": len(samples),
+        "max_tokens_per_micro_batch": budget, "micro_batches": metrics.get("num_micro_batches"),
+        "peak_tflops": peak_tf, "update": phase(t_update, 3 * fwd), "logprob": phase(t_logprob, fwd),
+        mem_kind: mem, "grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss"),
+    }
+
+
+def _coerce(value: str, default):
+    if isinstance(default, bool):
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"expected true/false, got {value!r}")
+        return value.lower() in ("true", "1", "yes")
+    if value.lower() in ("none", "null"):
+        return None
+    if isinstance(default, int) or default is None and value.lstrip("-").isdigit():
+        return int(value)
+    if isinstance(default, float) or default is None and value.replace(".", "", 1).isdigit():
+        return float(value)
+    return value
+
+
+def parse_args(argv: list[str]) -> dict:
+    """``key=value`` (also ``--key=value`` / ``--key value``) pairs -> bench_train keyword arguments."""
+    params = inspect.signature(bench_train).parameters
+    out, i = {}, 0
+    while i < len(argv):
+        arg = argv[i].lstrip("-")
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+        elif i + 1 < len(argv):
+            key, value = arg, argv[i + 1]
+            i += 1
+        else:
+            raise ValueError(f"argument {argv[i]!r} has no value")
+        key = key.replace("-", "_")
+        if key not in params:
+            raise ValueError(f"unknown option {key!r}; known: {sorted(params)}")
+        out[key] = _coerce(value, params[key].default)
+        i += 1
+    return out
+
+
+def print_report(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    print(json.dumps(result))
+    table = Table(title=f"train step: {result['model']} on {result['device']} ({result['dtype']}, "
+                        f"{result['transformer_impl']}, TP{result['tp']} PP{result['pp']} DP{result['dp']})")
+    for col in ("phase", "time (s)", "tokens/s", "TFLOP/s/device", "MFU"):
+        table.add_column(col, justify="right")
+    for name in ("logprob", "update"):
+        p = result[name]
+        table.add_row(name, f"{p['time_s']:.3f}", f"{p['tokens_per_s']:,.0f}", f"{p['tflops_per_device']:.3f}",
+                      "n/a" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%")
+    Console().print(table)
+    mem = next(k for k in result if k.endswith("_gib"))
+    Console().print(f"{result['tokens_per_step']} tokens/step ({result['num_sequences']} x {result['seq_len']}), "
+                    f"{result['micro_batches']} micro-batches; {mem} = {result[mem]:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print("options:", ", ".join(f"{k}={p.default!r}" for k, p in inspect.signature(bench_train).parameters.items()))
+        return 0
+    result = bench_train(**parse_args(argv))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print_report(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
