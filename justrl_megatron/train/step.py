@@ -135,7 +135,8 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
     def loss_fn(mb, model, output):
         logp, ent = _target_logprobs(policy, mb, model, output, with_entropy)
         zero = torch.zeros((), device=output.device)
-        return zero, torch.tensor(mb.num_targets, dtype=torch.int), {"logprobs": logp, "entropy": ent}
+        return zero, torch.tensor(mb.num_targets, dtype=torch.int, device=output.device), \
+            {"logprobs": logp, "entropy": ent}
 
     results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True)
     logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
@@ -239,7 +240,7 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
     """Loss function of one micro-batch (last pipeline stage): returns (loss, tokens, stats) as megatron expects."""
     device = output.device
     if mb.num_targets == 0:  # an empty filler micro-batch: zero loss, but keep the graph for the pipeline backward
-        return output.sum() * 0.0, torch.tensor(0, dtype=torch.int), _empty_stats(device)
+        return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=device), _empty_stats(device)
     entropy_coef = loss_kw["entropy_coef"]
     logp, ent = _target_logprobs(policy, mb, model, output, with_entropy=True)
     if not entropy_coef:
@@ -264,7 +265,8 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
     for k in ("kl_loss", "entropy_loss", "ref_kl_sum"):
         if k in m:
             stats[k] = m[k]
-    return loss, torch.tensor(mb.num_targets, dtype=torch.int), {k: v.detach().float() for k, v in stats.items()}
+    return loss, torch.tensor(mb.num_targets, dtype=torch.int, device=device), \
+        {k: v.detach().float() for k, v in stats.items()}
 
 
 def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,

@@ -173,8 +173,12 @@ def mode_ref(out):
             starts.append(starts[-1] + s.length)
         ent_ref = [naive_ent[a + len(s.prompt_ids) - 1:b - 1].float() for s, a, b in zip(samples, starts, starts[1:])]
         metrics, grads = one_step(policy, samples, old)
+        # two mini-batches of 11 and 1 samples (under DP2 one rank gets an empty filler micro-batch)
+        pol = build(shape)
+        load_ckpt(pol, f"{out}/weights_{shape}")
+        uneven = grpo_update(pol, samples, old, mini_batch_size=11, max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
         torch.save({"logits": logits, "logprobs": lp, "entropy": ent, "old": old, "metrics": metrics,
-                    "grads": grads}, f"{out}/ref_{shape}.pt")
+                    "grads": grads, "uneven": uneven}, f"{out}/ref_{shape}.pt")
         v = {"packed_vs_padded": maxdiff(lp, pad), "entropy_vs_naive": maxdiff(ent, ent_ref),
              "num_micro_batches": metrics["num_micro_batches"], "metrics": metrics,
              "grad_scale": max(float(g.abs().max()) for g in grads.values())}
@@ -198,6 +202,7 @@ def mode_ref(out):
         # ... while the same step with the real advantages does move them (the check above is not vacuous)
         one_step(pol, samples, old)
         v["real_adv_max_change"] = max(float((p - before[k]).abs().max()) for k, p in params(pol).items())
+        v["uneven_steps"] = uneven["num_optimizer_steps"]
         verdict[shape] = v
 
     # the layer spec really in use on the CPU: SDPA core attention and the SP-capable RMSNorm
@@ -208,6 +213,12 @@ def mode_ref(out):
                        "core_attention": isinstance(layer.self_attention.core_attention, SDPAttention),
                        "norms": isinstance(layer.input_layernorm, RMSNorm)
                        and isinstance(policy.chunks[0].module.decoder.final_layernorm, RMSNorm)}
+
+    # linear warmup from 0 over warmup_steps RL steps (one scheduler step per grpo_update), then constant
+    pol = Policy.build(SHAPES["qwen"], dtype="fp32", transformer_impl="local", lr=1e-3, warmup_steps=2)
+    lrs = [grpo_update(pol, samples[:2], old_from(compute_logprobs(pol, samples[:2], max_tokens_per_micro_batch=64)),
+                       mini_batch_size=2, max_tokens_per_micro_batch=64)["lr"] for _ in range(4)]
+    verdict["warmup_lrs"] = lrs
 
     # bf16 params (megatron's Float16 optimizer with fp32 master weights) on the same weights: close to fp32
     pol = Policy.build(SHAPES["qwen"], dtype="bf16", transformer_impl="local", lr=1e-3, warmup_steps=0)
@@ -221,7 +232,7 @@ def mode_ref(out):
     return verdict
 
 
-def run_layout(out, name, shape, **layout):
+def run_layout(out, name, shape, uneven=False, **layout):
     from megatron.core import parallel_state as ps
 
     samples = make_samples()
@@ -247,6 +258,13 @@ def run_layout(out, name, shape, **layout):
     }
     if logits is not None:
         entry["logit_diff"] = float((logits - ref["logits"]).abs().max())
+    if uneven:
+        pol = build(shape, **layout)
+        load_ckpt(pol, f"{out}/weights_{shape}")
+        m = grpo_update(pol, samples, ref["old"], mini_batch_size=11, max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
+        entry["uneven"] = {k: (m[k], ref["uneven"][k]) for k in
+                           ("loss", "grad_norm", "grad_norm_max", "num_optimizer_steps", "num_micro_batches",
+                            "num_response_tokens", "entropy")}
     if layout.get("distopt", True) and ps.get_data_parallel_world_size() > 1:
         return entry, False  # the distributed optimizer leaves only this rank's shard of the grads reduced
     with torch.no_grad():
@@ -322,7 +340,8 @@ def main(out, mode):
             verdict["vocab_parallel"] = vocab_parallel_logprobs_check()
             layouts = {"tp2": ("qwen", dict(tp=2)), "tp2_sp": ("qwen", dict(tp=2, sp=True)),
                        "pp2": ("qwen", dict(pp=2)), "dp2": ("qwen", dict(distopt=False)),
-                       "dp2_distopt": ("qwen", dict(distopt=True)), "tp2_sp_tied": ("llama", dict(tp=2, sp=True))}
+                       "dp2_distopt": ("qwen", dict(distopt=True, uneven=True)),
+                       "tp2_sp_tied": ("llama", dict(tp=2, sp=True))}
         else:
             layouts = {"tp2pp2": ("qwen", dict(tp=2, pp=2)),
                        "pp2vpp2_tied": ("llama", dict(pp=2, vpp=2, distopt=False))}
