@@ -4,7 +4,15 @@ from .base import (FINISH_REASONS, RolloutEngine, Rollouts, SamplingConfig, Stal
                    logprob_gap)
 
 __all__ = ["FINISH_REASONS", "RolloutEngine", "Rollouts", "SamplingConfig", "StaleRolloutError", "check_staleness",
-           "logprob_gap", "make_engine"]
+           "logprob_gap", "make_engine", "VLLMEngine"]
+
+
+def __getattr__(name):
+    if name == "VLLMEngine":  # imported on first use: importing vLLM takes seconds
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_engine(cfg, model_dir, *, seed: int = 0, dtype: str = "auto", in_process: bool = True):

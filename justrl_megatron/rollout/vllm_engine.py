@@ -17,6 +17,7 @@ raw logprob of every sampled token, the finish reason and the weight version the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -168,7 +169,8 @@ class VLLMEngine:
     def sampling_params(self, n: int, sampling: SamplingConfig, request_index: int = 0):
         from vllm import SamplingParams
 
-        seed = None if sampling.seed is None else sampling.seed + request_index * n  # children take seed + k
+        # vLLM gives the k-th sample of a request seed + k: space requests n apart so that no two samples share one
+        seed = None if sampling.seed is None else sampling.seed + request_index * n
         return SamplingParams(
             n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, logprobs=0, seed=seed, ignore_eos=sampling.ignore_eos,
@@ -176,15 +178,25 @@ class VLLMEngine:
             detokenize=False,
         )
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> Rollouts:
-        """`n` samples for each prompt (token ids), flat and grouped by prompt, stamped with the weight version."""
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+                 seed: int | None = None, request_indices: Sequence[int] | None = None) -> Rollouts:
+        """`n` samples for each prompt (token ids), flat and grouped by prompt, stamped with the weight version.
+
+        `seed` (if given) replaces `sampling.seed` for this batch. `request_indices` (default 0..len-1) name the
+        prompts' places in a larger batch, for seeding: see `generate_all`.
+        """
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        if seed is not None:
+            sampling = dataclasses.replace(sampling, seed=seed)
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        indices = list(range(len(prompts))) if request_indices is None else list(request_indices)
+        if not prompts:  # an engine with no share of a small batch
+            return Rollouts(prompt_index=[], token_ids=[], logprobs=[], finish_reasons=[], weight_version=self._version)
         self.wake_up()
-        params = [self.sampling_params(n, sampling, i) for i in range(len(prompts))]
+        params = [self.sampling_params(n, sampling, i) for i in indices]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=self.progress)
         prompt_index, token_ids, logprobs, finish, versions = [], [], [], [], []
         for i, out in enumerate(outputs):
@@ -199,6 +211,33 @@ class VLLMEngine:
         version = min(versions) if versions else self._version
         return Rollouts(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs, finish_reasons=finish,
                         weight_version=version)
+
+    def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+                     seed: int | None = None) -> Rollouts:
+        """Colocated SPMD generation: every rank passes the same full prompt list, each engine samples its share
+        (prompts engine_index, engine_index + num_engines, ...), and every rank gets the whole batch back in prompt
+        order — as if one engine had generated it (same seeds per prompt whatever the number of engines)."""
+        if self.num_engines == 1:
+            return self.generate(prompt_token_ids, n, sampling, seed=seed)
+        import torch.distributed as dist
+
+        mine = list(range(self.engine_index, len(prompt_token_ids), self.num_engines))
+        part = self.generate([prompt_token_ids[i] for i in mine], n, sampling, seed=seed, request_indices=mine)
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (self.engine_index, mine, part))
+        samples: dict[int, list[tuple[Rollouts, int]]] = {}  # global prompt index -> (part, sample) in order
+        versions: dict[int, int] = {}
+        for engine_index, indices, r in parts:  # the ranks of one engine hold the same samples: keep one copy
+            if engine_index in versions:
+                continue
+            versions[engine_index] = r.weight_version
+            for k, local in enumerate(r.prompt_index):
+                samples.setdefault(indices[local], []).append((r, k))
+        order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
+        return Rollouts(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
+                        logprobs=[r.logprobs[k] for r, k, _ in order],
+                        finish_reasons=[r.finish_reasons[k] for r, k, _ in order],
+                        weight_version=min(versions.values()))
 
     # -- weight sync -------------------------------------------------------------------------------------------------
 

