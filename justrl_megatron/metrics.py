@@ -49,7 +49,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.every = max(int(logging_cfg.console_every), 1)
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True, width=160)
         self._wandb = None
         self._progress = None
         if not enabled:
@@ -98,9 +98,9 @@ def _wandb_id(run_dir) -> str:
     """One wandb run per run dir, so that a resumed job continues its curves."""
     marker = Path(run_dir) / "wandb_id"
     if not marker.exists():
-        import wandb
+        import uuid
 
-        marker.write_text(wandb.util.generate_id())
+        marker.write_text(uuid.uuid4().hex[:12])
     return marker.read_text().strip()
 
 
@@ -111,9 +111,15 @@ def _plain(value):
         return value
 
 
+CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_ratio", "actor/entropy",
+                "actor/grad_norm", "actor/clip_frac_low", "actor/clip_frac_high", "rollout/logprob_diff_mean",
+                "rollout/weight_version", "time/step_s", "throughput/tokens_per_s")
+
+
 def _table(step: int, record: dict) -> Table:
-    table = Table(title=f"step {step}", show_header=False, box=None, padding=(0, 2))
-    keys = [k for k in record if "/" in k]
+    """The headline numbers of a step (all of them go to metrics.jsonl and wandb)."""
+    table = Table(title=f"step {step}", show_header=False, box=None, padding=(0, 1))
+    keys = [k for k in CONSOLE_KEYS if k in record]
     for i in range(0, len(keys), 3):
         row = []
         for k in keys[i:i + 3]:

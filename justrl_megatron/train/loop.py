@@ -3,8 +3,9 @@
     sample prompts -> rollout (vLLM) -> rewards (worker pool) -> group advantages -> old logprobs
     -> mini-batch GRPO updates -> weight sync -> metrics -> checkpoint
 
-Every rank runs this same program (SPMD). The rollout engine and the reward pool live on rank 0 (colocated); their
-results are broadcast, so all training ranks see the same batch and split it by data parallelism themselves.
+Every rank runs this same program (SPMD). Each rank hosts a vLLM engine (colocated, one per rollout-TP group) that
+samples its share of the prompts; every rank gets the whole batch back. The reward pool lives on rank 0 and its
+results are broadcast, so all ranks see the same batch and split it by data parallelism themselves.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from .. import compat
 from ..algo.grpo import group_advantages
 from ..assets import resolve_model_path
-from ..distributed import init_distributed, init_model_parallel
+from ..distributed import init_distributed
 from ..metrics import MetricsLogger, gpu_stats, plot_curves
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
 
@@ -51,14 +52,13 @@ def run(cfg, model_dir: Path, shape) -> int:
     from ..convert.load import load_hf_weights
     from ..model.policy import Policy
     from ..rewards import BatchScorer, get_reward_fn
-    from ..rollout import SamplingConfig, VLLMEngine
+    from ..rollout import SamplingConfig, check_staleness, logprob_gap, make_engine
     from .batching import Sample
     from .checkpoint import load_latest_checkpoint, save_checkpoint
     from .step import compute_logprobs, grpo_update
 
     tr, ro, algo, par = cfg.trainer, cfg.rollout, cfg.algo, cfg.parallel
-    rank, world = init_distributed()
-    init_model_parallel(par.tensor, par.pipeline, par.virtual_pipeline, seed=tr.seed)
+    rank, _ = init_distributed()
     is_leader = rank == 0
     run_dir = Path(tr.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -79,23 +79,17 @@ def run(cfg, model_dir: Path, shape) -> int:
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, seed=tr.seed)
     resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler)
     if resumed is None:
-        load_hf_weights(policy.chunks, model_dir)
+        load_hf_weights(policy.chunks, model_dir, progress=is_leader)
+        policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
         start_step = 0
     else:
         start_step = int(resumed["step"])
         sampler.load_state_dict(resumed["sampler"])
 
-    engine = None
-    if is_leader:
-        engine = VLLMEngine(str(model_dir), dtype="float32" if dtype == torch.float32 else "bfloat16",
-                            tensor_parallel=ro.tensor_parallel, seed=tr.seed,
-                            max_model_len=cfg.data.max_prompt_length + ro.max_response_length,
-                            gpu_memory_utilization=ro.gpu_memory_utilization, cpu_kvcache_gib=ro.cpu_kvcache_gib,
-                            enforce_eager=ro.enforce_eager)
+    engine = make_engine(cfg, model_dir, seed=tr.seed, dtype="float32" if dtype == torch.float32 else "bfloat16")
     verifier = get_reward_fn(algo.reward, **dict(algo.reward_options or {}))
     scorer = BatchScorer(verifier, num_workers=algo.reward_workers) if is_leader else None
-    sampling = SamplingConfig(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                              max_tokens=ro.max_response_length)
+    sampling = SamplingConfig.from_rollout_config(ro)
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
     if resumed is not None:
@@ -116,12 +110,11 @@ def run(cfg, model_dir: Path, shape) -> int:
         # 1. sample prompts
         batch = sampler.next_batch()
 
-        # 2. rollout with the current weights (version = number of updates so far)
+        # 2. rollout with the current weights (version = number of updates so far); seeded per step, so a resumed
+        #    run samples what an uninterrupted one would have
         with timer("rollout"):
-            rollouts = engine.generate([p.ids for p in batch], ro.n, sampling, seed=tr.seed * 1_000_003 + step) \
-                if is_leader else None
-            rollouts = _broadcast(rollouts)
-        _check_staleness(rollouts.weight_version, version, ro.max_staleness)
+            rollouts = engine.generate_all([p.ids for p in batch], ro.n, sampling, seed=tr.seed * 1_000_003 + step)
+        check_staleness(rollouts.weight_version, version, ro.max_staleness)
 
         # 3. rewards
         with timer("reward"):
@@ -167,7 +160,7 @@ def run(cfg, model_dir: Path, shape) -> int:
             "response/length_mean": sum(lengths) / len(lengths),
             "response/length_max": max(lengths),
             "response/truncated_ratio": sum(rollouts.truncated) / len(lengths),
-            "rollout/logprob_abs_diff": _logprob_gap(old_logprobs, rollouts.logprobs),
+            **{f"rollout/{k}": v for k, v in logprob_gap(rollouts.logprobs, old_logprobs).items()},
             "rollout/weight_version": rollouts.weight_version,
             **{f"actor/{k}": v for k, v in update.items()},
             **timer.metrics(tokens=sum(lengths) + sum(len(s.prompt_ids) for s in samples)),
@@ -184,8 +177,9 @@ def run(cfg, model_dir: Path, shape) -> int:
             logger.print(f"checkpoint saved at step {step}; exiting for requeue")
             break
 
-    if is_leader and step == tr.total_steps:
+    if step == tr.total_steps:
         end_accuracy = _evaluate(engine, heldout, scorer, tokenizer, ro)
+    if is_leader and step == tr.total_steps:
         if start_accuracy is not None:
             logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
                          f"end {end_accuracy:.3f}")
@@ -195,8 +189,7 @@ def run(cfg, model_dir: Path, shape) -> int:
     logger.close()
     if scorer is not None:
         scorer.close()
-    if engine is not None:
-        engine.shutdown()
+    engine.shutdown()
     return step
 
 
@@ -234,32 +227,10 @@ def _broadcast(obj):
     return box[0]
 
 
-def _check_staleness(batch_version: int, current: int, max_staleness: int) -> None:
-    if current - batch_version > max_staleness:
-        raise RuntimeError(f"rollout batch was sampled with weights v{batch_version} but the trainer is at v{current}; "
-                           f"rollout.max_staleness={max_staleness} forbids it")
-
-
 def _sync_weights(policy, engine, shape, version, bucket_mb, export_hf_stream):
-    """Every rank takes part in the export (TP gather / PP broadcast); rank 0 feeds the engine."""
-    stream = export_hf_stream(policy.chunks, shape, bucket_bytes=int(bucket_mb) << 20,
-                              include_tied_lm_head=True)
-    if engine is not None:
-        engine.update_weights(stream, version)
-    else:
-        for _ in stream:  # the collectives must run on every rank
-            pass
-
-
-def _logprob_gap(trainer_logprobs, rollout_logprobs) -> float:
-    """Mean |trainer - vLLM| logprob of the sampled tokens: a live check that the two hold the same weights."""
-    total, count = 0.0, 0
-    for t, r in zip(trainer_logprobs, rollout_logprobs):
-        if r is None or len(r) == 0:
-            continue
-        total += (t.float() - torch.tensor(r, dtype=torch.float32)).abs().sum().item()
-        count += len(r)
-    return total / max(count, 1)
+    """Every rank takes part in the export (TP all-gather / PP broadcast) and feeds its own engine."""
+    stream = export_hf_stream(policy.chunks, shape, bucket_bytes=int(bucket_mb) << 20, include_tied_lm_head=True)
+    engine.update_weights(stream, version)
 
 
 def _heldout_prompts(cfg, tokenizer):
@@ -271,12 +242,15 @@ def _heldout_prompts(cfg, tokenizer):
 
 
 def _evaluate(engine, prompts, scorer, tokenizer, ro) -> float | None:
-    if engine is None or not prompts:
+    """Greedy accuracy on the held-out prompts (every rank generates its share; rank 0 scores)."""
+    if not prompts:
         return None
     from ..rollout import SamplingConfig
 
-    greedy = SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=ro.max_response_length)
-    out = engine.generate([p.ids for p in prompts], 1, greedy, seed=0)
+    greedy = SamplingConfig(temperature=0.0, max_tokens=ro.max_response_length)
+    out = engine.generate_all([p.ids for p in prompts], 1, greedy, seed=0)
+    if scorer is None:
+        return None
     texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
     return sum(scorer.evaluate(texts, [p.answer for p in prompts])[1]) / len(prompts)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from omegaconf import OmegaConf
 
 
 @dataclass
@@ -31,7 +32,8 @@ def load_training_rows(data_cfg, *, seed: int, split: str = "train", limit: int 
     if spec.startswith("generated:"):
         n = data_cfg.num_generated if limit is None else limit
         task_seed = seed if split == "train" else seed + HELDOUT_SEED_OFFSET
-        return generate_rows(spec.split(":", 1)[1], n, task_seed, **dict(data_cfg.task_options or {}))
+        options = OmegaConf.to_container(data_cfg.task_options) if data_cfg.task_options else {}
+        return generate_rows(spec.split(":", 1)[1], n, task_seed, **options)
     if split != "train" and not data_cfg.eval:
         return []
     fmt = data_cfg.format if split == "train" else (data_cfg.eval_format or data_cfg.format)
