@@ -6,6 +6,7 @@ dist_checkpointing and must reproduce its logits, logprobs, loss, gradients and 
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -189,6 +190,15 @@ def test_zero_advantages_leave_weights_unchanged(ref, shape):
     assert v["zero_adv_grad_norm"] == 0.0
     assert v["zero_adv_max_change"] == 0.0
     assert v["real_adv_max_change"] > 1e-4  # the same step with real advantages does move the weights
+
+
+@pytest.mark.slow
+def test_kl_penalty_and_entropy_bonus_enter_the_loss(ref):
+    v = ref["kl_entropy"]
+    # k3 estimator of a constant log-ratio 0.1: exp(-0.1) - 1 + 0.1 per token, token-mean over the mini-batch
+    assert v["kl_loss"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-4)
+    assert v["entropy_loss"] == pytest.approx(v["entropy"], rel=1e-5)
+    assert v["loss"] == pytest.approx(v["pg_loss"] + 0.5 * v["kl_loss"] - 0.01 * v["entropy_loss"], rel=1e-5)
 
 
 @pytest.mark.slow

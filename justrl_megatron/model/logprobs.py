@@ -91,10 +91,11 @@ def _chunk_grad_logits(z, targets, start, lse, entropy, g_logp, g_ent):
         # -p (log p + H) with log p = z - lse
         coeff = coeff + g_ent.unsqueeze(-1) * (z - lse.unsqueeze(-1) + entropy.unsqueeze(-1))
     grad = -p * coeff
-    if g_logp is not None:
+    if g_logp is not None:  # + g_logp at the target column, on the rank whose slice holds it (no host sync)
         local = targets - start
-        rows = torch.nonzero((local >= 0) & (local < z.size(-1)), as_tuple=True)[0]
-        grad[rows, local[rows]] += g_logp[rows]
+        in_slice = (local >= 0) & (local < z.size(-1))
+        grad.scatter_add_(-1, local.clamp(0, z.size(-1) - 1).unsqueeze(-1),
+                          (g_logp * in_slice).to(grad.dtype).unsqueeze(-1))
     return grad
 
 

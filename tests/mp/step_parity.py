@@ -220,6 +220,15 @@ def mode_ref(out):
                        mini_batch_size=2, max_tokens_per_micro_batch=64)["lr"] for _ in range(4)]
     verdict["warmup_lrs"] = lrs
 
+    # KL penalty (reference logprobs) and entropy bonus flow through the same step
+    pol = build("qwen")
+    load_ckpt(pol, f"{out}/weights_qwen")
+    ref = torch.load(f"{out}/ref_qwen.pt")
+    ref_lp = [x - 0.1 for x in ref["logprobs"]]
+    m = grpo_update(pol, samples, ref["old"], mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
+                    kl_coef=0.5, entropy_coef=0.01, ref_logprobs=ref_lp, **STEP_KW)
+    verdict["kl_entropy"] = {k: m.get(k) for k in ("loss", "pg_loss", "kl_loss", "entropy_loss", "entropy")}
+
     # bf16 params (megatron's Float16 optimizer with fp32 master weights) on the same weights: close to fp32
     pol = Policy.build(SHAPES["qwen"], dtype="bf16", transformer_impl="local", lr=1e-3, warmup_steps=0)
     load_ckpt(pol, f"{out}/weights_qwen")
@@ -227,8 +236,9 @@ def mode_ref(out):
     lp = compute_logprobs(pol, samples, max_tokens_per_micro_batch=MAX_TOKENS)
     m, _ = one_step(pol, samples, ref["old"])
     verdict["bf16"] = {"param_dtype": str(next(pol.chunks[0].module.parameters()).dtype),
-                       "logprob_diff": maxdiff(lp, ref["logprobs"]), "loss": m["loss"], "ref_loss":
-                       ref["metrics"]["loss"], "grad_norm": m["grad_norm"], "ref_grad_norm": ref["metrics"]["grad_norm"]}
+                       "logprob_diff": maxdiff(lp, ref["logprobs"]), "loss": m["loss"],
+                       "ref_loss": ref["metrics"]["loss"], "grad_norm": m["grad_norm"],
+                       "ref_grad_norm": ref["metrics"]["grad_norm"]}
     return verdict
 
 
