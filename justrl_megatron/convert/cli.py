@@ -1,0 +1,288 @@
+"""`justrl-convert`: HF <-> Megatron dist checkpoints, and a logits check between the two.
+
+  justrl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --vpp N --dtype bf16]
+  justrl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16]
+  justrl-convert verify --hf DIR --ckpt DIR [--tol 1e-3]
+
+Each runs as one process, or under torchrun (world = a multiple of tp x pp) to shard the work: every rank then reads
+only its own slices of the HF files and writes only its own shards. A dist checkpoint holds global tensors, so one
+written at any layout loads at any other; `--tp` also sets the vocab padding (a multiple of
+make_vocab_size_divisible_by x TP) and is checked against the heads / query groups before any work starts.
+`--ckpt` takes a converter output, a training checkpoint step folder, or a training run folder (its latest step).
+"""
+
+from __future__ import annotations
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class UsageError(Exception):
+    """A problem with the inputs, found before any work: printed without a traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="justrl-convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def layout(s, tp_help):
+        s.add_argument("--tp", type=int, default=1, help=tp_help)
+        s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+        s.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (needs --pp > 1)")
+
+    s = sub.add_parser("hf-to-mcore", help="HF folder -> megatron dist checkpoint")
+    s.add_argument("--hf", required=True, help="HF model folder (config.json + *.safetensors)")
+    s.add_argument("--out", required=True, help="output checkpoint folder")
+    layout(s, "tensor parallel size (sets the vocab padding; the checkpoint loads at any TP)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: the HF config's)")
+    s.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    s.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+
+    s = sub.add_parser("mcore-to-hf", help="megatron dist checkpoint -> HF folder (transformers / vLLM)")
+    s.add_argument("--ckpt", required=True, help="converter output, training step folder, or training run folder")
+    s.add_argument("--out", required=True, help="output HF folder")
+    s.add_argument("--hf-config", default=None, help="HF folder with config/tokenizer, if the checkpoint has none")
+    layout(s, "tensor parallel size to load at (under torchrun)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="exported dtype (default: the checkpoint's)")
+    s.add_argument("--shard-size-mb", type=int, default=2048, help="max size of one safetensors file")
+    s.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+
+    s = sub.add_parser("verify", help="max |logit diff| between an HF model and a Megatron checkpoint")
+    s.add_argument("--hf", required=True)
+    s.add_argument("--ckpt", required=True)
+    layout(s, "tensor parallel size to run Megatron at (under torchrun)")
+    s.add_argument("--tol", type=float, default=1e-3, 
+                   help="fail above this max |logit diff| (fp32; at ~30 layers fp32 noise alone is ~1e-4)")
+    s.add_argument("--batch", type=int, default=2)
+    s.add_argument("--seq-len", type=int, default=32)
+    s.add_argument("--seed", type=int, default=0)
+    return p
+
+
+# --- checks that run before any work ----------------------------------------------------------------------------------
+
+def _hf_shape(hf_dir: str | os.PathLike, what: str = "--hf"):
+    from transformers import AutoConfig
+
+    from ..model.hf_config import model_shape
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").exists():
+        raise UsageError(f"{what} {hf_dir}: no config.json (expected a Hugging Face model folder)")
+    config = AutoConfig.from_pretrained(hf_dir)
+    try:
+        return model_shape(config), config
+    except ValueError as exc:
+        raise UsageError(f"{what} {hf_dir}: {exc}") from None
+
+
+def _check_layout(shape, tp: int, pp: int, vpp: int | None) -> None:
+    from .mapping import check_pp_divides, check_tp_divides
+
+    if tp < 1 or pp < 1 or (vpp is not None and (vpp < 1 or pp == 1)):
+        raise UsageError(f"invalid layout tp={tp} pp={pp} vpp={vpp} (vpp needs pp > 1)")
+    try:
+        check_tp_divides(shape, tp)
+        check_pp_divides(shape, pp, vpp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and world % (tp * pp):
+        raise UsageError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}")
+
+
+def _check_out(out: str, force: bool) -> None:
+    path = Path(out)
+    if path.exists() and any(path.iterdir()) and not force:
+        raise UsageError(f"--out {out} is not empty (pass --force to overwrite)")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A dist checkpoint folder: the path itself, or the latest step of a training run folder."""
+    from ..train.checkpoint import checkpoint_root, latest_step, step_dir
+    from .dist_ckpt import is_dist_checkpoint
+
+    path = Path(path)
+    if is_dist_checkpoint(path):
+        return path
+    run_dir = path.parent if path.name == checkpoint_root(path.parent).name else path
+    step = latest_step(run_dir) if checkpoint_root(run_dir).is_dir() else None
+    if step is not None:
+        return step_dir(run_dir, step)
+    raise UsageError(f"--ckpt {path}: not a megatron dist checkpoint (no metadata.json) nor a training run folder "
+                     f"with a complete checkpoint")
+
+
+def _ckpt_hf_dir(ckpt: Path, override: str | None) -> Path:
+    from .dist_ckpt import HF_SUBDIR
+
+    if override:
+        return Path(override)
+    if (ckpt / HF_SUBDIR / "config.json").exists():
+        return ckpt / HF_SUBDIR
+    raise UsageError(f"{ckpt} holds no HF config ({HF_SUBDIR}/config.json); pass --hf-config DIR "
+                     f"(an HF folder of the same architecture)")
+
+
+# --- shared set-up ----------------------------------------------------------------------------------------------------
+
+def _setup(shape, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, divisible_by: int = 128):
+    """torch.distributed + megatron groups + the model chunks. Single process: TP1 PP1 (vocab padded as for `tp`)."""
+    from ..distributed import init_distributed, init_model_parallel
+    from ..model.build import build_model_chunks
+    from ..model.hf_config import transformer_config
+
+    _, world = init_distributed()
+    pad_tp = tp
+    if world == 1:
+        tp, pp, vpp = 1, 1, None
+    init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234)
+    config = transformer_config(shape, tp=tp, pp=pp, vpp=vpp, dtype=dtype)
+    chunks = build_model_chunks(shape, config, transformer_impl="auto",
+                                make_vocab_size_divisible_by=divisible_by * pad_tp // tp)
+    return chunks
+
+
+def _rank0() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _say(msg: str) -> None:
+    if _rank0():
+        print(msg, flush=True)
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _hf_dtype(config) -> torch.dtype:
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return dt if isinstance(dt, torch.dtype) else DTYPES.get(str(dt), torch.float32)
+
+
+# --- subcommands ------------------------------------------------------------------------------------------------------
+
+def hf_to_mcore(args) -> int:
+    from .dist_ckpt import layout_meta, save_model, write_meta
+    from .load import SafetensorsFolder, load_hf_weights
+
+    shape, config = _hf_shape(args.hf)
+    _check_layout(shape, args.tp, args.pp, args.vpp)
+    _check_out(args.out, args.force)
+    try:
+        SafetensorsFolder(args.hf)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    dtype = DTYPES[args.dtype] if args.dtype else _hf_dtype(config)
+
+    chunks = _setup(shape, args.tp, args.pp, args.vpp, dtype, args.make_vocab_size_divisible_by)
+    load_hf_weights(chunks, args.hf)
+    out = Path(args.out)
+    if _rank0():
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+    _barrier()
+    _say(f"saving dist checkpoint to {out}")
+    save_model(chunks, out)
+    if _rank0():
+        meta = layout_meta(chunks, shape, kind="hf-to-mcore", source=str(Path(args.hf).resolve()),
+                           target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp,
+                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        write_meta(out, meta, hf_source=args.hf)
+    _barrier()
+    _say(f"done: {out} ({shape.family}, {shape.num_layers} layers, {str(dtype).removeprefix('torch.')}; "
+         f"loads at any TP/PP, vocab padded for TP={args.tp})")
+    return 0
+
+
+def mcore_to_hf(args) -> int:
+    from .dist_ckpt import load_model, read_meta
+    from .export import save_hf
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    hf_dir = _ckpt_hf_dir(ckpt, args.hf_config)
+    shape, config = _hf_shape(hf_dir, "HF config")
+    meta = read_meta(ckpt)
+    if meta.get("shape") and meta["shape"]["family"] != shape.family:
+        raise UsageError(f"{ckpt} holds a {meta['shape']['family']} model but {hf_dir} is {shape.family}")
+    _check_layout(shape, args.tp, args.pp, args.vpp)
+    _check_out(args.out, args.force)
+    ckpt_dtype = DTYPES.get(meta.get("dtype", ""), _hf_dtype(config))
+    export_dtype = DTYPES[args.dtype] if args.dtype else ckpt_dtype
+
+    chunks = _setup(shape, args.tp, args.pp, args.vpp, ckpt_dtype)
+    _say(f"loading {ckpt}")
+    load_model(chunks, ckpt)
+    if _rank0() and Path(args.out).exists():
+        shutil.rmtree(args.out)
+    _barrier()
+    save_hf(chunks, shape, args.out, hf_dir, dtype=export_dtype, bucket_bytes=args.shard_size_mb << 20)
+    _barrier()
+    _say(f"done: {args.out} (loadable by transformers and vLLM)")
+    return 0
+
+
+def verify(args) -> int:
+    from .dist_ckpt import load_model, read_meta
+    from .verify import hf_logits, megatron_logits, random_tokens
+
+    shape, _ = _hf_shape(args.hf)
+    ckpt = resolve_checkpoint(args.ckpt)
+    meta = read_meta(ckpt)
+    if meta.get("shape"):
+        theirs = {k: v for k, v in meta["shape"].items() if k != "init_std"}
+        ours = {k: v for k, v in shape.__dict__.items() if k != "init_std"}
+        diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
+        if diff:
+            raise UsageError(f"architectures differ between {ckpt} and {args.hf}: "
+                             + ", ".join(f"{k}: ckpt {a} vs hf {b}" for k, (a, b) in diff.items()))
+    _check_layout(shape, args.tp, args.pp, args.vpp)
+
+    chunks = _setup(shape, args.tp, args.pp, args.vpp, torch.float32)
+    load_model(chunks, ckpt)
+    tokens = random_tokens(shape.vocab_size, args.batch, args.seq_len, args.seed)
+    ours = megatron_logits(chunks, tokens, shape.vocab_size)
+    from megatron.core import parallel_state as ps
+
+    diff = torch.zeros(1, dtype=torch.float64)
+    if ours is not None and ps.get_tensor_model_parallel_rank() == 0:
+        ref = hf_logits(args.hf, tokens)
+        diff[0] = (ours - ref).abs().max().item()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+    value = float(diff[0])
+    ok = value <= args.tol
+    _say(json.dumps({"max_abs_logit_diff": value, "tol": args.tol, "ok": ok, "tokens": list(tokens.shape)}))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    command = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "verify": verify}[args.command]
+    try:
+        code = command(args)
+    except UsageError as exc:  # found before any work, alike on every rank
+        print(f"justrl-convert {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

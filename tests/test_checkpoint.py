@@ -1,0 +1,121 @@
+"""Training checkpoints: `latest` / temp-folder rules, and (one 2-process job) exact resume, resharding, retention."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from justrl_megatron.assets import tiny_model
+from justrl_megatron.train import checkpoint as ckpt
+
+HERE = Path(__file__).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+# --- which checkpoint is "latest" (no megatron needed) ------------------------------------------------------------
+
+def _fake_step(run_dir, step):
+    path = ckpt.step_dir(run_dir, step)
+    path.mkdir(parents=True)
+    return path
+
+
+def test_latest_step_follows_the_pointer_and_ignores_temp_folders(tmp_path):
+    assert ckpt.latest_step(tmp_path) is None
+    _fake_step(tmp_path, 10)
+    _fake_step(tmp_path, 20)
+    root = ckpt.checkpoint_root(tmp_path)
+    (root / ".tmp_step_00000030").mkdir()  # a save that died mid-write
+    (root / ".tmp_step_00000030" / "metadata.json").write_text("{}")
+    (root / "latest").write_text("step_00000010\n")
+    assert ckpt.latest_step(tmp_path) == 10  # the pointer decides, not the newest folder
+    (root / "latest").write_text("step_00000020\n")
+    assert ckpt.latest_step(tmp_path) == 20
+
+
+def test_latest_step_without_a_usable_pointer_takes_the_newest_complete_folder(tmp_path):
+    _fake_step(tmp_path, 5)
+    _fake_step(tmp_path, 7)
+    (ckpt.checkpoint_root(tmp_path) / ".tmp_step_00000009").mkdir()
+    assert ckpt.latest_step(tmp_path) == 7  # crash between rename and pointer update: renamed folders are complete
+    (ckpt.checkpoint_root(tmp_path) / "latest").write_text("step_00000099\n")  # points at nothing
+    assert ckpt.latest_step(tmp_path) == 7
+
+
+def test_keep_last_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="keep_last"):
+        ckpt.save_checkpoint(tmp_path, 1, [], None, None, {}, keep_last=0)
+
+
+# --- real megatron: exact resume, resharding (one 2-process job) --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def resume(tmp_path_factory):
+    hf = tiny_model(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", vocab_size=1100)
+    out = tmp_path_factory.mktemp("ckpt_resume")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "mp" / "ckpt_resume.py"), str(out), str(hf)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_exact_resume_is_bitwise(resume):
+    """4 steps straight == 2 steps + save + fresh model (other init, other seeds) + load + 2 steps, bitwise: weights,
+    Adam moments, LR schedule, every RNG draw, data position."""
+    for v in resume[1]:
+        assert v["fresh_differs"]  # the rebuilt model really starts elsewhere
+        assert v["resumed_extra"] == {"step": 2, "data_position": 2}
+        assert v["resume_weights_equal_w2"] and v["resume_moments_equal_m2"]
+        assert v["resume_weights_equal_w4"] and v["resume_max_diff_w4"] == 0.0
+        assert v["resume_log_equal"]  # per step: LR, python/numpy/torch/tracker RNG draws, grad norm
+        assert v["resume_lrs"] == v["straight_lrs"] and len(set(v["straight_lrs"])) == 4  # warmup + cosine
+        assert v["adam_update_scale"] > 1e-4  # the steps move the weights
+
+
+def test_interrupted_save_is_never_latest(resume):
+    for v in resume[1]:
+        assert v["latest_after_dead_save"] == 2  # a fully written but uncommitted step 3 and a junk temp folder
+
+
+def test_keep_last_retention_and_cleanup(resume):
+    for v in resume[1]:
+        assert v["retained"] == ["latest", "step_00000003", "step_00000004"]  # step 2 dropped, dead temps removed
+        assert v["latest_after_retention"] == 4
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_reshard_tp2_checkpoint(resume, layout):
+    """Saved at TP2, resumed at TP1 (DP2) / PP2: weights and Adam moments equal bitwise; the next steps stay within the
+    noise between layouts (the same 4 steps straight at TP1 vs TP2)."""
+    assert resume[1][0][f"reshard_{layout}"]["rng_warning"]  # per-rank RNG states do not cross layouts: rank 0 says so
+    for v in resume[1]:
+        r = v[f"reshard_{layout}"]
+        assert r["step"] == 2 and r["weights_equal_w2"] and r["moments_equal_m2"], r
+        assert r["lrs"] == v["straight_lrs"]
+        assert r["max_diff_w4_after_2_steps"] <= 1.5 * v["layout_noise_w4"], (r, v["layout_noise_w4"])
+
+
+def test_distributed_optimizer_exact_resume_and_reshard(resume):
+    for v in resume[1]:
+        assert v["distopt_resume_weights_equal_w2"] and v["distopt_resume_weights_equal_w4"]
+        assert v["distopt_resume_max_diff"] == 0.0
+        assert v["distopt_reshard_tp2_weights_equal_w2"]
+        assert v["distopt_reshard_tp2_max_diff_w4"] <= 1.5 * v["layout_noise_w4"]
+
+
+def test_training_checkpoint_exports_to_hf(resume, tmp_path):
+    """`justrl-convert mcore-to-hf --ckpt RUN_DIR` takes the latest step (the resumed run's step 4 == A's weights)."""
+    out, _ = resume
+    proc = subprocess.run([sys.executable, "-m", "justrl_megatron.convert.cli", "mcore-to-hf",
+                           "--ckpt", str(out / "run_b"), "--out", str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(out / "w4.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert (tmp_path / "hf" / "config.json").exists()
