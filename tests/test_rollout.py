@@ -218,3 +218,31 @@ def test_incomplete_stream_is_refused_then_a_full_sync_recovers(qwen2_run):
     assert inc["version_after"] == 3 and inc["generate_refused"]
     assert qwen2_run["recovered"] == {"greedy_equal": True, "version": 4}
 
+
+# --- split placement: a rollout-only rank, weights broadcast by the trainer -----------------------------------------
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+    """2 ranks: rank 0 sends, rank 1 hosts an engine in a child process (vLLM's engine core), gloo broadcast."""
+    from justrl_megatron.assets import tiny_model
+
+    out = tmp_path_factory.mktemp("rollout_split")
+    model = tiny_model(out / "tiny_llama", "llama", hidden_size=128, num_heads=4, num_kv_heads=2,
+                       intermediate_size=200)  # tied embeddings: lm_head travels too
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "mp" / "rollout_split.py"), str(model), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "verdict.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_split_placement_receives_broadcast_syncs(split_run):
+    assert split_run["backend"] == "gloo"
+    assert [s["version"] for s in split_run["syncs"]] == [1, 2]
+    for s in split_run["syncs"]:
+        assert s["greedy_equal"] and s["versions"] == [s["version"]] * 2, s
+        assert s["gap"]["logprob_diff_tokens"] >= 24 and s["gap"]["logprob_diff_mean"] <= 1e-4, s["gap"]
+        assert s["sender"]["bytes"] == s["receiver"]["bytes"] > 0
+        assert s["sender"]["buckets"] == s["receiver"]["buckets"] > 1
