@@ -120,15 +120,36 @@ def test_pack_unpack_roundtrip_mixed_dtypes():
 def test_checkpoint_names_and_eos_from_an_hf_folder(tmp_path):
     from justrl_megatron.assets import tiny_model
     from justrl_megatron.rollout.vllm_engine import model_eos_token_ids
-    from justrl_megatron.rollout.weight_transfer import checkpoint_tensor_names
+    from justrl_megatron.rollout.weight_transfer import checkpoint_tensors
 
     folder = tiny_model(tmp_path / "m", "llama", num_layers=1)
-    names = checkpoint_tensor_names(folder)
-    assert "model.embed_tokens.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
-    assert "lm_head.weight" not in names  # tied: HF does not save it, the stream adds it (tie_lm_head)
+    numels = checkpoint_tensors(folder)
+    assert numels["model.embed_tokens.weight"] == 1000 * 64 and "model.layers.0.self_attn.q_proj.weight" in numels
+    assert "lm_head.weight" not in numels  # tied: HF does not save it, the stream adds it (tie_lm_head)
     assert model_eos_token_ids(folder) == [1]
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        checkpoint_tensor_names(tmp_path)
+        checkpoint_tensors(tmp_path)
+
+
+def test_backend_choice_follows_the_placement():
+    from justrl_megatron.rollout.vllm_engine import VLLMEngine
+
+    def choose(requested, in_process, on_gpu):
+        engine = VLLMEngine.__new__(VLLMEngine)  # the choice only reads the placement
+        engine.in_process, engine.on_gpu = in_process, on_gpu
+        return engine._choose_backend(requested)
+
+    assert choose("auto", True, False) == choose("auto", True, True) == choose("cpu", True, False) == "local"
+    assert choose("auto", False, False) == "gloo" and choose("auto", False, True) == "nccl"
+    assert choose("ipc", False, True) == "ipc"
+    with pytest.raises(ValueError, match="cannot open a handle in the process that made it"):
+        choose("ipc", True, True)
+    with pytest.raises(ValueError, match="needs the engine in the trainer's process"):
+        choose("local", False, False)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        choose("nccl", False, False)
+    with pytest.raises(ValueError, match="must be auto"):
+        choose("shm", True, False)
 
 
 def test_backends_are_registered_with_vllm():

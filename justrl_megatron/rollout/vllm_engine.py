@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from .base import Rollouts, SamplingConfig, WeightStream
-from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, checkpoint_tensor_names,
+from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, checkpoint_tensors,
                               iter_buckets, tie_lm_head)
 
 _DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -46,6 +46,11 @@ def model_eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
                 if isinstance(i, int) and i not in ids:
                     ids.append(i)
     return ids
+
+
+def _physical_gpu(index: int) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index] if visible else str(index)
 
 
 def _tied_embeddings(model_dir) -> bool:
@@ -94,7 +99,9 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         self.tied = _tied_embeddings(model_dir)
         self.eos_token_ids = model_eos_token_ids(model_dir)
-        self.checkpoint_names = checkpoint_tensor_names(model_dir)  # a sync must cover all of them
+        numels = checkpoint_tensors(model_dir)
+        self.checkpoint_names = set(numels)  # a sync must cover all of them
+        self.largest_numel = max(numels.values())
         self.backend = self._choose_backend(weight_sync_backend)
         os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
 
@@ -114,8 +121,6 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(cpu_kvcache_gib * 2**30)
         self.engine_index, self.num_engines = 0, 1
         if in_process:
-            import torch.distributed as dist
-
             from justrl_megatron.distributed import init_distributed
 
             rank, world = init_distributed()  # external_launcher joins torch.distributed's WORLD
@@ -123,7 +128,14 @@ class VLLMEngine:
                 raise ValueError(f"world size {world} is not divisible by rollout tensor_parallel={tensor_parallel}")
             self.engine_index, self.num_engines = rank // tensor_parallel, world // tensor_parallel
             kwargs["distributed_executor_backend"] = "external_launcher"
-            assert dist.is_initialized()
+        else:
+            if tensor_parallel != 1:
+                raise ValueError("an engine in a child process (split placement) serves one rank's device: "
+                                 "rollout tensor_parallel must be 1 there")
+            if self.on_gpu:  # the child must use this rank's GPU (vLLM takes the first visible one)
+                os.environ["CUDA_VISIBLE_DEVICES"] = _physical_gpu(torch.cuda.current_device())
+            if self.backend == "ipc":  # IPC handles are pickled into the request (vLLM's own HTTP client does too)
+                os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         # replicas sample different streams; the ranks of one TP group must agree
         kwargs["seed"] = seed + self.engine_index
         self.sleep_enabled = enable_sleep and self.on_gpu  # vLLM's sleep mode is CUDA-only (a no-op on CPU)
@@ -139,25 +151,33 @@ class VLLMEngine:
         self._weights_discarded = False
         if self.backend == "local":
             self.llm.init_weight_transfer_engine({"init_info": {}})
+        elif self.backend == "ipc":
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": True}})
 
     # -- helpers ---------------------------------------------------------------------------------------------------
 
     def _choose_backend(self, requested: str) -> str:
-        """auto: local for an in-process engine; else gloo (CPU) or vLLM's nccl (GPU). "cpu" is an alias of local."""
+        """Which weight-transfer backend fits the placement ("cpu" is an alias of local):
+
+        in-process engine (colocated):   local (tensors by reference; CPU and GPU)
+        engine in a child process:       gloo (CPU) / nccl (GPU) broadcast from trainer rank 0 (split placement),
+                                         or ipc (GPU): this rank feeds its own child-process engine on its GPU
+        """
         requested = {"cpu": "local"}.get(requested, requested)
+        if requested not in ("auto", "local", "gloo", "nccl", "ipc"):
+            raise ValueError(f"weight_sync_backend must be auto, local (cpu), gloo, nccl or ipc, got {requested!r}")
         broadcast = "nccl" if self.on_gpu else "gloo"
         if requested == "auto":
             return "local" if self.in_process else broadcast
-        if requested == "local" and not self.in_process:
-            raise ValueError("weight_sync_backend=local (cpu) needs the engine in the trainer's process "
-                             f"(in_process=True, colocated); use {broadcast} for split placement")
+        if self.in_process and requested != "local":
+            raise ValueError(f"weight_sync_backend={requested} is for an engine in a child process (in_process=False);"
+                             f" an in-process engine takes the weights by reference (local): CUDA IPC cannot open a "
+                             f"handle in the process that made it")
+        if not self.in_process and requested == "local":
+            raise ValueError(f"weight_sync_backend=local (cpu) needs the engine in the trainer's process "
+                             f"(in_process=True, colocated); use {broadcast} (split) or ipc (GPU)")
         if requested in ("nccl", "ipc") and not self.on_gpu:
             raise ValueError(f"weight_sync_backend={requested} needs CUDA; on CPU use local (colocated) or gloo (split)")
-        if requested == "ipc":
-            raise ValueError("weight_sync_backend=ipc: CUDA IPC cannot open a handle in the process that made it, and "
-                             "a colocated engine shares the trainer's process; use local (colocated) or nccl (split)")
-        if requested not in ("local", "gloo", "nccl"):
-            raise ValueError(f"weight_sync_backend must be auto, local/cpu, gloo or nccl, got {requested!r}")
         return requested
 
     @property
@@ -245,14 +265,35 @@ class VLLMEngine:
         """Load a full weight stream (HF names and shapes) as `version`; returns timing figures of the sync.
 
         Colocated: every rank of the engine's TP group passes the same full tensors (the local backend shards them).
-        Split placement: use `receive_weights` on the rollout ranks instead.
+        ipc: the tensors (on this rank's GPU) reach the child-process engine through one reused IPC buffer.
+        Split placement (gloo / nccl): the rollout ranks call `receive_weights` instead.
         """
-        if self.backend != "local":
+        if self.backend not in ("local", "ipc"):
             raise RuntimeError(f"update_weights takes a local stream; with the {self.backend} backend the weights are "
                                f"broadcast by the trainer: call receive_weights")
         buckets = tie_lm_head(iter_buckets(stream, self.bucket_bytes), self.tied)
+        if self.backend == "ipc":
+            return self._sync(self._ipc_payloads(buckets), version)
         payloads = ((bucket_metadata(b)["names"], bucket_nbytes(b), {"weights": b}) for b in buckets)
         return self._sync(payloads, version)
+
+    def _ipc_payloads(self, buckets):
+        """vLLM's packed IPC producer over the whole stream: one CUDA buffer, exported once, refilled per chunk.
+        The producer resumes only after `_sync` has returned from update_weights, i.e. once the engine has read it."""
+        import base64
+        import pickle
+
+        from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        # a tensor never splits across chunks: the buffer holds the largest one (upper bound: fp32 numel)
+        size = max(self.bucket_bytes, 4 * self.largest_numel)
+        pairs = (pair for bucket in buckets for pair in bucket)
+        for chunk in packed_ipc_producer(pairs, uuid, lambda item: item[1], buffer_size_bytes=size):
+            yield chunk.names, sum(chunk.tensor_sizes), {
+                "names": chunk.names, "dtype_names": chunk.dtype_names, "shapes": chunk.shapes,
+                "tensor_sizes": chunk.tensor_sizes,
+                "ipc_handles_pickled": base64.b64encode(pickle.dumps(chunk.ipc_handle)).decode()}
 
     def receive_weights(self, control_group, version: int | None = None, sender_rank: int = 0) -> dict:
         """Split placement, on a rollout rank: receive one broadcast sync driven by `send_weights` on the trainer.

@@ -115,8 +115,8 @@ def bucket_metadata(bucket: list[NamedTensor]) -> dict[str, list]:
     }
 
 
-def checkpoint_tensor_names(model_dir) -> set[str]:
-    """The tensor names of an HF folder's safetensors (headers only): what a full weight stream must cover."""
+def checkpoint_tensors(model_dir) -> dict[str, int]:
+    """name -> numel of an HF folder's safetensors (headers only): what a full weight stream must cover."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -124,11 +124,12 @@ def checkpoint_tensor_names(model_dir) -> set[str]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files (vLLM and the weight sync need an HF folder)")
-    names: set[str] = set()
+    numels: dict[str, int] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            names.update(sf.keys())
-    return names
+            for name in sf.keys():
+                numels[name] = math.prod(sf.get_slice(name).get_shape())
+    return numels
 
 
 def bucket_nbytes(bucket: list[NamedTensor]) -> int:
