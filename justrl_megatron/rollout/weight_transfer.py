@@ -2,15 +2,18 @@
 
 vLLM (0.32+) updates weights in a session: `init_weight_transfer_engine(init_info)` once, then per sync
 `start_weight_update()`, `update_weights(update_info)` per bucket, `finish_weight_update(version)`. The worker-side
-half is a `WeightTransferEngine` picked by `weight_transfer_config={"backend": name}`; vLLM ships `nccl` and `ipc`
-(GPU) and we register two more here:
+half is a `WeightTransferEngine` picked by `weight_transfer_config={"backend": name}`. Which one serves which placement
+(`VLLMEngine._choose_backend`):
 
-- ``local``: the update request carries the tensors themselves. For an engine in the trainer's process (colocated,
-  `external_launcher`: the default placement, on CPU and on GPU) this hands the stream's tensors over by reference —
-  no copy, no IPC (CUDA IPC cannot open a handle in the process that made it).
-- ``gloo``: the CPU twin of vLLM's ``nccl`` backend for split placement: trainer rank 0 broadcasts packed buckets over
-  a private gloo group (a TCPStore rendezvous, outside torch.distributed's WORLD) to engine workers in other
-  processes. On GPU, split placement uses vLLM's ``nccl`` backend with the same control flow (`BroadcastSender`).
+- ``local`` (registered here): the update request carries the tensors themselves. For an engine in the trainer's
+  process (colocated, `external_launcher`: the default placement, on CPU and on GPU) this hands the stream's tensors
+  over by reference — no copy, no IPC (CUDA IPC cannot open a handle in the process that made it).
+- ``gloo`` (registered here): the CPU twin of vLLM's ``nccl`` backend for split placement: trainer rank 0 broadcasts
+  packed buckets over a private gloo group (a TCPStore rendezvous, outside torch.distributed's WORLD) to engine
+  workers in other processes. On GPU, split placement uses vLLM's ``nccl`` backend with the same control flow
+  (`BroadcastSender` here, `VLLMEngine.receive_weights` on the rollout ranks).
+- vLLM's ``ipc`` (GPU): a rank feeding its own engine that runs in a child process on the same GPU
+  (`VLLMEngine._ipc_payloads`: vLLM's packed IPC producer, one exported buffer refilled per chunk).
 
 All weight-transfer engines load through vLLM's layerwise reload (`initialize_layerwise_reload` in
 `start_weight_update`, `finalize_layerwise_reload` in `finish_weight_update`): on CPU a plain `load_weights` after
