@@ -206,7 +206,7 @@ def test_train_sbatch_requeue_resumes_without_losing_a_step(cluster, tmp_path):
     """The real train.sbatch, 2 nodes, USR1 -> every rank finishes its step and saves -> requeue -> resume."""
     log, run_dir, total = tmp_path / "job.out", tmp_path / "run", 5
     proc, job_id = cluster.submit(
-        "-t", "10", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
+        "-t", "30", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
         f"trainer.run_dir={run_dir}", f"trainer.total_steps={total}", "step_seconds=1", cwd=tmp_path,
         env_extra={"JUSTRL_ENTRY": str(REPO / "tests/slurm/step_worker.py")})
     first_steps = run_dir / "steps-rank0.jsonl"
@@ -331,7 +331,7 @@ def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_hf, tmp_pat
     land before the last step for the resume to have work left; one trainer start-up fewer than two separate jobs.)"""
     require_cli("train", "issue 7 (trainer)")
     log, total = tmp_path / "job.out", 3
-    proc, job_id = cluster.submit("-t", "10", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
+    proc, job_id = cluster.submit("-t", "30", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
                                   *tiny_overrides(tiny_hf, total), cwd=tmp_path)
     run_dir = _run_dir(tmp_path, job_id)
     wait_for(lambda: _metric_steps(run_dir), 240, "the first training step", proc, log)
@@ -361,7 +361,7 @@ def test_issue5_convert_sbatch_roundtrip(cluster, tiny_hf, tmp_path):
     for args in (["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(mcore)],
                  ["mcore-to-hf", "--ckpt", str(mcore), "--out", str(back)]):
         log = tmp_path / f"{args[0]}.out"
-        proc, job_id = cluster.submit("-t", "10", "-o", str(log), str(REPO / "launch/slurm/convert.sbatch"), *args,
+        proc, job_id = cluster.submit("-t", "30", "-o", str(log), str(REPO / "launch/slurm/convert.sbatch"), *args,
                                       cwd=tmp_path)
         assert cluster.finish(proc, timeout=240) == 0, log.read_text()[-4000:]
     original = {k: v for f in tiny_hf.glob("*.safetensors") for k, v in load_file(f).items()}

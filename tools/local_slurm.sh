@@ -161,7 +161,8 @@ CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 SchedulerParameters=bf_interval=1,sched_interval=2
 ReturnToService=2
 JobRequeue=1
-MinJobAge=600
+# 0: finished jobs stay visible to scontrol, and sbatch --wait polls every 2 s (it backs off to 32 s otherwise)
+MinJobAge=0
 KillWait=10
 InactiveLimit=0
 MailProg=/bin/true
