@@ -64,13 +64,16 @@ class LocalSlurm:
 
     def start(self, *options: str) -> None:
         subprocess.run(["bash", str(REPO / "tools/install_slurm.sh")], check=True)
-        r = subprocess.run(["bash", str(REPO / "tools/local_slurm.sh"), "start", "--dir", str(self.dir), *options],
+        # --owner-pid: should this test process die without its teardown, the cluster stops by itself
+        r = subprocess.run(["bash", str(REPO / "tools/local_slurm.sh"), "start", "--dir", str(self.dir),
+                            "--owner-pid", str(os.getpid()), *options],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"local_slurm.sh start failed:\n{r.stdout}\n{r.stderr}"
         assert f"SLURM_CONF={self.dir}/slurm.conf" in r.stdout
 
     def stop(self) -> None:
         pids = [int(line.split()[1]) for line in (self.dir / "pids").read_text().split("\n") if line.strip()]
+        pids.append(int((self.dir / "watchdog.pid").read_text()))
         subprocess.run(["bash", str(REPO / "tools/local_slurm.sh"), "stop", "--dir", str(self.dir)], check=True,
                        timeout=120)
         alive = [p for p in pids if _alive(p)]

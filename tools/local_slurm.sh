@@ -9,7 +9,8 @@
 #
 # start options: --dir DIR (default: a new mktemp dir), --nodes N (2), --cpus C per node (2),
 #                --gpus G per node (0; G>0 declares gres gpu:G backed by placeholder device files, so that
-#                --gpus-per-node is accepted; there is no GPU behind them).
+#                --gpus-per-node is accepted; there is no GPU behind them),
+#                --owner-pid PID (stop the cluster by itself once PID is gone: tests pass their own PID).
 # stop/status take --dir DIR or use $LOCAL_SLURM_DIR.
 #
 # Needs root and Slurm (tools/install_slurm.sh). Every slurmd runs in its own mount + UTS namespace
@@ -21,13 +22,14 @@ set -euo pipefail
 usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 cmd=${1:-}; [[ -n $cmd ]] || usage 1; shift
-dir=${LOCAL_SLURM_DIR:-}; nodes=2; cpus=2; gpus=0
+dir=${LOCAL_SLURM_DIR:-}; nodes=2; cpus=2; gpus=0; owner=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dir) dir=$2; shift 2 ;;
     --nodes) nodes=$2; shift 2 ;;
     --cpus) cpus=$2; shift 2 ;;
     --gpus) gpus=$2; shift 2 ;;
+    --owner-pid) owner=$2; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "local_slurm: unknown option $1" >&2; usage 1 ;;
   esac
@@ -50,6 +52,11 @@ PY
 stop_cluster() {
   [[ -n $dir && -d $dir ]] || die "no cluster dir: pass --dir DIR or set LOCAL_SLURM_DIR"
   [[ -f $dir/pids ]] || { log "nothing started in $dir"; return 0; }
+  if [[ -f $dir/watchdog.pid ]]; then  # not when the watchdog itself is stopping the cluster
+    local watchdog; watchdog=$(cat "$dir/watchdog.pid")
+    [[ $watchdog == "$PPID" ]] || kill -TERM "$watchdog" 2>/dev/null || true
+    rm -f "$dir/watchdog.pid"
+  fi
   export SLURM_CONF=$dir/slurm.conf
   if timeout 10 scancel --quiet --user="$(id -un)" 2>/dev/null; then
     for _ in $(seq 50); do
@@ -198,6 +205,13 @@ EOF
   done
   [[ $idle == "$nodes" ]] || { log "nodes not idle after 30 s: $(sinfo -h -N -o '%N=%T' 2>&1 | tr '\n' ' ')"; false; }
   trap - ERR
+  if [[ -n $owner ]]; then
+    # A watchdog that stops the cluster once the owner is gone (a killed test run must not leave daemons behind).
+    ( while kill -0 "$owner" 2>/dev/null && [[ -f $dir/pids ]]; do sleep 1; done
+      if [[ -f $dir/pids ]]; then bash "$0" stop --dir "$dir"; fi ) >>"$dir/log/watchdog.log" 2>&1 &
+    echo $! > "$dir/watchdog.pid"
+    log "watchdog pid $! stops the cluster when pid $owner exits"
+  fi
   log "up: $nodes nodes (n1..n$nodes), $cpus CPUs and $gpus GPUs each, partition debug; state in $dir"
   echo "export SLURM_CONF=$dir/slurm.conf LOCAL_SLURM_DIR=$dir"
 }
