@@ -151,18 +151,30 @@ def tiny_model(
     max_position_embeddings: int = 512,
     seed: int = 0,
     with_tokenizer: bool = False,
+    tokenizer: str | os.PathLike | None = None,
 ) -> Path:
-    """Write a tiny random Qwen2 or Llama HF folder (fp32 safetensors). Qwen2 defaults untied, Llama tied."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """Write a tiny random Qwen2 or Llama HF folder (fp32 safetensors). Qwen2 defaults untied, Llama tied.
 
+    `with_tokenizer` copies the Qwen2 tokenizer in; `tokenizer` copies the one of that folder instead and sizes the
+    vocabulary to it (a model the trainer can run end to end on text prompts, e.g. with SmolLM2's 49,152 tokens).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+    tokenizer_src = tokenizer if tokenizer is not None else (qwen2_tokenizer() if with_tokenizer else None)
+    tok = AutoTokenizer.from_pretrained(tokenizer_src) if tokenizer_src is not None else None
+    if tokenizer is not None:
+        vocab_size = len(tok)
+    if tok is not None and len(tok) > vocab_size:
+        raise ValueError(f"tiny_model: vocab_size={vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
     if tie_word_embeddings is None:
         tie_word_embeddings = family == "llama"
+    eos = tok.eos_token_id if tok is not None else 1
     common = dict(
         num_hidden_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.1,
+        bos_token_id=0, eos_token_id=eos, pad_token_id=eos, initializer_range=0.1,
     )
     if family == "qwen2":
         config = Qwen2Config(rope_theta=10000.0, use_sliding_window=False, **common)
@@ -180,10 +192,8 @@ def tiny_model(
                 p.add_(torch.randn_like(p) * 0.1)
     out = Path(out)
     model.save_pretrained(out)
-    if with_tokenizer:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(qwen2_tokenizer()).save_pretrained(out)
+    if tok is not None:
+        tok.save_pretrained(out)
     return out
 
 

@@ -7,17 +7,6 @@ from __future__ import annotations
 
 import sys
 
-NOT_IMPLEMENTED_EXIT = 2
-
-
-def _not_implemented(command: str, issue: str, argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(f"usage: {command} ...\n\n{command} is not implemented yet (it lands with {issue}).")
-        return 0
-    print(f"{command}: not implemented yet (it lands with {issue}).", file=sys.stderr)
-    return NOT_IMPLEMENTED_EXIT
-
-
 def train_main() -> None:
     """justrl-train [hydra overrides...]: GRPO training (default: the embedded CPU demo)."""
     import justrl_megatron.compat  # noqa: F401
@@ -28,13 +17,19 @@ def train_main() -> None:
 
 
 def convert_main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    sys.exit(_not_implemented("justrl-convert", "issue 5 (checkpoint converter)", argv))
+    """justrl-convert {hf-to-mcore,mcore-to-hf,verify} ...: HF <-> Megatron checkpoints."""
+    import justrl_megatron.compat  # noqa: F401
+
+    from .convert.cli import main
+
+    sys.exit(main(argv))
 
 
 def bench_main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    sys.exit(_not_implemented("justrl-bench", "issue 9 (benchmarks)", argv))
+    """justrl-bench --phase {rewards,rollout,train,sync,step} ... | --vs trl: throughput benchmarks."""
+    from .bench.cli import main
+
+    sys.exit(main(argv))
 
 
 def eval_main(argv: list[str] | None = None) -> None:

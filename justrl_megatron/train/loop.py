@@ -58,6 +58,7 @@ def run(cfg, model_dir: Path, shape) -> int:
     from .step import compute_logprobs, grpo_update
 
     tr, ro, algo, par = cfg.trainer, cfg.rollout, cfg.algo, cfg.parallel
+    _quiet_libraries()
     rank, _ = init_distributed()
     is_leader = rank == 0
     run_dir = Path(tr.run_dir)
@@ -172,7 +173,8 @@ def run(cfg, model_dir: Path, shape) -> int:
         stopping = stop.agreed()
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
-                            {"step": step, "sampler": sampler.state_dict()}, keep_last=tr.keep_last)
+                            {"step": step, "sampler": sampler.state_dict()}, keep_last=tr.keep_last, shape=shape,
+                            hf_source=model_dir)
         if stopping:
             logger.print(f"checkpoint saved at step {step}; exiting for requeue")
             break
@@ -253,6 +255,15 @@ def _evaluate(engine, prompts, scorer, tokenizer, ro) -> float | None:
         return None
     texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
     return sum(scorer.evaluate(texts, [p.answer for p in prompts])[1]) / len(prompts)
+
+
+def _quiet_libraries() -> None:
+    """megatron logs every parameter name and vLLM every engine detail at INFO: keep the console for the run."""
+    import logging
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name in ("megatron", "megatron.core", "vllm"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _dtype(name: str) -> torch.dtype:

