@@ -8,6 +8,7 @@ venv:
 demo: venv
 	.venv/bin/justrl-train
 
-# Everything CI runs (.ci/run calls exactly this).
+# Everything CI runs (.ci/run calls exactly this). The Slurm tests need Debian's Slurm (installed once, as root).
 test: venv
+	bash tools/install_slurm.sh
 	.venv/bin/python -m pytest

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+
 def train_main() -> None:
     """justrl-train [hydra overrides...]: GRPO training (default: the embedded CPU demo)."""
     import justrl_megatron.compat  # noqa: F401
