@@ -184,18 +184,22 @@ def test_cli_torchrun_pp2_round_trip_tied_llama(models, tmp_path):
     assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_cli_single_process_qwen2_round_trip_and_verify(models, tmp_path):
+def test_cli_single_process_bf16_qwen2_round_trip_and_verify(models, tmp_path):
+    """bf16 (as trained on GPU), through the tools/ wrapper: the export equals the HF weights rounded to bf16, and
+    verify compares against the HF model on the same bf16 weights."""
     ckpt, back = tmp_path / "mcore", tmp_path / "hf"
     run([sys.executable, str(HERE.parent / "tools" / "convert_hf_to_megatron.py"), "--hf", str(models["qwen2"]),
-         "--out", str(ckpt), "--tp", "2"])  # single process: vocab padded for TP2 (1280); loads at any TP
+         "--out", str(ckpt), "--tp", "2", "--dtype", "bf16"])  # single process: vocab padded for TP2; loads at any TP
+    assert json.loads((ckpt / "justrl_megatron.json").read_text())["dtype"] == "bfloat16"
     proc = run(CLI + ["verify", "--hf", str(models["qwen2"]), "--ckpt", str(ckpt), "--tol", "1e-5"])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["ok"] and result["max_abs_logit_diff"] <= 1e-5, result
     run(CLI + ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(back)])
-    assert_bitwise_equal(tensors(back), tensors(models["qwen2"]))
+    assert_bitwise_equal(tensors(back), {n: t.to(torch.bfloat16) for n, t in tensors(models["qwen2"]).items()})
     for side in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (back / side).exists(), side
-    assert json.loads((back / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    config = json.loads((back / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["dtype"] == "bfloat16"
 
 
 @pytest.mark.slow

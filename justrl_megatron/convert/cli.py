@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-size-mb", type=int, default=2048, help="max size of one safetensors file")
     s.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
 
-    s = sub.add_parser("verify", help="max |logit diff| between an HF model and a Megatron checkpoint")
+    s = sub.add_parser("verify", help="max |logit diff| between an HF model and a Megatron checkpoint (both run in "
+                                      "fp32 on the checkpoint's weights precision)")
     s.add_argument("--hf", required=True)
     s.add_argument("--ckpt", required=True)
     layout(s, "tensor parallel size to run Megatron at (under torchrun)")
@@ -260,7 +261,7 @@ def verify(args) -> int:
 
     diff = torch.zeros(1, dtype=torch.float64)
     if ours is not None and ps.get_tensor_model_parallel_rank() == 0:
-        ref = hf_logits(args.hf, tokens)
+        ref = hf_logits(args.hf, tokens, weight_dtype=DTYPES.get(meta.get("dtype", ""), torch.float32))
         diff[0] = (ours - ref).abs().max().item()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)

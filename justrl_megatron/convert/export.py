@@ -187,8 +187,10 @@ def save_hf(
         if not rank0:
             continue
         fname = "model.safetensors" if n_files == 1 else f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
-        # clone: tensors may alias live parameters or one shared buffer, which safetensors refuses
-        save_file({n: t.clone() for n, t in bucket}, str(out_dir / fname), metadata={"format": "pt"})
+        # a CPU copy: tensors may live on the GPU, or alias live parameters / one shared buffer (safetensors refuses)
+        save_file({n: t.detach().to("cpu", copy=True) for n, t in bucket}, str(out_dir / fname),
+                  metadata={"format": "pt"})
+        os.chmod(out_dir / fname, 0o644)
         for n, t in bucket:
             weight_map[n] = fname
             total += t.numel() * t.element_size()

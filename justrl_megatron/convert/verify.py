@@ -51,11 +51,13 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tens
     return torch.cat(gathered).cpu()
 
 
-def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of the transformers model (eager attention, CPU)."""
+def hf_logits(hf_dir: str | os.PathLike, tokens: torch.Tensor,
+              weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp32 logits of the transformers model (eager attention, CPU), its weights first rounded to `weight_dtype`
+    (a bf16 checkpoint is compared with the HF model's bf16-rounded weights, both computed in fp32)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=weight_dtype, attn_implementation="eager")
+    model.float().eval()
     with torch.no_grad():
         return model(tokens).logits.float()
