@@ -26,9 +26,14 @@ def make_engine(cfg, model_dir, *, seed: int = 0):
     """
     from .vllm_engine import VLLMEngine
 
+    from ..model.policy import resolve_dtype
+
     ro = cfg.rollout
+    # the trainer's dtype, resolved the same way ("auto": bf16 on GPU, fp32 on CPU). vLLM's own "auto" would run a
+    # float32 checkpoint in half precision and break trainer/rollout logprob parity.
+    dtype = str(resolve_dtype(cfg.model.dtype)).removeprefix("torch.")
     return VLLMEngine(
-        model_dir, dtype=cfg.model.dtype, tensor_parallel=ro.tensor_parallel, seed=seed,
+        model_dir, dtype=dtype, tensor_parallel=ro.tensor_parallel, seed=seed,
         max_model_len=cfg.data.max_prompt_length + ro.max_response_length,
         gpu_memory_utilization=ro.gpu_memory_utilization, cpu_kvcache_gib=ro.cpu_kvcache_gib,
         enforce_eager=ro.enforce_eager, in_process=ro.placement == "colocated",
