@@ -101,7 +101,7 @@ def _layout() -> dict:
 
     return {"world": dist.get_world_size() if dist.is_initialized() else 1,
             "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size()}
+            "vpp": getattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)()}
 
 
 def rng_state() -> dict:
