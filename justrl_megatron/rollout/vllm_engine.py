@@ -236,7 +236,8 @@ class VLLMEngine:
                      seed: int | None = None) -> Rollouts:
         """Colocated SPMD generation: every rank passes the same full prompt list, each engine samples its share
         (prompts engine_index, engine_index + num_engines, ...), and every rank gets the whole batch back in prompt
-        order — as if one engine had generated it (same seeds per prompt whatever the number of engines)."""
+        order — as if one engine had generated it (with a seed, each prompt's samples do not depend on the number
+        of engines: a request's seed follows its place in the whole batch)."""
         if self.num_engines == 1:
             return self.generate(prompt_token_ids, n, sampling, seed=seed)
         import torch.distributed as dist
