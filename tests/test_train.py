@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from justrl_megatron import assets
 
@@ -44,11 +43,27 @@ def metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def model_weights(ckpt_dir):
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load_plain_tensors(str(ckpt_dir))
+COMPARE_WEIGHTS = """
+import sys, torch, torch.distributed as dist
+from megatron.core import dist_checkpointing
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+def weights(path):
+    state = dist_checkpointing.load_plain_tensors(path)
     return {k: v for k, v in state.items() if not k.startswith("optimizer") and isinstance(v, torch.Tensor)}
+a, b = weights(sys.argv[1]), weights(sys.argv[2])
+assert a.keys() == b.keys() and len(a) > 5, (sorted(a), sorted(b))
+unequal = [k for k in a if not torch.equal(a[k], b[k])]
+print(f"compared {len(a)} tensors; unequal: {unequal}")
+sys.exit(1 if unequal else 0)
+"""
+
+
+def assert_same_weights(ckpt_a, ckpt_b):
+    """Bitwise comparison of the model tensors of two dist checkpoints (in a subprocess: loading needs a group)."""
+    proc = subprocess.run([sys.executable, "-c", COMPARE_WEIGHTS, str(ckpt_a), str(ckpt_b)], capture_output=True,
+                          text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "unequal: []" in proc.stdout
 
 
 @pytest.mark.slow
@@ -108,11 +123,7 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama)
     assert "resumed from" in resumed.stderr + resumed.stdout
     assert [r["step"] for r in metrics(killed)][-1] == 3
 
-    a = model_weights(straight / "checkpoints" / "step_00000003")
-    b = model_weights(killed / "checkpoints" / "step_00000003")
-    assert a.keys() == b.keys() and len(a) > 5
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_weights(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
 
 
 def test_missing_model_path_is_one_clear_message(tmp_path):
