@@ -84,10 +84,9 @@ def main(argv=None) -> int:
                "truncated_ratio": sum(rollouts.truncated) / len(texts),
                "temperature": args.temperature, "top_p": args.top_p, "reward": args.reward}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    table = Table(title=f"justrl-eval: {args.data}")
-    for key in summary:
-        table.add_column(key, overflow="fold")
-    table.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in summary.values()])
+    table = Table(title=f"justrl-eval: {args.data}", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     Console().print(table)
     return 0
 

@@ -139,3 +139,24 @@ def test_invalid_config_fails_before_work(tmp_path):
     assert proc.returncode == 2
     assert "make prompts_per_step a multiple of mini_batch_size" in proc.stderr
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_eval_avg_at_n_on_an_hf_folder_and_a_megatron_checkpoint(tmp_path, tiny_llama):
+    """justrl-eval on an HF folder, and on a Megatron checkpoint converted on the fly: samples.jsonl + summary.json."""
+    ckpt = tmp_path / "mcore"
+    convert = subprocess.run([sys.executable, "-m", "justrl_megatron.cli", "convert", "hf-to-mcore", "--hf",
+                              str(tiny_llama), "--out", str(ckpt)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    for name, model in (("hf", tiny_llama), ("mcore", ckpt)):
+        out = tmp_path / f"eval_{name}"
+        proc = subprocess.run([sys.executable, "-m", "justrl_megatron.cli", "eval", "--model", str(model), "--data",
+                               "generated:basic_arithmetic", "--n", "2", "--limit", "3", "--max-tokens", "8",
+                               "--reward", "gsm8k", "--out", str(out)],
+                              capture_output=True, text=True, timeout=600, env=ENV)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["problems"] == 3 and summary["n"] == 2 and 0.0 <= summary["avg@2"] <= 1.0
+        assert (summary["temperature"], summary["top_p"]) == (0.7, 0.9)
+        lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        assert len(lines) == 6 and {line["sample"] for line in lines} == {0, 1}

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from ..algo.grpo import group_advantages
-from ..assets import resolve_model_path
 from ..distributed import init_distributed
 from ..metrics import MetricsLogger, gpu_stats, plot_curves
 from ..slurm import StopSignal, current_job, describe, requeue_message
