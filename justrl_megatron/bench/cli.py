@@ -294,6 +294,7 @@ def run_vs_trl(a) -> dict:
             row("TRL GRPOTrainer: seconds per GRPO step", "s", [x for r in raw["trl_step_s"] for x in r]),
             row("ratio ours / TRL (median of each side)", "x", raw["ratio"]),
             row("ratio ours / TRL (run by run)", "x", raw["pair_ratios"]),
+            *[row(f"ours: {k.removesuffix('_s')} seconds", "s", v) for k, v in raw["ours_phase_s"].items()],
             row("ours: response length mean", "tokens", [x for r in raw["ours_response_length_mean"] for x in r]),
             row("TRL: completion length mean", "tokens", [x for r in raw["trl_completion_length_mean"] for x in r])]
     return {"phase": "vs_trl", "config": {k: raw[k] for k in ("model", "prompts", "n", "max_new_tokens", "warmup",

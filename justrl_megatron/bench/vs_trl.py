@@ -91,19 +91,24 @@ def bench_vs_trl(*, model: str | None = None, prompts: int = 8, n: int = 4, resp
         raise ValueError(f"need warmup >= 0, repeats >= 1, runs >= 1 (got {warmup}, {repeats}, {runs})")
     from rich.console import Console
 
-    from .step import bench_step, train_overrides
+    from .step import LOOP_PHASES, bench_step, train_overrides
 
     console = Console(stderr=True)
     threads = threads or os.cpu_count()
     total = warmup + repeats
-    work = Path(workdir or tempfile.mkdtemp(prefix="justrl-bench-vs-trl-"))
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="justrl-bench-vs-trl-") as tmp:
+            return bench_vs_trl(model=model, prompts=prompts, n=n, response_len=response_len, warmup=warmup,
+                                repeats=repeats, runs=runs, threads=threads, overrides=overrides, workdir=tmp,
+                                timeout_s=timeout_s, progress=progress)
+    work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     ours_args = train_overrides(model=model, prompts=prompts, n=n, response_len=response_len, total_steps=total,
                                 run_dir=work / "unused", extra=overrides)
     prep = prepare_prompts(overrides=ours_args, total_steps=total, prompts=prompts)
     spec = {**{k: v for k, v in prep.items() if k != "prompt_tokens_mean"}, "prompts": prompts,
             "steps": total, "threads": threads, "output_dir": str(work / "trl_output")}
-    ours, trl, ours_len, trl_len = [], [], [], []
+    ours, trl, ours_len, trl_len, ours_phases = [], [], [], [], {f"{p}_s": [] for p in LOOP_PHASES}
     for run in range(runs):  # alternate: A B A B ...
         console.print(f"[bold]run {run + 1}/{runs}[/]: ours (justrl-train), {warmup} + {repeats} steps")
         res = bench_step(model=model, prompts=prompts, n=n, response_len=response_len, warmup=warmup,
@@ -111,6 +116,8 @@ def bench_vs_trl(*, model: str | None = None, prompts: int = 8, n: int = 4, resp
                          progress=progress)
         ours.append(res["per_step"]["step_s"])
         ours_len.append(res["per_step"]["response_length_mean"])
+        for key in ours_phases:
+            ours_phases[key] += res["per_step"][key]
         console.print(f"  ours: median {statistics.median(ours[-1]):.2f} s/step")
         console.print(f"[bold]run {run + 1}/{runs}[/]: TRL GRPOTrainer, {warmup} + {repeats} steps")
         out = _trl_run(spec, work, threads, timeout_s)
@@ -126,7 +133,7 @@ def bench_vs_trl(*, model: str | None = None, prompts: int = 8, n: int = 4, resp
         "prompt_tokens_mean": prep["prompt_tokens_mean"], "prompts_retokenized_identical": prep["retokenized_identical"],
         "warmup": warmup, "repeats": repeats, "runs": runs, "threads": threads,
         "optimizer_steps_per_grpo_step": 1, "ours_step_s": ours, "trl_step_s": trl,
-        "ours_response_length_mean": ours_len, "trl_completion_length_mean": trl_len,
+        "ours_phase_s": ours_phases, "ours_response_length_mean": ours_len, "trl_completion_length_mean": trl_len,
         "ours_median_s": med_ours, "trl_median_s": med_trl, "ratio": med_ours / med_trl,
         "pair_ratios": pair, "target_ratio": TARGET_RATIO, "meets_target": med_ours / med_trl <= TARGET_RATIO,
         "trl_compat_loaded": out["compat_loaded"], "trl_gradient_checkpointing": out["gradient_checkpointing"],
