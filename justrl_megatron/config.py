@@ -92,6 +92,9 @@ class TrainerConfig:
     prompts_per_step: int = 256
     mini_batch_size: int = 64  # prompts per optimizer step (x rollout.n samples)
     max_tokens_per_micro_batch: int = 32768
+    # auto: when a step is one optimizer step on fresh samples, its own forward pass gives the old logprobs (ratio 1,
+    # same gradient, one forward pass fewer; TRL does the same) | recompute: always a separate forward pass first
+    old_logprobs: str = "auto"
     lr: float = 1e-6
     warmup_steps: int = 10
     weight_decay: float = 0.1
@@ -183,6 +186,8 @@ def validate(cfg, *, world_size: int, shape=None) -> None:
         problems.append("parallel.virtual_pipeline needs parallel.pipeline >= 2")
     if cfg.model.transformer_impl not in ("auto", "te", "local"):
         problems.append(f"model.transformer_impl must be auto, te or local, got {cfg.model.transformer_impl!r}")
+    if cfg.trainer.old_logprobs not in ("auto", "recompute"):
+        problems.append(f"trainer.old_logprobs must be auto or recompute, got {cfg.trainer.old_logprobs!r}")
     if cfg.model.dtype not in ("auto", "bf16", "fp32"):
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("none", "selective", "full"):

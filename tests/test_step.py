@@ -168,6 +168,15 @@ def test_reference_step(ref, shape):
     assert m["ratio_min"] < 0.8 < 1.28 < m["ratio_max"]
     assert v["grad_scale"] > 1e-3 and m["grad_norm"] > 0
     assert v["uneven_steps"] == 2  # mini-batches of 11 and 1 samples: two optimizer steps
+    _check_reuse_forward(v["reuse_forward"])
+
+
+def _check_reuse_forward(r):
+    """One on-policy step with the old logprobs from the update's own forward pass == with a separate pass."""
+    assert r["num_samples"] == 12
+    assert r["old_diff"] <= 1e-6 and r["metrics_diff"] <= 1e-6 and r["weight_diff"] <= 1e-7, r
+    assert r["ratio"] == [1.0, 1.0] and r["clip_fracs"] == [0.0, 0.0, 0.0], r
+    assert r["grad_norm"] > 0
 
 
 @pytest.mark.slow
@@ -220,6 +229,7 @@ def _check_layout(verdicts, name, *, tp, pp, dp, sp=False, chunks=1, grads=True)
         assert v["loss"] == pytest.approx(v["ref_loss"], abs=1e-6), v
         assert v["grad_norm"] == pytest.approx(v["ref_grad_norm"], rel=1e-5), v
         assert v["metrics_diff"] <= 1e-5, v
+        _check_reuse_forward(v["reuse_forward"])
         if grads:
             assert v["grad_diff"] <= 1e-6, v
             assert v["grad_scale"] > 1e-3

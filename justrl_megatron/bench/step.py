@@ -113,7 +113,7 @@ def summarise_steps(records: list[dict], *, warmup: int, world_size: int, sample
         per_step["generated_tokens_per_s"].append(generated / r["time/rollout_s"])
         per_step["trained_tokens_per_s"].append(tokens / r["time/update_s"])
         for p in LOOP_PHASES:
-            per_step[f"{p}_s"].append(r.get(f"time/{p}_s", float("nan")))
+            per_step[f"{p}_s"].append(r.get(f"time/{p}_s", 0.0))  # a phase the loop skipped took no time
     per_step["reward_mean"] = [r.get("reward/mean") for r in records[warmup:]]
     per_step["response_length_mean"] = [r.get("response/length_mean") for r in records[warmup:]]
     return per_step

@@ -1,7 +1,7 @@
 """The GRPO training loop. `run(cfg)` reads top to bottom like the algorithm:
 
     sample prompts -> rollout (vLLM) -> rewards (worker pool) -> group advantages -> old logprobs
-    -> mini-batch GRPO updates -> weight sync -> metrics -> checkpoint
+    (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics -> checkpoint
 
 Every rank runs this same program (SPMD). Each rank hosts a vLLM engine (colocated, one per rollout-TP group) that
 samples its share of the prompts; every rank gets the whole batch back. The reward pool lives on rank 0 and its
@@ -35,7 +35,7 @@ def run(cfg, model_dir: Path, shape) -> int:
     from ..rollout import SamplingConfig, check_staleness, logprob_gap, make_engine
     from .batching import Sample
     from .checkpoint import load_latest_checkpoint, save_checkpoint
-    from .step import compute_logprobs, grpo_update
+    from .step import compute_logprobs, grpo_update, grpo_update_on_policy
 
     tr, ro, algo, par = cfg.trainer, cfg.rollout, cfg.algo, cfg.parallel
     _quiet_libraries()
@@ -112,16 +112,22 @@ def run(cfg, model_dir: Path, shape) -> int:
                           advantage=float(advantages[i]), rollout_logprobs=rollouts.logprobs[i], group=i // ro.n)
                    for i in range(len(rollouts.token_ids))]
 
-        # 5. old logprobs (the policy that sampled, recomputed by the trainer)
-        with timer("old_logprob"):
-            old_logprobs = compute_logprobs(policy, samples, max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
-
-        # 6. mini-batch GRPO updates
-        with timer("update"):
-            update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * ro.n,
-                                 max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, clip_low=algo.clip_low,
-                                 clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg,
-                                 kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
+        # 5-6. old logprobs (the policy that sampled, recomputed by the trainer), then mini-batch GRPO updates.
+        #      One optimizer step on fresh samples needs no separate pass: the update's forward gives them.
+        step_kw = dict(max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, clip_low=algo.clip_low,
+                       clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg,
+                       kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
+        one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
+        if one_fresh_step and tr.old_logprobs == "auto":
+            with timer("update"):
+                update, old_logprobs = grpo_update_on_policy(policy, samples, **step_kw)
+        else:
+            with timer("old_logprob"):
+                old_logprobs = compute_logprobs(policy, samples,
+                                                max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
+            with timer("update"):
+                update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * ro.n,
+                                     **step_kw)
 
         # 7. weight sync into the rollout engine
         with timer("sync"):

@@ -172,22 +172,47 @@ def _empty_stats(device) -> dict:
 
 
 def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor], *, mini_batch_size: int,
-                max_tokens_per_micro_batch: int, clip_low: float = 0.2, clip_high: float = 0.28,
-                dual_clip_c: float | None = 10.0, loss_agg: str = "token-mean", kl_coef: float = 0.0,
-                entropy_coef: float = 0.0, ref_logprobs: Sequence[torch.Tensor] | None = None,
-                kl_estimator: str = "k3", on_grads: Callable | None = None) -> dict[str, float]:
+                max_tokens_per_micro_batch: int, **loss_kw) -> dict[str, float]:
     """One RL step of GRPO updates: ``ceil(len(samples) / mini_batch_size)`` optimizer steps over consecutive
     mini-batches, then one LR-scheduler step. Returns metrics, the same on every rank.
 
     ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
-    `compute_logprobs` before the first step). ``ref_logprobs``: needed only with ``kl_coef`` > 0. ``on_grads``:
-    called as ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the optimizer step);
-    for tests and diagnostics.
+    `compute_logprobs` before the first step). ``loss_kw``: clip_low, clip_high, dual_clip_c, loss_agg, kl_coef,
+    entropy_coef, ref_logprobs (needed only with ``kl_coef`` > 0), kl_estimator, and ``on_grads``: called as
+    ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the optimizer step); for tests
+    and diagnostics.
     """
-    if mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
     if len(old_logprobs) != len(samples):
         raise ValueError(f"{len(old_logprobs)} old logprob sequences for {len(samples)} samples")
+    return _update(policy, samples, old_logprobs, mini_batch_size=mini_batch_size,
+                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, **loss_kw)[0]
+
+
+def grpo_update_on_policy(policy, samples: Sequence[Sample], *, max_tokens_per_micro_batch: int,
+                          **loss_kw) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """`grpo_update` for the common case of ONE optimizer step over samples drawn from the current weights, without
+    the separate old-logprob pass: the update's own forward pass gives the old logprobs (detached, so the ratio is
+    exactly 1 and the gradient is the same as with a recomputation). Saves one forward pass over the batch.
+
+    Returns (metrics, old logprobs): the logprobs of the weights before the step, one fp32 CPU tensor per sample,
+    as `compute_logprobs` would have returned them (for the trainer vs rollout-engine parity check).
+    """
+    return _update(policy, samples, None, mini_batch_size=max(len(samples), 1),
+                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, **loss_kw)
+
+
+def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor] | None, *, mini_batch_size: int,
+            max_tokens_per_micro_batch: int, clip_low: float = 0.2, clip_high: float = 0.28,
+            dual_clip_c: float | None = 10.0, loss_agg: str = "token-mean", kl_coef: float = 0.0,
+            entropy_coef: float = 0.0, ref_logprobs: Sequence[torch.Tensor] | None = None, kl_estimator: str = "k3",
+            on_grads: Callable | None = None) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
+    if mini_batch_size < 1:
+        raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
+    reuse_forward = old_logprobs is None
+    if reuse_forward and mini_batch_size < len(samples):
+        raise ValueError("old logprobs can come from the update's own forward pass only with one optimizer step "
+                         f"per batch (mini_batch_size {mini_batch_size} < {len(samples)} samples)")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (reference-policy logprobs of every response)")
     lr = policy.current_lr()
@@ -199,7 +224,8 @@ def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.
         denom = max(loss_denominator(samples, ids, loss_agg), 1)
         micro_batches = plan_micro_batches(policy, samples, ids, max_tokens_per_micro_batch)
         for mb in micro_batches:
-            mb.extras["old"] = gather_per_target(old_logprobs, mb)
+            if not reuse_forward:
+                mb.extras["old"] = gather_per_target(old_logprobs, mb)
             mb.extras["adv"] = torch.tensor([samples[i].advantage for i in mb.sample_ids],
                                             dtype=torch.float32)[mb.row]
             if kl_coef:
@@ -215,6 +241,7 @@ def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
         results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False)
+        forward_logprobs = [(mb, r.pop("target_logprobs")) for mb, r in zip(micro_batches, results)]
         if on_grads is not None:
             on_grads(policy, step)
         ok, grad_norm, _ = policy.optimizer.step()
@@ -232,23 +259,28 @@ def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.
                 else:
                     totals[k] = totals[k] + v
     policy.scheduler.step(increment=1)
-    return _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                             tokens_total, lr)
+    if reuse_forward:  # the one mini-batch's forward pass ran on the weights before the step
+        old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
+    metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
+                                tokens_total, lr)
+    return metrics, list(old_logprobs)
 
 
 def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output: torch.Tensor):
     """Loss function of one micro-batch (last pipeline stage): returns (loss, tokens, stats) as megatron expects."""
     device = output.device
     if mb.num_targets == 0:  # an empty filler micro-batch: zero loss, but keep the graph for the pipeline backward
-        return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=device), _empty_stats(device)
+        return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=device), \
+            {**_empty_stats(device), "target_logprobs": torch.zeros(0, device=device)}
     entropy_coef = loss_kw["entropy_coef"]
     logp, ent = _target_logprobs(policy, mb, model, output, with_entropy=True)
     if not entropy_coef:
         ent = ent.detach()  # metric only: no backward through the entropy
+    old = mb.extras["old"] if "old" in mb.extras else logp.detach()  # on-policy single step: ratio exactly 1
     ones = torch.ones_like(logp)
     token_mean = loss_kw["agg"] == "token-mean"
     loss, m = policy_loss(
-        _padded(logp, mb), _padded(mb.extras["old"], mb), _padded(mb.extras["adv"], mb), _padded(ones, mb),
+        _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), _padded(ones, mb),
         clip_low=loss_kw["clip_low"], clip_high=loss_kw["clip_high"], dual_clip_c=loss_kw["dual_clip_c"],
         agg=loss_kw["agg"], denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,
         ref_logprobs=_padded(mb.extras["ref"], mb) if "ref" in mb.extras else None, kl_coef=loss_kw["kl_coef"],
@@ -261,12 +293,13 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
         "clip_high_count": m["clip_high_count"], "clip_dual_count": m["clip_dual_count"],
         "approx_kl_sum": m["approx_kl_sum"], "ratio_min": m["ratio_min"], "ratio_max": m["ratio_max"],
         "entropy_sum": ent.detach().sum(), "logprob_sum": logp.detach().sum(),
-        "old_logprob_sum": mb.extras["old"].sum()})
+        "old_logprob_sum": old.sum()})
     for k in ("kl_loss", "entropy_loss", "ref_kl_sum"):
         if k in m:
             stats[k] = m[k]
-    return loss, torch.tensor(mb.num_targets, dtype=torch.int, device=device), \
-        {k: v.detach().float() for k, v in stats.items()}
+    stats = {k: v.detach().float() for k, v in stats.items()}
+    stats["target_logprobs"] = logp.detach()  # per target, not summed: the old logprobs when reused
+    return loss, torch.tensor(mb.num_targets, dtype=torch.int, device=device), stats
 
 
 def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,

@@ -27,7 +27,7 @@ from justrl_megatron.distributed import init_distributed, init_model_parallel
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.model.policy import Policy
 from justrl_megatron.train.batching import Sample, make_micro_batch
-from justrl_megatron.train.step import compute_logprobs, grpo_update
+from justrl_megatron.train.step import compute_logprobs, grpo_update, grpo_update_on_policy
 
 SHAPES = {
     # vocab 250 pads to 256: the padded columns must stay out of every softmax
@@ -153,6 +153,29 @@ def maxdiff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
+def reuse_forward_check(out, shape, **layout):
+    """One on-policy optimizer step two ways on the same weights: old logprobs from a separate forward pass
+    (`compute_logprobs` + `grpo_update`) vs from the update's own forward pass (`grpo_update_on_policy`)."""
+    samples = make_samples()
+    sep, reuse = build(shape, **layout), build(shape, **layout)
+    load_ckpt(sep, f"{out}/weights_{shape}")
+    load_ckpt(reuse, f"{out}/weights_{shape}")
+    old = compute_logprobs(sep, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    m_sep = grpo_update(sep, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
+                        **STEP_KW)
+    m_reuse, old_reuse = grpo_update_on_policy(reuse, samples, max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
+    a, b = params(sep), params(reuse)
+    return {"old_diff": maxdiff(old_reuse, old), "num_samples": len(old_reuse),
+            "weight_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+            "metrics_diff": max(abs(m_sep[k] - m_reuse[k]) for k in
+                                ("loss", "pg_loss", "grad_norm", "entropy", "logprob_mean", "old_logprob_mean",
+                                 "num_response_tokens", "rollout_logprob_abs_diff_mean")
+                                if k in m_sep),
+            "ratio": (m_reuse["ratio_min"], m_reuse["ratio_max"]),
+            "clip_fracs": [m_reuse[k] for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual")],
+            "grad_norm": m_reuse["grad_norm"]}
+
+
 # --- modes ----------------------------------------------------------------------------------------------------------
 
 def mode_ref(out):
@@ -203,6 +226,7 @@ def mode_ref(out):
         one_step(pol, samples, old)
         v["real_adv_max_change"] = max(float((p - before[k]).abs().max()) for k, p in params(pol).items())
         v["uneven_steps"] = uneven["num_optimizer_steps"]
+        v["reuse_forward"] = reuse_forward_check(out, shape)
         verdict[shape] = v
 
     # the layer spec really in use on the CPU: SDPA core attention and the SP-capable RMSNorm
@@ -275,6 +299,7 @@ def run_layout(out, name, shape, uneven=False, **layout):
         entry["uneven"] = {k: (m[k], ref["uneven"][k]) for k in
                            ("loss", "grad_norm", "grad_norm_max", "num_optimizer_steps", "num_micro_batches",
                             "num_response_tokens", "entropy")}
+    entry["reuse_forward"] = reuse_forward_check(out, shape, **layout)
     if layout.get("distopt", True) and ps.get_data_parallel_world_size() > 1:
         return entry, False  # the distributed optimizer leaves only this rank's shard of the grads reduced
     with torch.no_grad():
