@@ -176,22 +176,32 @@ def _naive_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_packed_attention_stays_inside_each_sequence():
+@pytest.mark.parametrize("batched", [False, True], ids=["one-call-per-sequence", "right-padded-batch"])
+def test_packed_attention_stays_inside_each_sequence(batched, monkeypatch):
+    from justrl_megatron.model import attention
+
+    monkeypatch.setattr(attention, "PAD_BATCH_MAX_WASTE", 100.0 if batched else 0.0)
     g = torch.Generator().manual_seed(3)
     lens = [5, 1, 17, 9]
     t, heads, groups, d = sum(lens), 4, 2, 8
-    q, k, v = (torch.randn(t, n, d, generator=g, dtype=torch.float64) for n in (heads, groups, groups))
+    q, k, v = (torch.randn(t, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+               for n in (heads, groups, groups))
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     out = packed_causal_attention(q, k, v, cu, max(lens), 1 / math.sqrt(d))
     ref = torch.cat([_naive_causal(q[a:b], k[a:b], v[a:b], 1 / math.sqrt(d)) for a, b in zip(cu[:-1], cu[1:])])
     assert out.shape == (t, heads, d)
     assert (out - ref).abs().max() < 1e-12
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads)) < 1e-12
+    q, k, v = q.detach(), k.detach(), v.detach()
     # a token of the second sequence sees nothing of the first: changing the first changes nothing after it
     q2, k2, v2 = q.clone(), k.clone(), v.clone()
     k2[:5] += 1.0
     v2[:5] += 1.0
     out2 = packed_causal_attention(q2, k2, v2, cu, max(lens), 1 / math.sqrt(d))
-    assert torch.equal(out2[5:], out[5:])
+    assert torch.equal(out2[5:], out[5:].detach())
     with pytest.raises(ValueError, match="cu_seqlens ends"):
         packed_causal_attention(q, k, v, cu[:-1], max(lens), 1.0)
 

@@ -10,7 +10,8 @@ What megatron's `Attention` hands the core-attention module (megatron-core 0.16 
   * packed rows ("thd", `PackedSeqParams.qkv_format == "thd"`): query [t, np, hn], key/value [t, ng, hn] (the batch dim
     of 1 is squeezed by the caller, RoPE is already applied per sequence from `cu_seqlens`); returns [t, np * hn].
 Attention stays inside each packed sequence. On CUDA with bf16/fp16 one varlen flash call covers the whole row
-(`torch.nn.attention.varlen`, torch >= 2.10); elsewhere each sequence is one causal SDPA call (exact, no S x S either).
+(`torch.nn.attention.varlen`, torch >= 2.10); elsewhere the sequences are right-padded into one batched causal SDPA
+call when that wastes little (exact), else each sequence is one causal SDPA call (no S x S either).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                 logger.warning("varlen flash attention unavailable (%s); using one SDPA call per sequence", err)
                 _VARLEN["broken"] = True
     bounds = cu_seqlens.tolist()
+    if bounds[-1] != q.size(0):
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row holds {q.size(0)} tokens")
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    if len(lengths) > 1 and len(lengths) * max(lengths) <= PAD_BATCH_MAX_WASTE * q.size(0):
+        return _right_padded_batch(q, k, v, lengths, scale)
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end <= start:
@@ -74,9 +80,29 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         # [L, h, d] -> [1, h, L, d]
         qi, ki, vi = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
         outs.append(causal_sdpa(qi, ki, vi, scale).squeeze(0).permute(1, 0, 2))
-    if bounds[-1] != q.size(0):
-        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row holds {q.size(0)} tokens")
     return torch.cat(outs, dim=0)
+
+
+# One batched SDPA call over right-padded sequences instead of one call per sequence, when the padding costs at most
+# this factor in tokens: the per-call overhead dominates for the many short sequences of a GRPO batch on a CPU.
+PAD_BATCH_MAX_WASTE = 2.0
+
+
+def _right_padded_batch(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences as one [n, h, L, d] SDPA call. Exact: with the padding on the right, a real
+    query's causal window holds only real keys of its own sequence; padded queries are computed and dropped."""
+    n, longest = len(lengths), max(lengths)
+    lens = torch.tensor(lengths, device=q.device)
+    seq = torch.repeat_interleave(torch.arange(n, device=q.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    slot = seq * longest + (torch.arange(q.size(0), device=q.device) - starts[seq])  # packed token -> padded slot
+
+    def pad(x):  # [t, h, d] -> [n, h, L, d]
+        flat = x.new_zeros(n * longest, x.size(1), x.size(2)).index_copy(0, slot, x)
+        return flat.view(n, longest, x.size(1), x.size(2)).transpose(1, 2)
+
+    out = causal_sdpa(pad(q), pad(k), pad(v), scale)  # [n, h, L, d]
+    return out.transpose(1, 2).reshape(n * longest, q.size(1), q.size(2)).index_select(0, slot)
 
 
 try:
