@@ -56,10 +56,16 @@ def _cpu_type_name(name):
     return name
 
 
+_REDIRECTED = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type, torch.Tensor.to})
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirections 3 and 5: every torch call that names a CUDA device runs on the CPU instead."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # fast path, taken by nearly every op of a forward/backward: nothing to redirect
+        if func not in _REDIRECTED and (not kwargs or ("device" not in kwargs and not kwargs.get("pin_memory"))):
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs) if kwargs else {}
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
