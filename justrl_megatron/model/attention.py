@@ -46,6 +46,10 @@ _VARLEN = {"fn": None, "checked": False, "broken": False}
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of q [b, np, s, hn] over k, v [b, ng, s, hn] (GQA when ng < np) -> [b, np, s, hn]."""
+    if not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        # the CPU flash kernel's half-precision backward is ~3x slower than its fp32 one: attention (a few % of the
+        # FLOPs here) runs in fp32, the matmuls around it stay bf16
+        return causal_sdpa(q.float(), k.float(), v.float(), scale).to(q.dtype)
     gqa = q.size(1) != k.size(1)
     if gqa and q.is_cuda and q.dtype == torch.float32:
         # fp32 on CUDA has no flash kernel and the efficient one lacks GQA: expand KV rather than fall back to math.
