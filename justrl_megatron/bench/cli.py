@@ -108,9 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _dtype(a) -> str:
     """auto -> what training uses: bf16 on a GPU, fp32 on the CPU (vLLM's own "auto" would pick bf16 on a CPU too)."""
-    if a.dtype != "auto":
-        return a.dtype
-    return "bf16" if compat.cuda_available() else "fp32"
+    from ..model.policy import dtype_name
+
+    return dtype_name(a.dtype)
 
 
 def _sizes(a) -> dict:

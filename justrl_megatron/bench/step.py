@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,6 +146,8 @@ def bench_step(*, model: str | None = None, prompts: int | None = None, n: int |
         wall = time.perf_counter() - t0
         from omegaconf import OmegaConf
 
+        from ..model.policy import dtype_name
+
         cfg = OmegaConf.load(run_path / "hydra" / "config.yaml")
         samples = int(cfg.trainer.prompts_per_step) * int(cfg.rollout.n)
         records = read_metrics(run_path)
@@ -155,7 +156,7 @@ def bench_step(*, model: str | None = None, prompts: int | None = None, n: int |
         if own_dir:
             shutil.rmtree(run_path, ignore_errors=True)
     return {"phase": "step", "model": str(cfg.model.path), "device": _device_name(), "world_size": nproc,
-            "tp": int(cfg.parallel.tensor), "pp": int(cfg.parallel.pipeline), "dtype": _loop_dtype(str(cfg.model.dtype)),
+            "tp": int(cfg.parallel.tensor), "pp": int(cfg.parallel.pipeline), "dtype": dtype_name(str(cfg.model.dtype)),
             "prompts": int(cfg.trainer.prompts_per_step), "n": int(cfg.rollout.n),
             "max_response_length": int(cfg.rollout.max_response_length), "samples_per_step": samples,
             "optimizer_steps_per_step": int(cfg.trainer.prompts_per_step) // int(cfg.trainer.mini_batch_size),
@@ -170,12 +171,3 @@ def _device_name() -> str:
     from .. import compat
 
     return torch.cuda.get_device_name() if compat.cuda_available() else "cpu"
-
-
-def _loop_dtype(name: str) -> str:
-    """model.dtype as the loop resolves it (train/loop.py: auto is bf16 on a GPU, fp32 on the CPU)."""
-    from .. import compat
-
-    if name == "auto":
-        return "bf16" if compat.cuda_available() else "fp32"
-    return name

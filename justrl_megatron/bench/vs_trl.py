@@ -20,6 +20,7 @@ The TRL side runs in a child process that never imports `justrl_megatron.compat`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
 
     from ..assets import resolve_model_path
     from ..config import compose
+    from ..model.policy import dtype_name
     from ..train.sampler import PromptSampler, load_training_rows, tokenize_prompts
 
     cfg = compose(overrides)
@@ -63,16 +65,7 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
             "weight_decay": float(cfg.trainer.weight_decay), "grad_clip": float(cfg.trainer.grad_clip),
             "temperature": float(cfg.rollout.temperature), "top_p": float(cfg.rollout.top_p),
             "n": int(cfg.rollout.n), "max_tokens": int(cfg.rollout.max_response_length), "seed": int(cfg.trainer.seed),
-            "kl_coef": float(cfg.algo.kl_coef), "model_dtype": _resolved_dtype(str(cfg.model.dtype))}
-
-
-def _resolved_dtype(dtype: str) -> str:
-    """Our model.dtype as the loop resolves it (auto: bf16 on a GPU, fp32 on a CPU)."""
-    if dtype != "auto":
-        return dtype
-    import torch
-
-    return "bf16" if torch.cuda.is_available() else "fp32"
+            "kl_coef": float(cfg.algo.kl_coef), "model_dtype": dtype_name(str(cfg.model.dtype))}
 
 
 def _trl_run(spec: dict, workdir: Path, threads: int | None, timeout_s: float) -> dict:
@@ -109,34 +102,32 @@ def bench_vs_trl(*, model: str | None = None, prompts: int = 8, n: int = 4, resp
     console = Console(stderr=True)
     threads = threads or os.cpu_count()
     total = warmup + repeats
-    if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="justrl-bench-vs-trl-") as tmp:
-            return bench_vs_trl(model=model, prompts=prompts, n=n, response_len=response_len, warmup=warmup,
-                                repeats=repeats, runs=runs, threads=threads, overrides=overrides, workdir=tmp,
-                                timeout_s=timeout_s, progress=progress)
-    work = Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    ours_args = train_overrides(model=model, prompts=prompts, n=n, response_len=response_len, total_steps=total,
-                                run_dir=work / "unused", extra=overrides)
-    prep = prepare_prompts(overrides=ours_args, total_steps=total, prompts=prompts)
-    spec = {**{k: v for k, v in prep.items() if k != "prompt_tokens_mean"}, "prompts": prompts,
-            "steps": total, "threads": threads, "output_dir": str(work / "trl_output")}
-    ours, trl, ours_len, trl_len, ours_phases = [], [], [], [], {f"{p}_s": [] for p in LOOP_PHASES}
-    for run in range(runs):  # alternate: A B A B ...
-        console.print(f"[bold]run {run + 1}/{runs}[/]: ours (justrl-train), {warmup} + {repeats} steps")
-        res = bench_step(model=model, prompts=prompts, n=n, response_len=response_len, warmup=warmup,
-                         repeats=repeats, overrides=overrides, threads=threads, timeout_s=timeout_s,
-                         progress=progress)
-        ours.append(res["per_step"]["step_s"])
-        ours_len.append(res["per_step"]["response_length_mean"])
-        for key in ours_phases:
-            ours_phases[key] += res["per_step"][key]
-        console.print(f"  ours: median {statistics.median(ours[-1]):.2f} s/step")
-        console.print(f"[bold]run {run + 1}/{runs}[/]: TRL GRPOTrainer, {warmup} + {repeats} steps")
-        out = _trl_run(spec, work, threads, timeout_s)
-        trl.append(out["step_s"][warmup:])
-        trl_len.append(out["completion_length_mean"][warmup:])
-        console.print(f"  TRL: median {statistics.median(trl[-1]):.2f} s/step")
+    # an own temporary folder unless the caller gives one (it then keeps TRL's output)
+    with (tempfile.TemporaryDirectory(prefix="justrl-bench-vs-trl-") if workdir is None
+          else contextlib.nullcontext(workdir)) as work_dir:
+        work = Path(work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        ours_args = train_overrides(model=model, prompts=prompts, n=n, response_len=response_len, total_steps=total,
+                                    run_dir=work / "unused", extra=overrides)
+        prep = prepare_prompts(overrides=ours_args, total_steps=total, prompts=prompts)
+        spec = {**{k: v for k, v in prep.items() if k != "prompt_tokens_mean"}, "prompts": prompts,
+                "steps": total, "threads": threads, "output_dir": str(work / "trl_output")}
+        ours, trl, ours_len, trl_len, ours_phases = [], [], [], [], {f"{p}_s": [] for p in LOOP_PHASES}
+        for run in range(runs):  # alternate: A B A B ...
+            console.print(f"[bold]run {run + 1}/{runs}[/]: ours (justrl-train), {warmup} + {repeats} steps")
+            res = bench_step(model=model, prompts=prompts, n=n, response_len=response_len, warmup=warmup,
+                             repeats=repeats, overrides=overrides, threads=threads, timeout_s=timeout_s,
+                             progress=progress)
+            ours.append(res["per_step"]["step_s"])
+            ours_len.append(res["per_step"]["response_length_mean"])
+            for key in ours_phases:
+                ours_phases[key] += res["per_step"][key]
+            console.print(f"  ours: median {statistics.median(ours[-1]):.2f} s/step")
+            console.print(f"[bold]run {run + 1}/{runs}[/]: TRL GRPOTrainer, {warmup} + {repeats} steps")
+            out = _trl_run(spec, work, threads, timeout_s)
+            trl.append(out["step_s"][warmup:])
+            trl_len.append(out["completion_length_mean"][warmup:])
+            console.print(f"  TRL: median {statistics.median(trl[-1]):.2f} s/step")
     med_ours = statistics.median(x for r in ours for x in r)
     med_trl = statistics.median(x for r in trl for x in r)
     pair = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, trl)]

@@ -41,6 +41,11 @@ def resolve_dtype(dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def dtype_name(dtype) -> str:
+    """`model.dtype` resolved as the trainer resolves it, as a config name: "bf16" | "fp32" | "fp16"."""
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[resolve_dtype(dtype)]
+
+
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """megatron's finalize_model_grads (DP reduce, SP norm reduce, tied-embedding reduce) without the 1/num_tokens
     rescale: the GRPO loss is already normalised by the global denominator (see the module docstring)."""
