@@ -221,3 +221,10 @@ def default_device() -> torch.device:
 
 
 apply()
+
+
+def release_cached_memory() -> None:
+    """Hand the caching allocator's free blocks back to the device: after a training step the activations' blocks
+    stay reserved by torch, and a colocated vLLM waking up needs that memory for its weights and KV cache."""
+    if cuda_available():
+        torch.cuda.empty_cache()

@@ -108,6 +108,8 @@ class TrainerConfig:
     keep_last: int = 2
     eval_every: int = 0
     eval_samples: int = 64
+    # [first, last]: a torch profiler Chrome trace of those steps in run_dir/profile/ (null: no profiling)
+    profile_steps: Optional[list[int]] = None
 
 
 @dataclass
@@ -198,6 +200,9 @@ def validate(cfg, *, world_size: int, shape=None) -> None:
         problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 (got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
         problems.append(f"algo.dual_clip_c must be > 1 (or null to disable), got {algo.dual_clip_c}")
+    steps = tr.profile_steps
+    if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        problems.append(f"trainer.profile_steps must be [first, last] with 1 <= first <= last, got {list(steps)}")
     total_len = cfg.data.max_prompt_length + ro.max_response_length
     if tr.max_tokens_per_micro_batch < total_len:
         problems.append(

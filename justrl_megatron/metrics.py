@@ -162,3 +162,27 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_tokens: int, logprob_gap: dict,
+                 update: dict, phase_seconds: dict, step_seconds: float) -> dict[str, float]:
+    """One RL step's record: rewards, response lengths, trainer<->rollout parity, the update's own figures, timings."""
+    lengths = [len(r) for r in rollouts.token_ids]
+    tokens = sum(lengths) + prompt_tokens
+    return {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/accuracy": sum(correct) / len(correct),
+        "reward/worker_timeouts": reward_stats.get("timeouts", 0),
+        "reward/worker_crashes": reward_stats.get("crashes", 0),
+        "reward/verifier_errors": reward_stats.get("errors", 0),
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/length_max": max(lengths),
+        "response/truncated_ratio": sum(rollouts.truncated) / len(lengths),
+        **{f"rollout/{k}": v for k, v in logprob_gap.items()},
+        "rollout/weight_version": rollouts.weight_version,
+        **{f"actor/{k}": v for k, v in update.items()},
+        **{f"time/{k}_s": v for k, v in phase_seconds.items()},
+        "time/step_s": step_seconds,
+        "throughput/tokens_per_s": tokens / step_seconds,
+        **gpu_stats(),
+    }

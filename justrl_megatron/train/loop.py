@@ -4,12 +4,15 @@
     (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics -> checkpoint
 
 Every rank runs this same program (SPMD). Each rank hosts a vLLM engine (colocated, one per rollout-TP group) that
-samples its share of the prompts; every rank gets the whole batch back. The reward pool lives on rank 0 and its
+samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while the policy
+trains and wakes after the weight sync (train/placement.py). The reward pool lives on rank 0 and its
 results are broadcast, so all ranks see the same batch and split it by data parallelism themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -19,20 +22,23 @@ import torch.distributed as dist
 
 from ..algo.grpo import group_advantages
 from ..distributed import init_distributed
-from ..metrics import MetricsLogger, gpu_stats, plot_curves
+from ..metrics import MetricsLogger, plot_curves, step_metrics
+from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap
 from ..slurm import StopSignal, current_job, describe, requeue_message
+from .placement import ColocatedRollout
+from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
 
 
-def run(cfg, model_dir: Path, shape) -> int:
-    """Train; returns the last completed step."""
+def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> int:
+    """Train; returns the last completed step. `engine` replaces the vLLM engine the config asks for (tests)."""
     from transformers import AutoTokenizer
 
     from ..convert.export import export_hf_stream
     from ..convert.load import load_hf_weights
     from ..model.policy import Policy
     from ..rewards import BatchScorer, get_reward_fn
-    from ..rollout import SamplingConfig, check_staleness, logprob_gap, make_engine
+    from ..rollout import make_engine
     from .batching import Sample
     from .checkpoint import load_latest_checkpoint, save_checkpoint
     from .step import compute_logprobs, grpo_update, grpo_update_on_policy
@@ -66,7 +72,11 @@ def run(cfg, model_dir: Path, shape) -> int:
         start_step = int(resumed["step"])
         sampler.load_state_dict(resumed["sampler"])
 
-    engine = make_engine(cfg, model_dir, seed=tr.seed)
+    rollout = ColocatedRollout(
+        engine or make_engine(cfg, model_dir, seed=tr.seed),
+        lambda bucket_bytes: export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes,
+                                              include_tied_lm_head=True),
+        bucket_mb=ro.weight_sync_bucket_mb)
     verifier = get_reward_fn(algo.reward, **dict(algo.reward_options or {}))
     scorer = BatchScorer(verifier, num_workers=algo.reward_workers) if is_leader else None
     sampling = SamplingConfig.from_rollout_config(ro)
@@ -76,14 +86,16 @@ def run(cfg, model_dir: Path, shape) -> int:
         logger.print(f"resumed from {run_dir} at step {start_step} ({describe(current_job())})")
     if too_long:
         logger.print(f"{too_long} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} were dropped")
+    profiler = StepProfiler(tr.profile_steps, run_dir, rank)
 
     version = start_step
-    _sync_weights(policy, engine, shape, version, ro.weight_sync_bucket_mb, export_hf_stream)
-    start_accuracy = _evaluate(engine, heldout, scorer, tokenizer, ro) if start_step == 0 else None
+    rollout.publish(version)
+    start_accuracy = _evaluate(rollout, heldout, scorer, tokenizer, ro) if start_step == 0 else None
 
     step = start_step
     while step < tr.total_steps:
         step += 1
+        profiler.step_started(step)
         timer = _PhaseTimer()
 
         # 1. sample prompts
@@ -92,7 +104,7 @@ def run(cfg, model_dir: Path, shape) -> int:
         # 2. rollout with the current weights (version = number of updates so far); seeded per step, so a resumed
         #    run samples what an uninterrupted one would have
         with timer("rollout"):
-            rollouts = engine.generate_all([p.ids for p in batch], ro.n, sampling, seed=tr.seed * 1_000_003 + step)
+            rollouts = rollout.generate([p.ids for p in batch], ro.n, sampling, seed=tr.seed * 1_000_003 + step)
         check_staleness(rollouts.weight_version, version, ro.max_staleness)
 
         # 3. rewards
@@ -112,46 +124,36 @@ def run(cfg, model_dir: Path, shape) -> int:
                           advantage=float(advantages[i]), rollout_logprobs=rollouts.logprobs[i], group=i // ro.n)
                    for i in range(len(rollouts.token_ids))]
 
-        # 5-6. old logprobs (the policy that sampled, recomputed by the trainer), then mini-batch GRPO updates.
-        #      One optimizer step on fresh samples needs no separate pass: the update's forward gives them.
+        # 5-6. the trainer's turn on the devices (a colocated engine sleeps): old logprobs (the policy that sampled,
+        #      recomputed by the trainer), then mini-batch GRPO updates. One optimizer step on fresh samples needs no
+        #      separate pass: the update's forward gives them.
         step_kw = dict(max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, clip_low=algo.clip_low,
                        clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg,
                        kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
         one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
-        if one_fresh_step and tr.old_logprobs == "auto":
-            with timer("update"):
-                update, old_logprobs = grpo_update_on_policy(policy, samples, **step_kw)
-        else:
-            with timer("old_logprob"):
-                old_logprobs = compute_logprobs(policy, samples,
-                                                max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
-            with timer("update"):
-                update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * ro.n,
-                                     **step_kw)
+        with rollout.training():
+            if one_fresh_step and tr.old_logprobs == "auto":
+                with timer("update"):
+                    update, old_logprobs = grpo_update_on_policy(policy, samples, **step_kw)
+            else:
+                with timer("old_logprob"):
+                    old_logprobs = compute_logprobs(policy, samples,
+                                                    max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
+                with timer("update"):
+                    update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * ro.n,
+                                         **step_kw)
 
-        # 7. weight sync into the rollout engine
+        # 7. weight sync into the rollout engine, which wakes up for the next step
         with timer("sync"):
             version = step
-            _sync_weights(policy, engine, shape, version, ro.weight_sync_bucket_mb, export_hf_stream)
+            rollout.publish(version)
 
         # 8. metrics
-        lengths = [len(r) for r in rollouts.token_ids]
-        metrics = {
-            "reward/mean": sum(rewards) / len(rewards),
-            "reward/accuracy": sum(correct) / len(correct),
-            "reward/worker_timeouts": reward_stats.get("timeouts", 0),
-            "reward/worker_crashes": reward_stats.get("crashes", 0),
-            "reward/verifier_errors": reward_stats.get("errors", 0),
-            "response/length_mean": sum(lengths) / len(lengths),
-            "response/length_max": max(lengths),
-            "response/truncated_ratio": sum(rollouts.truncated) / len(lengths),
-            **{f"rollout/{k}": v for k, v in logprob_gap(rollouts.logprobs, old_logprobs).items()},
-            "rollout/weight_version": rollouts.weight_version,
-            **{f"actor/{k}": v for k, v in update.items()},
-            **timer.metrics(tokens=sum(lengths) + sum(len(s.prompt_ids) for s in samples)),
-            **gpu_stats(),
-        }
-        logger.log(step, metrics)
+        logger.log(step, step_metrics(
+            rewards=rewards, correct=correct, reward_stats=reward_stats, rollouts=rollouts,
+            prompt_tokens=sum(len(s.prompt_ids) for s in samples),
+            logprob_gap=logprob_gap(rollouts.logprobs, old_logprobs), update=update,
+            phase_seconds=timer.seconds, step_seconds=timer.elapsed()))
 
         # 9. checkpoint (periodic, at the end, or when asked to stop)
         stopping = stop.agreed()
@@ -159,49 +161,46 @@ def run(cfg, model_dir: Path, shape) -> int:
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
                             {"step": step, "sampler": sampler.state_dict()}, keep_last=tr.keep_last, shape=shape,
                             hf_source=model_dir)
+        trace = profiler.step_finished(step, stopping)
+        if trace is not None:
+            logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")
         if stopping:
             logger.print(requeue_message(step))
             break
 
     if step == tr.total_steps:
-        end_accuracy = _evaluate(engine, heldout, scorer, tokenizer, ro)
+        end_accuracy = _evaluate(rollout, heldout, scorer, tokenizer, ro)
     if is_leader and step == tr.total_steps:
         if start_accuracy is not None:
             logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
                          f"end {end_accuracy:.3f}")
-        (run_dir / "heldout_accuracy.json").write_text(
-            f'{{"start": {start_accuracy if start_accuracy is not None else "null"}, "end": {end_accuracy}}}\n')
+        accuracy = {"start": start_accuracy, "end": end_accuracy}
+        (run_dir / "heldout_accuracy.json").write_text(json.dumps(accuracy) + "\n")
         logger.print(f"curves: {plot_curves(run_dir)}")
     logger.close()
     if scorer is not None:
         scorer.close()
-    engine.shutdown()
+    rollout.shutdown()
     return step
 
 
 # --- helpers (each small; the loop above is the algorithm) ------------------------------------------------------------
 
 class _PhaseTimer:
+    """Seconds per phase of one step; each phase is also a named range in a profiler trace."""
+
     def __init__(self):
         self.seconds, self._t0 = {}, time.perf_counter()
 
+    @contextlib.contextmanager
     def __call__(self, phase):
-        timer = self
+        t = time.perf_counter()
+        with torch.profiler.record_function(phase):
+            yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t
 
-        class _Ctx:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.seconds[phase] = timer.seconds.get(phase, 0.0) + time.perf_counter() - self.t
-        return _Ctx()
-
-    def metrics(self, tokens: int) -> dict:
-        total = time.perf_counter() - self._t0
-        out = {f"time/{k}_s": v for k, v in self.seconds.items()}
-        out["time/step_s"] = total
-        out["throughput/tokens_per_s"] = tokens / total
-        return out
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
 
 
 def _broadcast(obj):
@@ -213,12 +212,6 @@ def _broadcast(obj):
     return box[0]
 
 
-def _sync_weights(policy, engine, shape, version, bucket_mb, export_hf_stream):
-    """Every rank takes part in the export (TP all-gather / PP broadcast) and feeds its own engine."""
-    stream = export_hf_stream(policy.chunks, shape, bucket_bytes=int(bucket_mb) << 20, include_tied_lm_head=True)
-    engine.update_weights(stream, version)
-
-
 def _heldout_prompts(cfg, tokenizer):
     """A fixed set of problems the policy never trains on, for start vs end accuracy."""
     if cfg.trainer.eval_samples <= 0:
@@ -227,14 +220,12 @@ def _heldout_prompts(cfg, tokenizer):
     return tokenize_prompts(rows, tokenizer, cfg.data)[0]
 
 
-def _evaluate(engine, prompts, scorer, tokenizer, ro) -> float | None:
+def _evaluate(rollout, prompts, scorer, tokenizer, ro) -> float | None:
     """Greedy accuracy on the held-out prompts (every rank generates its share; rank 0 scores)."""
     if not prompts:
         return None
-    from ..rollout import SamplingConfig
-
     greedy = SamplingConfig(temperature=0.0, max_tokens=ro.max_response_length)
-    out = engine.generate_all([p.ids for p in prompts], 1, greedy, seed=0)
+    out = rollout.generate([p.ids for p in prompts], 1, greedy, seed=0)
     if scorer is None:
         return None
     texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
