@@ -111,7 +111,7 @@ def probe_varlen(candidates, device, dtype, num_heads: int, num_groups: int, hea
                 inputs = [x.detach().clone().requires_grad_() for x in base]
                 out = fn(*inputs, cu, max(_PROBE_LENGTHS), scale)
                 grads = torch.autograd.grad((out.float() * w).sum(), inputs)
-                err = float((out.float() - ref).abs().max())
+                err = float((out.detach().float() - ref.detach()).abs().max())
                 gerr = max(float((a.float() - b).abs().max() / (1.0 + b.abs().max())) for a, b in zip(grads, ref_grads))
             except Exception as exc:  # noqa: BLE001  (any failure just rules this form out)
                 errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
