@@ -128,7 +128,10 @@ _WARNED: set = set()
 
 def varlen_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int):
     """(name, fn) of the varlen form this device/dtype/head layout uses, probed once; (None, None) = fallback."""
-    key = (torch.device(device), dtype, num_heads, num_groups, head_dim)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one kernel choice
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype, num_heads, num_groups, head_dim)
     if key not in _VARLEN:
         name, fn, errors = probe_varlen(_varlen_candidates(), key[0], dtype, num_heads, num_groups, head_dim)
         _VARLEN[key] = (name, fn)
