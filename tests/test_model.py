@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from justrl_megatron import compat
+import justrl_megatron.compat  # noqa: F401
 from justrl_megatron.model.attention import packed_causal_attention
 from justrl_megatron.model.hf_config import model_shape, num_parameters, padded_vocab_size, transformer_config
 from justrl_megatron.model.logprobs import logprobs_from_hidden, logprobs_from_logits
 from justrl_megatron.model.policy import resolve_dtype
-from justrl_megatron.model.spec import resolve_impl, te_available
+from justrl_megatron.model.spec import resolve_impl
 
 
 # --- HF config -> shape -> TransformerConfig ----------------------------------------------------------------------
@@ -69,6 +69,9 @@ def test_transformer_config_and_recompute_options():
 
 
 def test_one_switch_picks_the_layer_spec():
+    from justrl_megatron import compat
+    from justrl_megatron.model.spec import te_available
+
     # the defaults follow the device: TE spec and bf16 where TE and CUDA are, local spec and fp32 on a CPU
     te, cuda = te_available(), compat.cuda_available()
     assert resolve_impl("auto") == ("te" if te else "local")
