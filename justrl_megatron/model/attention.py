@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 #   2.10: varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None)   (no scale, no GQA flag)
 #   2.11: varlen_attn(..., *, return_aux=None, scale=None, window_size=(-1, -1))             (causal = (-1, 0))
 #   2.13: varlen_attn(..., *, ..., scale=None, window_size=(-1, -1), enable_gqa=False, ...)
-# A signature says nothing about whether a kernel exists for this device/dtype/head count, or whether KV heads fewer
-# than the query heads are understood; one tiny causal call with a known answer does.
+# 2.10/2.11 have no GQA flag: aten's flash kernel may still take fewer KV heads than query heads (flash-attn 2 does),
+# so that is tried before expanding K/V to the query heads (repeat_interleave: exact, more memory). A signature says
+# nothing about whether a kernel exists for this device/dtype/head count or whether KV groups are understood; one
+# tiny causal forward+backward with a known answer does.
 
 def _expand_kv(q, k, v):
     rep = q.size(1) // k.size(1)
@@ -41,7 +43,8 @@ def _expand_kv(q, k, v):
 
 
 def _varlen_candidates() -> list:
-    """[(name, fn(q, k, v, cu, max_seqlen, scale) -> out)] in order of preference; empty without varlen_attn."""
+    """[(name, fn(q, k, v, cu, max_seqlen, scale) -> out, expands_kv)] in order of preference (an expanding form is
+    skipped for MHA, where it equals the form before it); empty where torch has no varlen_attn."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except Exception:
@@ -59,7 +62,7 @@ def _varlen_candidates() -> list:
     def is_causal(q, k, v, cu, mx, scale):
         # 2.10 takes no scale (it uses 1/sqrt(d)): fold ours into q, exactly equivalent
         rescale = scale * math.sqrt(q.size(-1))
-        return varlen_attn(q * rescale if rescale != 1.0 else q, k, v, cu, cu, mx, mx, is_causal=True)
+        return varlen_attn(q * rescale if abs(rescale - 1.0) > 1e-12 else q, k, v, cu, cu, mx, mx, is_causal=True)
 
     def is_causal_expanded(q, k, v, cu, mx, scale):
         return is_causal(q, *_expand_kv(q, k, v), cu, mx, scale)
