@@ -108,7 +108,8 @@ def test_fused_rms_norm_on_cuda_matches_the_reference():
     g = torch.Generator().manual_seed(1)
     x = (3 * torch.randn(300, 1536, generator=g)).cuda()
     weight = (1 + 0.1 * torch.randn(1536, generator=g)).cuda()
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+    # bf16: the reference rounds twice (normalised x, then x * weight), the fused kernel once
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)):
         xd, wd = x.to(dtype), weight.to(dtype)
         ref, fused = rms_norm_reference(xd, wd, 1e-6), rms_norm_fused(xd, wd, 1e-6)
         assert fused.dtype == dtype

@@ -23,7 +23,7 @@ def test_colocated_cycle(hf_models, tmp_path):
     assert v["freed_by_sleep_gib"] > 1.0, v  # KV cache (30% of the GPU) and weights released while training
     assert v["asleep_after_wake"] == []
     # bf16 on both sides: vLLM's sampled-token logprobs match the trainer's before and after the sync ...
-    assert v["gap_v0"]["logprob_diff_mean"] < 0.02 and v["gap_v1"]["logprob_diff_mean"] < 0.02, v
+    assert v["gap_v0"]["logprob_diff_mean"] < 0.05 and v["gap_v1"]["logprob_diff_mean"] < 0.05, v
     # ... and the update moved the policy away from what the engine sampled with, which the sync then followed
-    assert v["gap_before_sync"]["logprob_diff_mean"] > 5 * v["gap_v1"]["logprob_diff_mean"], v
+    assert v["gap_before_sync"]["logprob_diff_mean"] > 3 * v["gap_v1"]["logprob_diff_mean"], v
     assert v["sync"]["bytes"] > 0 and v["grad_norm"] > 0

@@ -34,10 +34,11 @@ def main(hf_dir, out):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_util import hf_policy
 
-    shape, policy = hf_policy(hf_dir, "bf16", lr=2e-2, grad_clip=0.0, distributed_optimizer=False)
     v = {}
+    # the engine first (it joins torch.distributed's WORLD as external_launcher), then the policy, as the loop does
     engine = VLLMEngine(hf_dir, dtype="bf16", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
                         enforce_eager=True, enable_sleep=True, sleep_level=2)
+    shape, policy = hf_policy(hf_dir, "bf16", lr=2e-2, grad_clip=0.0, distributed_optimizer=False)
     sample = SamplingConfig(max_tokens=STEPS)
 
     r0 = engine.generate(PROMPTS, N, sample, seed=7)
