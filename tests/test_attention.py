@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from justrl_megatron import compat
 from justrl_megatron.model import attention, spec
-from justrl_megatron.model.attention import (PackedPlan, packed_causal_attention, packed_plan, probe_varlen,
-                                             varlen_choice)
+from justrl_megatron.model.attention import (PackedPlan, packed_attention, packed_causal_attention, packed_plan,
+                                             probe_varlen, varlen_choice)
 from justrl_megatron.model.norm import RMSNorm, rms_norm_fused, rms_norm_reference
 
 
@@ -80,10 +80,11 @@ def test_fallback_plan_once_per_micro_batch():
     cu = torch.tensor([0, 6, 8, 17], dtype=torch.int32)
     q, k, v = (torch.randn(17, n, 8, generator=g) for n in (4, 2, 2))
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    assert packed_plan(psp, cu)._bounds is None  # nothing read on the host until the fallback needs it
     plans, outs = [], []
     for _layer in range(3):  # what SDPAttention does in every layer of one micro-batch
+        outs.append(packed_attention(q, k, v, psp, 0.3))
         plans.append(packed_plan(psp, cu))
-        outs.append(packed_causal_attention(q, k, v, cu, max(lens), 0.3, plan=plans[-1]))
     assert plans[0] is plans[1] is plans[2] and plans[0].bounds == [0, 6, 8, 17] and plans[0].lengths == lens
     assert all(torch.equal(o, packed_causal_attention(q, k, v, cu, 9, 0.3)) for o in outs)  # same numbers
     cu2 = cu.clone()  # the next micro-batch (a new tensor) never sees the old bounds

@@ -166,18 +166,29 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 class PackedPlan:
     """What the exact fallback needs to know about one packed row, computed once per micro-batch (one host sync),
-    not once per layer: the boundaries as Python ints and, for the right-padded batch, the token -> slot index."""
+    not once per layer, and only when the fallback runs (the varlen path never reads it): the boundaries as Python
+    ints and, for the right-padded batch, the token -> slot index."""
 
     def __init__(self, cu_seqlens: torch.Tensor):
         self.cu_seqlens = cu_seqlens
-        self.bounds = cu_seqlens.tolist()
-        self.lengths = [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:]) if b > a]
+        self._bounds = None
         self._slot = None
+
+    @property
+    def bounds(self) -> list[int]:
+        if self._bounds is None:
+            self._bounds = self.cu_seqlens.tolist()  # the host sync
+        return self._bounds
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:]) if b > a]
 
     def slot(self, device) -> torch.Tensor:
         if self._slot is None:
-            n, longest = len(self.lengths), max(self.lengths)
-            lens = torch.tensor(self.lengths, device=device)
+            lengths = self.lengths
+            n, longest = len(lengths), max(lengths)
+            lens = torch.tensor(lengths, device=device)
             seq = torch.repeat_interleave(torch.arange(n, device=device), lens)
             starts = torch.cumsum(lens, 0) - lens
             self._slot = seq * longest + (torch.arange(self.bounds[-1], device=device) - starts[seq])
@@ -222,6 +233,15 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         qi, ki, vi = (x[start:end].permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
         outs.append(causal_sdpa(qi, ki, vi, scale).squeeze(0).permute(1, 0, 2))
     return torch.cat(outs, dim=0)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params, scale: float):
+    """What SDPAttention does with a packed (THD) row: q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    return packed_causal_attention(q, k, v, cu, packed_seq_params.max_seqlen_q, scale,
+                                   plan=packed_plan(packed_seq_params, cu))
 
 
 # One batched SDPA call over right-padded sequences instead of one call per sequence, when the padding costs at most
@@ -283,11 +303,7 @@ class SDPAttention(_Base):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            out = packed_causal_attention(query, key, value, cu, packed_seq_params.max_seqlen_q, self.softmax_scale,
-                                          plan=packed_plan(packed_seq_params, cu))
+            out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale)
             return out.reshape(out.size(0), -1)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from justrl_megatron.model import attention
-from justrl_megatron.model.attention import packed_causal_attention, probe_varlen, varlen_choice
+from justrl_megatron.model.attention import packed_attention, packed_causal_attention, probe_varlen, varlen_choice
 from justrl_megatron.model.norm import rms_norm_fused, rms_norm_reference
 from test_model import _naive_causal  # the CPU tests' reference (explicit masked softmax)
 
@@ -90,16 +90,22 @@ def test_varlen_equals_per_sequence_attention(dtype, heads, groups, monkeypatch)
 def test_varlen_path_has_no_host_sync(dtype):
     if not _torch_at_least(2, 10):
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (>= 2.10)")
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     q, k, v, w, cu = _inputs(12, 2)
     dev = torch.device("cuda")
     ins = [x.to(device=dev, dtype=dtype).requires_grad_() for x in (q, k, v)]
     cu, w = cu.to(dev), w.to(device=dev, dtype=dtype)
+    # as batching.MicroBatch.packed_seq_params builds it: max_seqlen a host int
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(LENS),
+                          max_seqlen_kv=max(LENS))
     assert varlen_choice(dev, dtype, 12, 2, HEAD_DIM)[0] is not None  # the probe (which syncs) runs before
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any device->host sync in the layer's attention now raises
     try:
-        out = packed_causal_attention(*ins, cu, max(LENS), 1 / math.sqrt(HEAD_DIM))
-        torch.autograd.grad((out * w).sum(), ins)
+        for _layer in range(2):  # exactly what SDPAttention.forward runs for a packed row, layer after layer
+            out = packed_attention(*ins, psp, 1 / math.sqrt(HEAD_DIM))
+            torch.autograd.grad((out * w).sum(), ins)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
