@@ -60,7 +60,7 @@ def _varlen_candidates() -> list:
         return window(q, *_expand_kv(q, k, v), cu, mx, scale)
 
     def is_causal(q, k, v, cu, mx, scale):
-        # 2.10 takes no scale (it uses 1/sqrt(d)): fold ours into q, exactly equivalent
+        # 2.10 takes no scale (it uses 1/sqrt(d)): fold any other scale into q (one extra rounding of q)
         rescale = scale * math.sqrt(q.size(-1))
         return varlen_attn(q * rescale if abs(rescale - 1.0) > 1e-12 else q, k, v, cu, cu, mx, mx, is_causal=True)
 
