@@ -10,13 +10,14 @@ What megatron's `Attention` hands the core-attention module (megatron-core 0.16 
   * packed rows ("thd", `PackedSeqParams.qkv_format == "thd"`): query [t, np, hn], key/value [t, ng, hn] (the batch dim
     of 1 is squeezed by the caller, RoPE is already applied per sequence from `cu_seqlens`); returns [t, np * hn].
 Attention stays inside each packed sequence. On CUDA with bf16/fp16 one varlen flash call covers the whole row
-(`torch.nn.attention.varlen`, torch >= 2.10); elsewhere the sequences are right-padded into one batched causal SDPA
-call when that wastes little (exact), else each sequence is one causal SDPA call (no S x S either).
+(`torch.nn.attention.varlen`, torch >= 2.10; the call form is chosen by probing it once per device/dtype/head layout,
+see `varlen_choice`), with no host sync; elsewhere the sequences are right-padded into one batched causal SDPA call
+when that wastes little (exact), else each sequence is one causal SDPA call (no S x S either). The fallback reads the
+sequence boundaries on the host once per micro-batch (`packed_plan`), not once per layer.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 
@@ -26,22 +27,126 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
-def _varlen_fn():
-    """torch's varlen flash attention with a causal mask, or None where this torch has no usable one."""
+# --- varlen flash attention: chosen by probing the call, never by reading its signature ---------------------------
+# torch's `varlen_attn` changed form between releases (read from the wheels' torch/nn/attention/varlen.py):
+#   2.10: varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None)   (no scale, no GQA flag)
+#   2.11: varlen_attn(..., *, return_aux=None, scale=None, window_size=(-1, -1))             (causal = (-1, 0))
+#   2.13: varlen_attn(..., *, ..., scale=None, window_size=(-1, -1), enable_gqa=False, ...)
+# 2.10/2.11 have no GQA flag: aten's flash kernel may still take fewer KV heads than query heads (flash-attn 2 does),
+# so that is tried before expanding K/V to the query heads (repeat_interleave: exact, more memory). A signature says
+# nothing about whether a kernel exists for this device/dtype/head count or whether KV groups are understood; one
+# tiny causal forward+backward with a known answer does.
+
+def _expand_kv(q, k, v):
+    rep = q.size(1) // k.size(1)
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def _varlen_candidates() -> list:
+    """[(name, fn(q, k, v, cu, max_seqlen, scale) -> out, expands_kv)] in order of preference (an expanding form is
+    skipped for MHA, where it equals the form before it); empty where torch has no varlen_attn."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except Exception:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "is_causal" in params:
-        return lambda q, k, v, cu, mx, scale: varlen_attn(q, k, v, cu, cu, mx, mx, is_causal=True, scale=scale)
-    if "window_size" in params and "enable_gqa" in params:
-        return lambda q, k, v, cu, mx, scale: varlen_attn(
-            q, k, v, cu, cu, mx, mx, window_size=(-1, 0), scale=scale, enable_gqa=q.size(1) != k.size(1))
-    return None
+        return []
+
+    def window_gqa(q, k, v, cu, mx, scale):
+        return varlen_attn(q, k, v, cu, cu, mx, mx, scale=scale, window_size=(-1, 0), enable_gqa=q.size(1) != k.size(1))
+
+    def window(q, k, v, cu, mx, scale):
+        return varlen_attn(q, k, v, cu, cu, mx, mx, scale=scale, window_size=(-1, 0))
+
+    def window_expanded(q, k, v, cu, mx, scale):
+        return window(q, *_expand_kv(q, k, v), cu, mx, scale)
+
+    def is_causal(q, k, v, cu, mx, scale):
+        # 2.10 takes no scale (it uses 1/sqrt(d)): fold any other scale into q (one extra rounding of q)
+        rescale = scale * math.sqrt(q.size(-1))
+        return varlen_attn(q * rescale if abs(rescale - 1.0) > 1e-12 else q, k, v, cu, cu, mx, mx, is_causal=True)
+
+    def is_causal_expanded(q, k, v, cu, mx, scale):
+        return is_causal(q, *_expand_kv(q, k, v), cu, mx, scale)
+
+    return [("window_size+enable_gqa", window_gqa, False), ("window_size", window, False),
+            ("window_size+expanded_kv", window_expanded, True), ("is_causal", is_causal, False),
+            ("is_causal+expanded_kv", is_causal_expanded, True)]
 
 
-_VARLEN = {"fn": None, "checked": False, "broken": False}
+def _reference_attention(q, k, v, bounds: list[int], scale: float) -> torch.Tensor:
+    """Per-sequence causal attention with an explicit masked softmax in fp32 (the probe's known answer)."""
+    q, k, v = q.float(), *_expand_kv(q, k.float(), v.float())
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * scale
+        mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1)
+        outs.append(torch.einsum("hqk,khd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), v[a:b]))
+    return torch.cat(outs)
+
+
+# probe input: sequences of 7, 1 and 12 tokens (one of length 1), a non-default scale so that a form ignoring it fails
+_PROBE_LENGTHS = (7, 1, 12)
+_PROBE_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def probe_varlen(candidates, device, dtype, num_heads: int, num_groups: int, head_dim: int):
+    """The first candidate whose output AND input gradients match the reference on this device/dtype/heads.
+    Returns (name, fn, errors) with name/fn None when none does; errors maps tried names to what went wrong."""
+    bounds = [0]
+    for n in _PROBE_LENGTHS:
+        bounds.append(bounds[-1] + n)
+    g = torch.Generator().manual_seed(0)  # CPU generator: the probe touches no device RNG state
+    t, scale = bounds[-1], 0.7 / math.sqrt(head_dim)
+    base = [torch.randn(t, h, head_dim, generator=g).to(device=device, dtype=dtype)
+            for h in (num_heads, num_groups, num_groups)]
+    w = torch.randn(t, num_heads, head_dim, generator=g).to(device)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    tol = _PROBE_TOL.get(dtype, 1e-4)
+    errors = {}
+    # the first call may come from a no-grad forward (old logprobs) or a recompute: the probe needs autograd
+    with torch.inference_mode(False), torch.enable_grad():
+        ref_in = [x.detach().float().requires_grad_() for x in base]
+        ref = _reference_attention(*ref_in, bounds, scale)
+        ref_grads = torch.autograd.grad((ref * w).sum(), ref_in)
+        for name, fn, expands in candidates:
+            if expands and num_heads == num_groups:
+                continue  # identical to the form before it
+            try:
+                inputs = [x.detach().clone().requires_grad_() for x in base]
+                out = fn(*inputs, cu, max(_PROBE_LENGTHS), scale)
+                grads = torch.autograd.grad((out.float() * w).sum(), inputs)
+                err = float((out.detach().float() - ref.detach()).abs().max())
+                gerr = max(float((a.float() - b).abs().max() / (1.0 + b.abs().max())) for a, b in zip(grads, ref_grads))
+            except Exception as exc:  # noqa: BLE001  (any failure just rules this form out)
+                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                continue
+            if tuple(out.shape) == tuple(ref.shape) and err <= tol and gerr <= 4 * tol:
+                return name, fn, errors
+            errors[name] = f"wrong answer (max |out - ref| {err:.3g}, grads {gerr:.3g}; tolerance {tol:g})"
+    return None, None, errors
+
+
+_VARLEN: dict = {}  # (device, dtype, heads, groups, head_dim) -> (name, fn) or (None, None)
+_WARNED: set = set()
+
+
+def varlen_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int):
+    """(name, fn) of the varlen form this device/dtype/head layout uses, probed once; (None, None) = fallback."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one kernel choice
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype, num_heads, num_groups, head_dim)
+    if key not in _VARLEN:
+        name, fn, errors = probe_varlen(_varlen_candidates(), key[0], dtype, num_heads, num_groups, head_dim)
+        _VARLEN[key] = (name, fn)
+        what = f"{key[0]}/{str(dtype).replace('torch.', '')}, {num_heads} heads, {num_groups} KV groups, d={head_dim}"
+        if name is not None:
+            logger.info("packed attention on %s: torch varlen_attn [%s]%s", what, name,
+                        f" (rejected: {errors})" if errors else "")
+        elif "varlen" not in _WARNED:  # once per process, not per layer or per key
+            _WARNED.add("varlen")
+            logger.warning("torch varlen flash attention is not usable on %s (tried: %s); packed rows fall back to "
+                           "exact SDPA calls (slower)", what, errors or "torch has no torch.nn.attention.varlen")
+    return _VARLEN[key]
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -59,24 +164,67 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
+class PackedPlan:
+    """What the exact fallback needs to know about one packed row, computed once per micro-batch (one host sync),
+    not once per layer, and only when the fallback runs (the varlen path never reads it): the boundaries as Python
+    ints and, for the right-padded batch, the token -> slot index."""
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        self.cu_seqlens = cu_seqlens
+        self._bounds = None
+        self._slot = None
+
+    @property
+    def bounds(self) -> list[int]:
+        if self._bounds is None:
+            self._bounds = self.cu_seqlens.tolist()  # the host sync
+        return self._bounds
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.bounds[:-1], self.bounds[1:]) if b > a]
+
+    def slot(self, device) -> torch.Tensor:
+        if self._slot is None:
+            lengths = self.lengths
+            n, longest = len(lengths), max(lengths)
+            lens = torch.tensor(lengths, device=device)
+            seq = torch.repeat_interleave(torch.arange(n, device=device), lens)
+            starts = torch.cumsum(lens, 0) - lens
+            self._slot = seq * longest + (torch.arange(self.bounds[-1], device=device) - starts[seq])
+        return self._slot
+
+
+def packed_plan(packed_seq_params, cu_seqlens: torch.Tensor) -> PackedPlan:
+    """The plan of this micro-batch, cached on its PackedSeqParams (every layer and a recompute see the same
+    object); keyed by the cu_seqlens tensor itself so that a reused params object cannot serve stale bounds."""
+    plan = getattr(packed_seq_params, "_justrl_packed_plan", None)
+    if plan is None or plan.cu_seqlens is not cu_seqlens:
+        plan = PackedPlan(cu_seqlens)
+        try:
+            packed_seq_params._justrl_packed_plan = plan
+        except AttributeError:  # a frozen/slotted params object: no cache, still correct
+            pass
+    return plan
+
+
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, scale: float) -> torch.Tensor:
-    """Causal attention within each packed sequence. q [t, np, hn], k/v [t, ng, hn], cu_seqlens [n+1] -> [t, np, hn]."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not _VARLEN["broken"]:
-        if not _VARLEN["checked"]:
-            _VARLEN["fn"], _VARLEN["checked"] = _varlen_fn(), True
-        if _VARLEN["fn"] is not None:
-            try:
-                return _VARLEN["fn"](q, k, v, cu_seqlens.to(torch.int32), int(max_seqlen), scale)
-            except (RuntimeError, TypeError, NotImplementedError) as err:  # older/newer torch: keep the exact loop
-                logger.warning("varlen flash attention unavailable (%s); using one SDPA call per sequence", err)
-                _VARLEN["broken"] = True
-    bounds = cu_seqlens.tolist()
+                            max_seqlen: int, scale: float, plan: PackedPlan | None = None) -> torch.Tensor:
+    """Causal attention within each packed sequence. q [t, np, hn], k/v [t, ng, hn], cu_seqlens [n+1] -> [t, np, hn].
+
+    `max_seqlen` must be a Python int (PackedSeqParams.max_seqlen_q is one): the varlen path then never syncs with
+    the host. `plan` (see `packed_plan`) carries the host-side bounds for the fallback, once per micro-batch."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        _, fn = varlen_choice(q.device, q.dtype, q.size(1), k.size(1), q.size(2))
+        if fn is not None:
+            return fn(q, k, v, cu_seqlens.to(torch.int32), int(max_seqlen), scale)
+    if plan is None or plan.cu_seqlens is not cu_seqlens:
+        plan = PackedPlan(cu_seqlens)
+    bounds, lengths = plan.bounds, plan.lengths
     if bounds[-1] != q.size(0):
         raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the packed row holds {q.size(0)} tokens")
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     if len(lengths) > 1 and len(lengths) * max(lengths) <= PAD_BATCH_MAX_WASTE * q.size(0):
-        return _right_padded_batch(q, k, v, lengths, scale)
+        return _right_padded_batch(q, k, v, lengths, scale, plan.slot(q.device))
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end <= start:
@@ -87,19 +235,25 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return torch.cat(outs, dim=0)
 
 
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_seq_params, scale: float):
+    """What SDPAttention does with a packed (THD) row: q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    return packed_causal_attention(q, k, v, cu, packed_seq_params.max_seqlen_q, scale,
+                                   plan=packed_plan(packed_seq_params, cu))
+
+
 # One batched SDPA call over right-padded sequences instead of one call per sequence, when the padding costs at most
 # this factor in tokens: the per-call overhead dominates for the many short sequences of a GRPO batch on a CPU.
 PAD_BATCH_MAX_WASTE = 2.0
 
 
-def _right_padded_batch(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
+def _right_padded_batch(q, k, v, lengths: list[int], scale: float, slot: torch.Tensor) -> torch.Tensor:
     """Causal attention of packed sequences as one [n, h, L, d] SDPA call. Exact: with the padding on the right, a real
-    query's causal window holds only real keys of its own sequence; padded queries are computed and dropped."""
+    query's causal window holds only real keys of its own sequence; padded queries are computed and dropped.
+    `slot` maps each packed token to its padded slot (PackedPlan.slot)."""
     n, longest = len(lengths), max(lengths)
-    lens = torch.tensor(lengths, device=q.device)
-    seq = torch.repeat_interleave(torch.arange(n, device=q.device), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    slot = seq * longest + (torch.arange(q.size(0), device=q.device) - starts[seq])  # packed token -> padded slot
 
     def pad(x):  # [t, h, d] -> [n, h, L, d]
         flat = x.new_zeros(n * longest, x.size(1), x.size(2)).index_copy(0, slot, x)
@@ -149,10 +303,7 @@ class SDPAttention(_Base):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            out = packed_causal_attention(query, key, value, cu, packed_seq_params.max_seqlen_q, self.softmax_scale)
+            out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale)
             return out.reshape(out.size(0), -1)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

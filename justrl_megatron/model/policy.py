@@ -17,6 +17,8 @@ rescale by its own token count.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -63,12 +65,57 @@ def _pipeline_options(pp: int, vpp: int | None) -> dict:
     return {}
 
 
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_swiglu_check(device: str) -> str | None:
+    """None when megatron's fused SwiGLU runs and is right on `device`, else why not. It needs neither TE nor apex
+    (megatron.core.fusions.fused_bias_swiglu: a torch.compile'd forward, a hand-written backward that keeps only the
+    fc1 output for backward), but torch.compile needs triton and a C compiler, which a bare GPU image may lack: one
+    tiny compiled forward/backward here, compared with the plain op, decides before any model is built."""
+    try:
+        import torch.nn.functional as F
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+        g = torch.Generator().manual_seed(0)
+        y, w = (torch.randn(6, 1, 64, generator=g).to(device) for _ in range(2))
+        fused_in, plain_in = y.clone().requires_grad_(), y.clone().requires_grad_()
+        fused = bias_swiglu_impl(fused_in, None)
+        gate, up = plain_in.chunk(2, -1)
+        plain = F.silu(gate) * up
+        (fused * w[..., :32]).sum().backward()
+        (plain * w[..., :32]).sum().backward()
+        err = max(float((fused - plain).detach().abs().max()), float((fused_in.grad - plain_in.grad).abs().max()))
+    except Exception as exc:  # noqa: BLE001  (any failure keeps the plain op)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return None if err <= 1e-4 else f"fused SwiGLU differs from F.silu(gate) * up by {err:.3g}"
+
+
 def _gpu_fusions(impl: str) -> dict:
-    # On the TE path the fused RoPE (also for packed THD rows) and the fused SwiGLU are what megatron's GPU recipes
-    # run; the local path keeps the plain torch ops (no apex/TE kernels needed).
+    """TransformerConfig fusion flags for this spec on this device (hf_config.transformer_config turns all off).
+
+    TE spec: megatron's GPU recipe (TE's fused RoPE, also for packed THD rows, and the fused SwiGLU).
+    Local spec on CUDA, only what megatron-core has without TE/apex (checked in 0.16.1 and 0.19.2):
+      * bias_activation_fusion: the fused SwiGLU (see fused_swiglu_check), on when it compiles and checks out;
+      * apply_rope_fusion stays off: megatron's fused RoPE (fused_apply_rotary_pos_emb[_thd]) comes only from
+        megatron.core.extensions.transformer_engine; without TE TransformerConfig refuses the flag;
+      * gradient_accumulation_fusion stays off: it needs apex's fused_weight_gradient_mlp_cuda;
+      * bias_dropout_fusion stays off: with no linear bias and dropout 0 the op is one residual add (F.dropout with
+        p=0 returns its input): nothing to fuse, only a torch.compile graph per shape to pay for;
+      * masked_softmax_fusion / persist_layer_norm do not apply (SDPA attention, our RMSNorm).
+    The local spec's other GPU kernels choose themselves: varlen flash attention (attention.py), fused rms_norm
+    (norm.py). On the CPU nothing changes: the plain ops, bitwise as the CPU tests expect.
+    """
     if impl == "te":
         return dict(apply_rope_fusion=True, bias_activation_fusion=True)
-    return {}
+    if not compat.cuda_available():
+        return {}
+    why_not = fused_swiglu_check(str(compat.default_device()))
+    if why_not is not None:
+        logger.warning("fused SwiGLU unavailable (%s): the local spec keeps the plain activation", why_not)
+        return {}
+    return dict(bias_activation_fusion=True)
 
 
 @dataclass

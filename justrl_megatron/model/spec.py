@@ -2,15 +2,15 @@
 
 This is the one place that chooses (`model.transformer_impl: auto|te|local`). The local spec swaps in two modules:
 an RMSNorm that works with sequence parallelism (`norm.py`) and a torch-SDPA core attention that never materialises
-the S x S scores and understands packed (THD) rows (`attention.py`).
+the S x S scores and understands packed (THD) rows (`attention.py`). Both pick their fused CUDA kernels themselves
+(varlen flash attention, fused rms_norm); the fusions that are TransformerConfig flags are set in `policy._gpu_fusions`.
 """
 
 from __future__ import annotations
 
 import copy
 
-import torch
-
+from .. import compat
 from .attention import SDPAttention
 from .norm import RMSNorm
 
@@ -20,7 +20,7 @@ def te_available() -> bool:
         import transformer_engine  # noqa: F401
     except Exception:
         return False
-    return torch.cuda.is_available()
+    return compat.cuda_available()
 
 
 def resolve_impl(transformer_impl: str = "auto") -> str:
