@@ -161,11 +161,13 @@ def search_budget(fits: Callable[[int], bool], start: int, *, multiple: int = 12
 
 # --- the plan ------------------------------------------------------------------------------------------------------------
 
-def memory_plan(device_bytes: int, *, max_tokens: int = PROMPT + RESPONSE, impl: str = "local"):
+def memory_plan(device_bytes: int, *, max_tokens: int | None = None, impl: str = "local"):
+    """The memory plan for one sample of PROMPT + RESPONSE tokens of the MODEL shape at TP=1 on one GPU."""
     from ..model.memory import plan_memory
     from .train import BUILTIN_SHAPES
 
-    return plan_memory(BUILTIN_SHAPES[MODEL], device_bytes=device_bytes, max_tokens_per_micro_batch=max_tokens,
+    return plan_memory(BUILTIN_SHAPES[MODEL], device_bytes=device_bytes,
+                       max_tokens_per_micro_batch=max_tokens or PROMPT + RESPONSE,
                        min_tokens=PROMPT + RESPONSE, tp=1, pp=1, dp=1, impl=impl)
 
 
@@ -229,9 +231,17 @@ def stage_pytest(cap_s: float) -> dict:
     return out
 
 
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"needs a CUDA device (torch {torch.__version__} sees none)")
+
+
 def stage_train() -> dict:
     import torch
 
+    _require_cuda()
     from ..model.spec import resolve_impl
     from .train import bench_train
 
@@ -269,6 +279,7 @@ def stage_budget(cap_s: float) -> dict:
     from ..train.step import grpo_update_on_policy
     from .train import BUILTIN_SHAPES
 
+    _require_cuda()
     t_end = time.monotonic() + cap_s - 20  # leave time to write the result
     shape, impl = BUILTIN_SHAPES[MODEL], resolve_impl("auto")
     device_bytes = torch.cuda.get_device_properties(0).total_memory

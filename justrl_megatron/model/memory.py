@@ -174,12 +174,15 @@ def activation_bytes_per_token(shape: ModelShape, *, recompute: str = "none", tp
         _extra_per_token(shape, dtype)
 
 
-def logprob_head_bytes(shape: ModelShape, *, tp: int = 1, dtype: torch.dtype = torch.bfloat16) -> int:
+def logprob_head_bytes(shape: ModelShape, *, tp: int = 1, dtype: torch.dtype = torch.bfloat16,
+                       tokens: int | None = None) -> int:
     """Peak of the chunked logprob head (model/logprobs.py) beyond the per-token terms: in backward, a few fp32
-    [rows, vocab/TP] chunk tensors (rows x vocab ~ CHUNK_ELEMENTS) plus the output weight's gradient, accumulated in
-    fp32 and cast to the weight dtype at the end."""
+    [rows, vocab/TP] chunk tensors (rows x vocab ~ CHUNK_ELEMENTS, fewer rows when the micro-batch has fewer
+    ``tokens``) plus the output weight's gradient, accumulated in fp32 and cast to the weight dtype at the end."""
     vocab = padded_vocab_size(shape.vocab_size, tp) // tp
     rows = max(1, CHUNK_ELEMENTS // vocab)
+    if tokens is not None:
+        rows = min(rows, max(tokens, 0))
     weight = vocab * shape.hidden_size
     return int(HEAD_CHUNK_TENSORS * 4 * rows * vocab + (4 + _bytes(dtype)) * weight)
 
@@ -191,7 +194,7 @@ def estimate_peak_bytes(shape: ModelShape, *, tokens: int, recompute: str = "non
     return int(fixed_bytes(shape, tp=tp, pp=pp, dp=dp, dtype=dtype, distributed_optimizer=distributed_optimizer)
                + tokens * activation_bytes_per_token(shape, recompute=recompute, tp=tp, pp=pp,
                                                      sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
-               + logprob_head_bytes(shape, tp=tp, dtype=dtype))
+               + logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=tokens))
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------------
@@ -235,11 +238,19 @@ def _check_mode(recompute: str) -> None:
 
 def max_tokens_that_fit(shape: ModelShape, *, device_bytes: int, margin: float = 0.1, **kw) -> int:
     """The most tokens per micro-batch whose predicted peak stays within device_bytes x (1 - margin) (0 if none)."""
-    kw_act = {k: v for k, v in kw.items() if k not in ("dp", "distributed_optimizer")}
-    room = device_bytes * (1 - margin) - fixed_bytes(shape, **{k: kw[k] for k in ("tp", "pp", "dp", "dtype",
-                                                                                  "distributed_optimizer") if k in kw})
-    room -= logprob_head_bytes(shape, tp=kw.get("tp", 1), dtype=kw.get("dtype", torch.bfloat16))
-    return max(0, int(room // activation_bytes_per_token(shape, **kw_act)))
+    fixed_kw = {k: kw[k] for k in ("tp", "pp", "dp", "dtype", "distributed_optimizer") if k in kw}
+    act_kw = {k: v for k, v in kw.items() if k not in ("dp", "distributed_optimizer")}
+    tp, dtype = kw.get("tp", 1), kw.get("dtype", torch.bfloat16)
+    per_token = activation_bytes_per_token(shape, **act_kw)
+    room = device_bytes * (1 - margin) - fixed_bytes(shape, **fixed_kw)
+    vocab = padded_vocab_size(shape.vocab_size, tp) // tp
+    rows = max(1, CHUNK_ELEMENTS // vocab)
+    full_chunks = room - logprob_head_bytes(shape, tp=tp, dtype=dtype)
+    if full_chunks >= rows * per_token:  # at least one full chunk of rows: the head's peak no longer grows
+        return int(full_chunks // per_token)
+    # fewer tokens than one chunk: the head's chunk tensors grow with the tokens too
+    weight_only = room - logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=0)
+    return max(0, int(weight_only // (per_token + HEAD_CHUNK_TENSORS * 4 * vocab)))
 
 
 def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto", max_tokens_per_micro_batch: int,
@@ -279,7 +290,7 @@ def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto"
                       fixed_bytes=fixed_bytes(shape, tp=tp, pp=pp, dp=dp, dtype=dtype,
                                               distributed_optimizer=distributed_optimizer),
                       activation_bytes_per_token=activation_bytes_per_token(shape, recompute=mode, **act_kw),
-                      logprob_head_bytes=logprob_head_bytes(shape, tp=tp, dtype=dtype), peak_bytes=peak,
+                      logprob_head_bytes=logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=tokens), peak_bytes=peak,
                       device_bytes=int(device_bytes), margin=margin, note="; ".join(notes))
 
 
@@ -298,11 +309,10 @@ def _no_fit_message(shape, recompute, fit, min_tokens, device_bytes, margin, kw)
                 break
     if max(fit.values()) > 0:
         fixes.append(f"shorter samples (data.max_prompt_length + rollout.max_response_length <= {max(fit.values())})")
-    else:
-        fixes.append("a GPU with more memory (the weights and optimizer state alone do not fit)")
     return (f"model.recompute={recompute}: one full sample of {min_tokens} tokens needs about "
             f"{peak / GIB:.1f} GiB per GPU (recompute={worst}) but {device_bytes * (1 - margin) / GIB:.1f} GiB are "
-            f"usable ({device_bytes / GIB:.1f} GiB, margin {margin:.0%}); set " + " or ".join(fixes))
+            f"usable ({device_bytes / GIB:.1f} GiB, margin {margin:.0%}); "
+            + ("set " + " or ".join(fixes) + ", or use" if fixes else "use") + " GPUs with more memory")
 
 
 # --- the trainer's entry ----------------------------------------------------------------------------------------------
