@@ -29,7 +29,7 @@ def check_config(cfg):
     return model_dir, shape
 
 
-def plan_memory(cfg, shape):
+def apply_memory_plan(cfg, shape):
     """Resolve model.recompute (auto) and clamp trainer.max_tokens_per_micro_batch with the memory plan, so the loop
     and Policy.build see concrete values. On a GPU the plan is printed in one line (rank 0); on the CPU auto becomes
     none and the budget stays. Raises MemoryPlanError (a ValueError) when a manual setting cannot fit."""
@@ -45,7 +45,7 @@ def plan_memory(cfg, shape):
 def main(cfg) -> None:
     try:
         model_dir, shape = check_config(cfg)
-        plan_memory(cfg, shape)
+        apply_memory_plan(cfg, shape)
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)

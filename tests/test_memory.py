@@ -211,3 +211,16 @@ def test_validate_accepts_auto_and_names_the_choices():
     validate(_recipe("justrl_deepseek_1p5b"), world_size=8)
     with pytest.raises(ConfigError, match="auto, none, selective or full"):
         validate(_recipe("justrl_deepseek_1p5b", "model.recompute=some"), world_size=8)
+
+
+def test_justrl_train_resolves_auto_before_the_loop(capsys):
+    from justrl_megatron.train_entry import apply_memory_plan
+
+    cfg = _recipe("justrl_deepseek_1p5b")
+    plan = apply_memory_plan(cfg, DEEPSEEK)
+    if torch.cuda.is_available():
+        assert plan is not None and cfg.model.recompute == plan.recompute
+        assert capsys.readouterr().out.startswith("justrl-train: memory plan: ")
+    else:  # the CPU keeps its behaviour: no recompute, the configured budget, nothing printed
+        assert plan is None and cfg.model.recompute == "none"
+        assert cfg.trainer.max_tokens_per_micro_batch == 32768 and capsys.readouterr().out == ""
