@@ -25,7 +25,8 @@ esac
 
 if [[ -d "$WHEELS" ]]; then
   "$PY" -m justrl_megatron.bench.gpu_check --check-bundle --wheels "$WHEELS" || exit 2
-  echo "gpu_check: installing $(find "$WHEELS" -maxdepth 1 -name '*.whl' -type f | wc -l) wheels from $WHEELS into $SITE"
+  count=$(find "$WHEELS" -maxdepth 1 -name '*.whl' -type f | wc -l)
+  echo "gpu_check: installing $count wheels from $WHEELS into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$WHEELS"/*.whl || { echo "gpu_check: pip could not install $WHEELS/*.whl" >&2; exit 2; }
   export PYTHONPATH="$SITE:$PYTHONPATH"

@@ -118,7 +118,7 @@ def check_bundle(path: str | os.PathLike, required: dict[str, str] | None = None
     return BundleReport(str(path), True, wheels, total, problems)
 
 
-# --- the token-budget search (pure) ------------------------------------------------------------------------------------
+# --- the token-budget search (pure) -----------------------------------------------------------------------------------
 
 def search_budget(fits: Callable[[int], bool], start: int, *, multiple: int = 128, grow: float = 1.25,
                   limit: int | None = None, deadline: float | None = None,
@@ -159,7 +159,7 @@ def search_budget(fits: Callable[[int], bool], start: int, *, multiple: int = 12
     return best, trials
 
 
-# --- the plan ------------------------------------------------------------------------------------------------------------
+# --- the plan ---------------------------------------------------------------------------------------------------------
 
 def memory_plan(device_bytes: int, *, max_tokens: int | None = None, impl: str = "local"):
     """The memory plan for one sample of PROMPT + RESPONSE tokens of the MODEL shape at TP=1 on one GPU."""
@@ -171,7 +171,7 @@ def memory_plan(device_bytes: int, *, max_tokens: int | None = None, impl: str =
                        min_tokens=PROMPT + RESPONSE, tp=1, pp=1, dp=1, impl=impl)
 
 
-# --- stages (each runs in its own process: `--stage NAME --result FILE`) --------------------------------------------------
+# --- stages (each runs in its own process: `--stage NAME --result FILE`) ----------------------------------------------
 
 def stage_probe() -> dict:
     import inspect
@@ -318,7 +318,8 @@ def stage_budget(cap_s: float) -> dict:
         torch.cuda.empty_cache()
         predicted = estimate_peak_bytes(shape, tokens=tokens, recompute=plan.recompute, impl=impl)
         records.append({"tokens": tokens, "fits": ok, "seconds": round(time.perf_counter() - t0, 2),
-                        "peak_allocated_gib": round(peak / 2**30, 2), "predicted_peak_gib": round(predicted / 2**30, 2)})
+                        "peak_allocated_gib": round(peak / 2**30, 2),
+                        "predicted_peak_gib": round(predicted / 2**30, 2)})
         print(records[-1], flush=True)
         return ok
 
@@ -357,9 +358,9 @@ def _run_stage(name: str, cap_s: float, out_dir: Path) -> dict:
 
 
 def _stage_main(name: str, result: Path, cap_s: float) -> int:
-    import justrl_megatron.compat  # noqa: F401  (first, as every entry point)
-
     try:
+        import justrl_megatron.compat  # noqa: F401  (first, as every entry point)
+
         fn = {"probe": stage_probe, "pytest": lambda: stage_pytest(cap_s), "train": stage_train,
               "budget": lambda: stage_budget(cap_s)}[name]
         data = {"ok": True, **fn()}
@@ -456,15 +457,24 @@ def main(argv: list[str] | None = None) -> int:
             continue
         stages.append(_run_stage(name, cap, out_dir))
     probe = next((s for s in stages if s["stage"] == "probe"), {})
-    from .cli import machine_info
+    try:  # the report is written whatever is broken on this machine
+        from .cli import machine_info
 
-    machine = machine_info()
+        machine = machine_info()
+    except Exception as err:  # noqa: BLE001
+        import datetime
+
+        machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                                                capture_output=True).stdout.strip() or None,
+                   "error": f"{type(err).__name__}: {err}"}
     report = {"date": machine["date"], "commit": machine["git_commit"], "device": probe.get("device"),
               "machine": machine, "stages": stages, "ok": all(s.get("ok") for s in stages)}
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out_dir / "gpu_check.md").write_text(markdown(report))
     print("\n" + markdown(report))
-    print(f"gpu_check: wrote {out_dir}/gpu_check.json and gpu_check.md; {'all stages ok' if report['ok'] else 'FAILED'}")
+    verdict = "all stages ok" if report["ok"] else "FAILED"
+    print(f"gpu_check: wrote {out_dir}/gpu_check.json and gpu_check.md; {verdict}")
     return 0 if report["ok"] else 1
 
 
