@@ -24,7 +24,9 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto | te | local (te needs transformer-engine and CUDA)
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     make_vocab_size_divisible_by: int = 128
-    recompute: str = "none"  # none | selective | full
+    # auto: the memory plan (model/memory.py) picks none | selective | full on a GPU and clamps
+    # trainer.max_tokens_per_micro_batch to what fits; none on the CPU | none | selective | full
+    recompute: str = "auto"
     max_context: Optional[int] = None  # defaults to the model's max_position_embeddings
 
 
@@ -192,8 +194,8 @@ def validate(cfg, *, world_size: int, shape=None) -> None:
         problems.append(f"trainer.old_logprobs must be auto or recompute, got {cfg.trainer.old_logprobs!r}")
     if cfg.model.dtype not in ("auto", "bf16", "fp32"):
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
-    if cfg.model.recompute not in ("none", "selective", "full"):
-        problems.append(f"model.recompute must be none, selective or full, got {cfg.model.recompute!r}")
+    if cfg.model.recompute not in ("auto", "none", "selective", "full"):
+        problems.append(f"model.recompute must be auto, none, selective or full, got {cfg.model.recompute!r}")
     if algo.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
         problems.append(f"algo.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got {algo.loss_agg!r}")
     if not (0 <= algo.clip_low < 1 and algo.clip_high >= 0):

@@ -29,11 +29,24 @@ def check_config(cfg):
     return model_dir, shape
 
 
+def apply_memory_plan(cfg, shape):
+    """Resolve model.recompute (auto) and clamp trainer.max_tokens_per_micro_batch with the memory plan, so the loop
+    and Policy.build see concrete values. On a GPU the plan is printed in one line (rank 0); on the CPU auto becomes
+    none and the budget stays. Raises MemoryPlanError (a ValueError) when a manual setting cannot fit."""
+    from .model.memory import resolve_recompute
+
+    plan = resolve_recompute(cfg, shape, _world_size())
+    if plan is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(f"justrl-train: {plan.describe()}", flush=True)
+    return plan
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
 def main(cfg) -> None:
     try:
         model_dir, shape = check_config(cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        apply_memory_plan(cfg, shape)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
     from .train.loop import run
