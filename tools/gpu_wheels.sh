@@ -19,8 +19,8 @@ if [[ ${#SPECS[@]} -eq 0 ]]; then
   exit 1
 fi
 
-rm -rf "$DEST"
 mkdir -p "$DEST"
+rm -f "$DEST"/*.whl  # only earlier wheels: DEST may be a folder that holds other things
 platform_args=()
 for p in "${PLATFORMS[@]}"; do platform_args+=(--platform "$p"); done
 
