@@ -168,7 +168,7 @@ def _drop_warmup(values: list, warmup: int) -> list:
 # --- phases ------------------------------------------------------------------------------------------------------------
 
 def run_rewards(a) -> dict:
-    from ..rewards.bench import TARGETS, run_reward_bench
+    from .rewards import TARGETS, run_reward_bench
 
     n_fast = a.reward_items
     runs = [run_reward_bench(n_fast=n_fast, n_slow=max(n_fast // 20, 8), n_code=max(n_fast // 500, 4),
