@@ -14,7 +14,7 @@ import justrl_megatron.compat  # noqa: F401
 from justrl_megatron.model.attention import packed_causal_attention
 from justrl_megatron.model.hf_config import model_shape, num_parameters, padded_vocab_size, transformer_config
 from justrl_megatron.model.logprobs import logprobs_from_hidden, logprobs_from_logits
-from justrl_megatron.model.policy import resolve_dtype
+from justrl_megatron.dtypes import resolve_dtype
 from justrl_megatron.model.spec import resolve_impl
 
 

@@ -108,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _dtype(a) -> str:
     """auto -> what training uses: bf16 on a GPU, fp32 on the CPU (vLLM's own "auto" would pick bf16 on a CPU too)."""
-    from ..model.policy import dtype_name
+    from ..dtypes import dtype_name
 
     return dtype_name(a.dtype)
 

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+from ..dtypes import DTYPES
 
 
 class UsageError(Exception):

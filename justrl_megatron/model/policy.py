@@ -22,29 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import compat
+from ..dtypes import resolve_dtype
 from .build import build_model_chunks
 from .hf_config import ModelShape, padded_vocab_size, transformer_config
 from .spec import resolve_impl
-
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """`model.dtype`: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if compat.cuda_available() else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be auto, bf16 or fp32, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def dtype_name(dtype) -> str:
-    """`model.dtype` resolved as the trainer resolves it, as a config name: "bf16" | "fp32" | "fp16"."""
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[resolve_dtype(dtype)]
-
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """megatron's finalize_model_grads (DP reduce, SP norm reduce, tied-embedding reduce) without the 1/num_tokens
