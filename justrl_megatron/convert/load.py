@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.build import unwrap
 from ..model.hf_config import ModelShape, model_shape
 from .mapping import Entry, entry_for, hf_to_shard, live_parameters, model_entries
 
@@ -91,8 +92,6 @@ def load_hf_weights(chunks, hf_dir: str | os.PathLike, *, progress: bool = True)
     if not (hf_dir / "config.json").exists():
         raise FileNotFoundError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
     shape = model_shape(AutoConfig.from_pretrained(hf_dir))
-    from .mapping import unwrap
-
     check_model_matches(shape, unwrap(chunks[0]).config)
     files = SafetensorsFolder(hf_dir)
     params = live_parameters(chunks)

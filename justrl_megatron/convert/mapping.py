@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..model.build import unwrap
 from ..model.hf_config import ModelShape
 
 # read(hf_name, dim, start, stop) -> tensor; dim=None means the whole tensor
@@ -92,13 +93,6 @@ _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def live_parameters(chunks) -> dict[str, torch.nn.Parameter]:

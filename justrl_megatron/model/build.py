@@ -45,16 +45,16 @@ def build_model_chunks(
     return chunks
 
 
-def _unwrap(chunk):
-    """The GPTModel inside a DDP (or other megatron) wrapper."""
-    while hasattr(chunk, "module") and not hasattr(chunk, "output_layer"):
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module (or other megatron) wrappers."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
 
 
 def output_weight(model):
     """The [vocab/TP, hidden] weight of the output projection on a last-stage GPTModel (tied or not)."""
-    model = _unwrap(model)
+    model = unwrap(model)
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
@@ -93,7 +93,7 @@ def _install_hidden_passthrough(layer) -> None:
 def returning_hidden_states(chunks):
     """Within the block, last-stage chunks return final hidden states [b, s, h] (after the final norm, full sequence
     on every TP rank) instead of logits, so the logits are never materialised."""
-    layers = [_unwrap(c).output_layer for c in chunks if getattr(_unwrap(c), "post_process", False)]
+    layers = [unwrap(c).output_layer for c in chunks if getattr(unwrap(c), "post_process", False)]
     for layer in layers:
         _install_hidden_passthrough(layer)
         layer.justrl_return_hidden = True

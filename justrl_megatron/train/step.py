@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..model.build import output_weight, returning_hidden_states
 from ..model.logprobs import logprobs_from_hidden
+from ..rollout.base import logprob_gap
 from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, pack_micro_batches, \
     response_offsets, split_over_dp
 
@@ -342,16 +343,10 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
     if s["entropy_loss"]:
         metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
-    metrics.update(rollout_logprob_gap(samples, old_logprobs))
+    # trainer vs rollout-engine logprobs of the same tokens (a weight-sync / numerics check), where rollouts gave some
+    pairs = [(x.rollout_logprobs, lp) for x, lp in zip(samples, old_logprobs) if x.rollout_logprobs]
+    if pairs:
+        gap = logprob_gap(*zip(*pairs))
+        metrics["rollout_logprob_abs_diff_mean"] = gap["logprob_diff_mean"]
+        metrics["rollout_logprob_abs_diff_max"] = gap["logprob_diff_max"]
     return metrics
-
-
-def rollout_logprob_gap(samples: Sequence[Sample], logprobs: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Trainer vs rollout-engine logprobs of the same tokens (a weight-sync / numerics check); {} without rollouts'."""
-    diffs = [(torch.as_tensor(lp, dtype=torch.float32).reshape(-1)
-              - torch.as_tensor(s.rollout_logprobs, dtype=torch.float32).reshape(-1)).abs()
-             for s, lp in zip(samples, logprobs) if s.rollout_logprobs is not None and len(s.rollout_logprobs)]
-    if not diffs:
-        return {}
-    d = torch.cat(diffs)
-    return {"rollout_logprob_abs_diff_mean": d.mean().item(), "rollout_logprob_abs_diff_max": d.max().item()}
