@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import HF_SUBDIR, find_checkpoint, layout_meta, load_model, read_meta, save_model, write_meta
 from ..dtypes import DTYPES
 
 
@@ -110,23 +111,14 @@ def _check_out(out: str, force: bool) -> None:
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A dist checkpoint folder: the path itself, or the latest step of a training run folder."""
-    from ..train.checkpoint import checkpoint_root, latest_step, step_dir
-    from .dist_ckpt import is_dist_checkpoint
-
-    path = Path(path)
-    if is_dist_checkpoint(path):
-        return path
-    run_dir = path.parent if path.name == checkpoint_root(path.parent).name else path
-    step = latest_step(run_dir) if checkpoint_root(run_dir).is_dir() else None
-    if step is not None:
-        return step_dir(run_dir, step)
-    raise UsageError(f"--ckpt {path}: not a megatron dist checkpoint (no metadata.json) nor a training run folder "
-                     f"with a complete checkpoint")
+    found = find_checkpoint(path)
+    if found is None:
+        raise UsageError(f"--ckpt {path}: not a megatron dist checkpoint (no metadata.json) nor a training run folder "
+                         f"with a complete checkpoint")
+    return found
 
 
 def _ckpt_hf_dir(ckpt: Path, override: str | None) -> Path:
-    from .dist_ckpt import HF_SUBDIR
-
     if override:
         return Path(override)
     if (ckpt / HF_SUBDIR / "config.json").exists():
@@ -176,7 +168,6 @@ def _hf_dtype(config) -> torch.dtype:
 # --- subcommands ------------------------------------------------------------------------------------------------------
 
 def hf_to_mcore(args) -> int:
-    from .dist_ckpt import layout_meta, save_model, write_meta
     from .load import SafetensorsFolder, load_hf_weights
 
     shape, config = _hf_shape(args.hf)
@@ -210,7 +201,6 @@ def hf_to_mcore(args) -> int:
 
 
 def mcore_to_hf(args) -> int:
-    from .dist_ckpt import load_model, read_meta
     from .export import save_hf
 
     ckpt = resolve_checkpoint(args.ckpt)
@@ -237,7 +227,6 @@ def mcore_to_hf(args) -> int:
 
 
 def verify(args) -> int:
-    from .dist_ckpt import load_model, read_meta
     from .verify import hf_logits, megatron_logits, random_tokens
 
     shape, _ = _hf_shape(args.hf)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -21,14 +20,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..model.hf_config import ModelShape
+from ..model.hf_config import ModelShape, copy_side_files
 from .mapping import Entry, hf_shapes, live_parameters, model_entries
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-# non-weight files of an HF folder that travel with exported weights (config, generation config, tokenizer)
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json")
 
 
 @dataclass
@@ -203,19 +198,3 @@ def save_hf(
     if source_dir is not None:
         copy_side_files(source_dir, out_dir, export_dtype)
     return out_dir
-
-
-def copy_side_files(source_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None) -> None:
-    """Copy config / generation config / tokenizer files; set the config's dtype to the weights' dtype."""
-    source_dir, out_dir = Path(source_dir), Path(out_dir)
-    for name in HF_SIDE_FILES:
-        if (source_dir / name).exists():
-            shutil.copyfile(source_dir / name, out_dir / name)
-    cfg_path = out_dir / "config.json"
-    if dtype is not None and cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        name = str(dtype).removeprefix("torch.")
-        cfg["torch_dtype"] = name
-        if "dtype" in cfg:
-            cfg["dtype"] = name
-        cfg_path.write_text(json.dumps(cfg, indent=2))

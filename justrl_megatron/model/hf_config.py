@@ -7,13 +7,21 @@ whether the embeddings are tied.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+# non-weight files of an HF folder that travel with the weights (config, generation config, tokenizer)
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json")
 
 
 @dataclass(frozen=True)
@@ -145,3 +153,20 @@ def transformer_config(
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def copy_side_files(source_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Copy the HF side files (config / generation config / tokenizer) that exist; with `dtype`, set the config's
+    dtype to it (the weights' dtype)."""
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    for name in HF_SIDE_FILES:
+        if (source_dir / name).exists():
+            shutil.copyfile(source_dir / name, out_dir / name)
+    cfg_path = out_dir / "config.json"
+    if dtype is not None and cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        name = str(dtype).removeprefix("torch.")
+        cfg["torch_dtype"] = name
+        if "dtype" in cfg:
+            cfg["dtype"] = name
+        cfg_path.write_text(json.dumps(cfg, indent=2))
