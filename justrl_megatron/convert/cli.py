@@ -26,6 +26,7 @@ import torch
 
 from ..checkpoint import HF_SUBDIR, find_checkpoint, layout_meta, load_model, read_meta, save_model, write_meta
 from ..dtypes import DTYPES
+from ..model.hf_config import check_parallel_layout
 
 
 class UsageError(Exception):
@@ -89,15 +90,11 @@ def _hf_shape(hf_dir: str | os.PathLike, what: str = "--hf"):
 
 
 def _check_layout(shape, tp: int, pp: int, vpp: int | None) -> None:
-    from .mapping import check_pp_divides, check_tp_divides
-
     if tp < 1 or pp < 1 or (vpp is not None and (vpp < 1 or pp == 1)):
         raise UsageError(f"invalid layout tp={tp} pp={pp} vpp={vpp} (vpp needs pp > 1)")
-    try:
-        check_tp_divides(shape, tp)
-        check_pp_divides(shape, pp, vpp)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    problems = check_parallel_layout(shape, tp, pp, vpp, names=("--tp", "--pp", "--vpp"))
+    if problems:
+        raise UsageError("; ".join(problems))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and world % (tp * pp):
         raise UsageError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}")

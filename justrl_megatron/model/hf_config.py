@@ -90,6 +90,35 @@ def num_parameters(shape: ModelShape) -> int:
     return s.num_layers * per_layer + embeddings + s.hidden_size
 
 
+def check_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, *,
+                          names: tuple[str, str, str] = ("parallel.tensor", "parallel.pipeline",
+                                                         "parallel.virtual_pipeline")) -> list[str]:
+    """What keeps `shape` from splitting at TP x PP (x VPP): megatron splits whole heads, query groups and the FFN over
+    TP ranks, and whole layers into PP x VPP equal stages. Returns the problems (empty: it splits); `names` are the
+    knobs' names in the messages (config keys, or CLI flags)."""
+    tp_name, pp_name, vpp_name = names
+    problems = []
+    bad = [f"the {n} {what}" for what, n in (("attention heads", shape.num_attention_heads),
+                                             ("query groups (KV heads)", shape.num_query_groups),
+                                             ("FFN size (intermediate_size)", shape.ffn_hidden_size)) if n % tp]
+    if bad:
+        fits = math.gcd(shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size)
+        problems.append(f"{tp_name}={tp} must divide the model's attention heads, query groups and FFN size, but does "
+                        f"not divide {' and '.join(bad)}; use {tp_name} in "
+                        f"{[d for d in range(1, fits + 1) if fits % d == 0]}")
+    if shape.num_layers % (pp * (vpp or 1)):
+        problems.append(f"the model's {shape.num_layers} layers are not divisible by {pp_name} x {vpp_name} = "
+                        f"{pp}x{vpp or 1} equal pipeline stages")
+    return problems
+
+
+def require_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, **kwargs) -> None:
+    """`check_parallel_layout`, raising ValueError with its problems."""
+    problems = check_parallel_layout(shape, tp, pp, vpp, **kwargs)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron pads the vocabulary so that each TP rank holds an equal, aligned slice."""
     multiple = divisible_by * tp

@@ -24,7 +24,7 @@ import torch
 from .. import compat
 from ..dtypes import resolve_dtype
 from .build import build_model_chunks
-from .hf_config import ModelShape, padded_vocab_size, transformer_config
+from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .spec import resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -83,12 +83,7 @@ class Policy:
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
-        if shape.num_attention_heads % tp or shape.num_query_groups % tp:
-            raise ValueError(f"parallel.tensor={tp} must divide the {shape.num_attention_heads} attention heads and "
-                             f"{shape.num_query_groups} KV heads of the model")
-        if shape.num_layers % (pp * (vpp or 1)):
-            raise ValueError(f"{shape.num_layers} layers do not split into parallel.pipeline x "
-                             f"parallel.virtual_pipeline = {pp} x {vpp or 1} equal stages")
+        require_parallel_layout(shape, tp, pp, vpp)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
 
