@@ -137,10 +137,13 @@ def transformer_config(
     use_cpu_initialization: bool | None = None,
     **overrides,
 ):
+    # lazy: config validation imports this module, and importing megatron (and compat, which patches it) takes seconds
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .. import compat
+
     if use_cpu_initialization is None:
-        use_cpu_initialization = not torch.cuda.is_available()
+        use_cpu_initialization = not compat.cuda_available()
     kwargs = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
