@@ -130,6 +130,18 @@ class Policy:
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
                    hyper=hyper)
 
+    @classmethod
+    def from_config(cls, cfg, shape: ModelShape) -> "Policy":
+        """`build` with the knobs of a composed config: cfg.model, cfg.parallel and cfg.trainer (the optimizer)."""
+        model, par, tr = cfg.model, cfg.parallel, cfg.trainer
+        return cls.build(
+            shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
+            dtype=model.dtype, transformer_impl=model.transformer_impl, recompute=model.recompute, lr=tr.lr,
+            warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
+            adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
+            distributed_optimizer=par.distributed_optimizer,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed)
+
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property
     def modules(self) -> list:
