@@ -37,6 +37,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import numpy as np
 import torch
 import torch.distributed as dist

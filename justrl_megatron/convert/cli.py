@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as ps
 
 from ..checkpoint import HF_SUBDIR, find_checkpoint, layout_meta, load_model, read_meta, save_model, write_meta
 from ..dtypes import DTYPES
@@ -242,8 +243,6 @@ def verify(args) -> int:
     load_model(chunks, ckpt)
     tokens = random_tokens(shape.vocab_size, args.batch, args.seq_len, args.seed)
     ours = megatron_logits(chunks, tokens, shape.vocab_size)
-    from megatron.core import parallel_state as ps
-
     diff = torch.zeros(1, dtype=torch.float64)
     if ours is not None and ps.get_tensor_model_parallel_rank() == 0:
         ref = hf_logits(args.hf, tokens, weight_dtype=DTYPES.get(meta.get("dtype", ""), torch.float32))

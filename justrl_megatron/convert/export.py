@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from ..model.hf_config import ModelShape, copy_side_files
 from .mapping import Entry, hf_shapes, live_parameters, model_entries
@@ -36,8 +39,6 @@ class _Planned:
 
 def _groups():
     """(tp size, tp group, pp size, pp group) of megatron's parallel state; size 1 groups are not used."""
-    from megatron.core import parallel_state as ps
-
     return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group(),
             ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group())
 
@@ -107,8 +108,6 @@ def export_hf_stream(
     `dtype` casts the exported tensors (default: the parameters' dtype). With tied embeddings, HF has no
     `lm_head.weight`; `include_tied_lm_head=True` emits it too (a copy of the embeddings), as vLLM on CPU needs it.
     """
-    from megatron.core import parallel_state as ps
-
     tp, tp_group, pp, pp_group = _groups()
     my_stage = ps.get_pipeline_model_parallel_rank()
     sizes = hf_shapes(shape)

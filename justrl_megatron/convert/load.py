@@ -10,7 +10,10 @@ import json
 import os
 from pathlib import Path
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
+from megatron.core import parallel_state as ps
 
 from ..model.build import unwrap
 from ..model.hf_config import ModelShape, model_shape
@@ -85,8 +88,7 @@ def load_hf_weights(chunks, hf_dir: str | os.PathLike, *, progress: bool = True)
     Call it before building the optimizer, or call `optimizer.reload_model_params()` afterwards (mixed-precision
     optimizers keep their own fp32 copies).
     """
-    from megatron.core import parallel_state as ps
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: importing transformers takes seconds
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").exists():

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import contextlib
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
+
 from .hf_config import ModelShape, padded_vocab_size
 from .spec import block_spec
 
@@ -18,9 +25,6 @@ def build_model_chunks(
     parallel_output: bool = True,
 ):
     """Return the list of GPTModel chunks of this rank (length = virtual pipeline size, 1 without VPP)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
     vpp = config.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     chunks = []
@@ -70,11 +74,6 @@ def _install_hidden_passthrough(layer) -> None:
     """
     if getattr(layer, "_justrl_passthrough", False):
         return
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
-
     logits_forward = layer.forward
 
     def forward(input_, weight=None, runtime_gather_output=None, **kwargs):

@@ -19,9 +19,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from .. import compat
+from ..distributed import init_distributed, init_model_parallel
 from ..dtypes import resolve_dtype
 from .build import build_model_chunks
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
@@ -30,8 +38,6 @@ from .spec import resolve_impl
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """megatron's finalize_model_grads (DP reduce, SP norm reduce, tied-embedding reduce) without the 1/num_tokens
     rescale: the GRPO loss is already normalised by the global denominator (see the module docstring)."""
-    from megatron.core.distributed import finalize_model_grads
-
     return finalize_model_grads(model, None, **kwargs)
 
 
@@ -71,14 +77,6 @@ class Policy:
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
               max_sequence_length: int | None = None) -> "Policy":
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from ..distributed import init_distributed, init_model_parallel
-
         impl = resolve_impl(transformer_impl)
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):

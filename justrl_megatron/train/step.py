@@ -18,8 +18,12 @@ import functools
 import math
 from typing import Callable, Sequence
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..model.build import output_weight, returning_hidden_states
@@ -35,27 +39,18 @@ SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_lo
 
 # --- parallel layout ---------------------------------------------------------------------------------------------
 
-def _ps():
-    from megatron.core import parallel_state as ps
-
-    return ps
-
-
 def _tp_group():
-    ps = _ps()
     return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
 
 
 def _is_contributor() -> bool:
     """One rank per DP replica reports results: the last pipeline stage's first TP rank."""
-    ps = _ps()
     return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
 
 def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Combine one value per DP replica into the same result on every training rank (DP group, then TP x PP group).
     Non-contributors must hold the identity of ``op`` (0 for SUM, -inf for MAX, +inf for MIN)."""
-    ps = _ps()
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
@@ -68,7 +63,6 @@ def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.
 def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], max_tokens_per_micro_batch: int
                        ) -> list[MicroBatch]:
     """This DP rank's packed micro-batches for the samples ``ids`` (same count on every DP rank)."""
-    ps = _ps()
     lengths = [s.length for s in samples]
     per_rank = split_over_dp(ids, lengths, ps.get_data_parallel_world_size())
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -80,8 +74,6 @@ def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], ma
 
 def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
     """Run all micro-batches through megatron's schedule; returns the loss functions' dicts (last stage only)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     device = policy.device
     mbs = [mb.to(device) for mb in micro_batches]
 
