@@ -212,17 +212,9 @@ def validate(cfg, *, world_size: int, shape=None) -> None:
             f"data.max_prompt_length + rollout.max_response_length = {total_len}"
         )
     if shape is not None:
-        if shape.num_query_groups % tp or shape.num_attention_heads % tp:
-            problems.append(
-                f"parallel.tensor={tp} must divide the model's {shape.num_attention_heads} attention heads and "
-                f"{shape.num_query_groups} query groups (KV heads); use parallel.tensor in "
-                f"{[d for d in range(1, shape.num_query_groups + 1) if shape.num_query_groups % d == 0]}"
-            )
-        if shape.num_layers % (pp * (par.virtual_pipeline or 1)):
-            problems.append(
-                f"the model's {shape.num_layers} layers are not divisible by parallel.pipeline x "
-                f"parallel.virtual_pipeline = {pp}x{par.virtual_pipeline or 1}"
-            )
+        from .model.hf_config import check_parallel_layout  # torch-only module; config.py stays import-light
+
+        problems += check_parallel_layout(shape, tp, pp, par.virtual_pipeline)
         context = cfg.model.max_context or shape.max_position_embeddings
         if total_len > context:
             problems.append(

@@ -32,6 +32,7 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
 
 def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
     """(Re)build megatron's parallel groups and seed its RNG tracker (one seed per TP rank, as megatron does)."""
+    # lazy: rollout-only processes (vLLM ranks, evaluation) call init_distributed and never load megatron (~4.6 s)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 

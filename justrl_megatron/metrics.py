@@ -26,7 +26,9 @@ def gpu_stats() -> dict[str, float]:
     try:
         import torch
 
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        from . import compat
+
+        index = compat.default_device().index or 0
         handle = pynvml.nvmlDeviceGetHandleByIndex(int(index))
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
         util = pynvml.nvmlDeviceGetUtilizationRates(handle)

@@ -137,10 +137,9 @@ class StopSignal:
         if not (dist.is_available() and dist.is_initialized()):
             return self.requested
         # nccl reduces only CUDA tensors, gloo only CPU ones: the group's backend decides
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
+        from . import compat
+
+        device = compat.default_device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from justrl_megatron import checkpoint as ckpt
 from justrl_megatron.assets import tiny_model
-from justrl_megatron.train import checkpoint as ckpt
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from justrl_megatron.assets import tiny_model
 from justrl_megatron.convert import mapping
-from justrl_megatron.model.hf_config import ModelShape
+from justrl_megatron.model.hf_config import ModelShape, require_parallel_layout
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -94,8 +94,8 @@ def test_fc1_shard_is_gate_slice_then_up_slice():
 
 def test_tp_must_divide_query_groups():
     with pytest.raises(ValueError, match="does not divide.*query groups"):
-        mapping.check_tp_divides(SHAPE, 8)
-    mapping.check_tp_divides(SHAPE, 4)
+        require_parallel_layout(SHAPE, 8)
+    require_parallel_layout(SHAPE, 4)
 
 
 # --- live models at every layout (one 4-process job) --------------------------------------------------------------

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import justrl_megatron.compat  # noqa: F401
+from justrl_megatron.dtypes import resolve_dtype
 from justrl_megatron.model.attention import packed_causal_attention
 from justrl_megatron.model.hf_config import model_shape, num_parameters, padded_vocab_size, transformer_config
 from justrl_megatron.model.logprobs import logprobs_from_hidden, logprobs_from_logits
-from justrl_megatron.model.policy import resolve_dtype
 from justrl_megatron.model.spec import resolve_impl
 
 
@@ -253,3 +253,31 @@ def test_train_benchmark_runs_on_cpu():
         assert result[phase]["mfu"] is None  # no known peak for a CPU
     assert result["cpu_peak_rss_gib"] > 0 and math.isfinite(result["loss"]) and result["grad_norm"] > 0
     assert "TFLOP/s/device" in proc.stdout
+
+
+_FROM_CONFIG = """
+import json
+import justrl_megatron.compat
+from justrl_megatron.config import compose
+from justrl_megatron.model.hf_config import ModelShape
+from justrl_megatron.model.policy import Policy
+shape = ModelShape(family="llama", num_layers=2, hidden_size=8, ffn_hidden_size=12, num_attention_heads=2,
+                   num_query_groups=1, head_dim=4, vocab_size=10, max_position_embeddings=64, rope_theta=1e4,
+                   rms_norm_eps=1e-6, qkv_bias=False, tie_word_embeddings=True, init_std=0.02)
+cfg = compose(["trainer.lr=3e-6", "trainer.warmup_steps=2", "trainer.weight_decay=0.05", "trainer.seed=7"])
+policy = Policy.from_config(cfg, shape)
+print(json.dumps({"hyper": policy.hyper, "dtype": str(policy.dtype), "impl": policy.transformer_impl,
+                  "lr": policy.current_lr()}))
+"""
+
+
+def test_policy_from_config_maps_the_config_knobs():
+    """Policy.from_config(cfg, shape) == Policy.build(shape, <cfg.model / parallel / trainer knobs>), in its own
+    process (it initialises torch.distributed)."""
+    proc = subprocess.run([sys.executable, "-c", _FROM_CONFIG], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["hyper"] == dict(lr=3e-6, warmup_steps=2, weight_decay=0.05, grad_clip=1.0, tp=1, pp=1, vpp=None,
+                                sequence_parallel=False, recompute="none", distributed_optimizer=True, seed=7)
+    assert out["dtype"] == "torch.float32" and out["impl"] == "local" and out["lr"] == 0.0  # warming up from 0

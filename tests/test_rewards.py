@@ -375,3 +375,14 @@ def test_batch_scorer_reports_a_verifier_workers_cannot_load(monkeypatch):
     with pytest.raises(RuntimeError, match="did not start"):
         with BatchScorer(module.Verifier(), num_workers=1) as scorer:
             scorer.score(["x"], ["y"])
+
+
+def test_make_scorer_builds_the_configured_scorer_on_the_scoring_rank_only():
+    from justrl_megatron.config import compose
+    from justrl_megatron.rewards import make_scorer
+
+    algo = compose(["recipe=justrl_deepseek_1p5b"]).algo  # reward: dapo (strict box, +1 / -1)
+    assert make_scorer(algo, enabled=False) is None
+    with make_scorer(algo, enabled=True) as scorer:
+        rewards, correct = scorer.evaluate(["so \\boxed{42}", "so \\boxed{41}"], ["42", "42"])
+    assert rewards == [1.0, -1.0] and correct == [True, False]

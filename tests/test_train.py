@@ -102,7 +102,7 @@ def test_two_steps_at_tp2(tmp_path, tiny_llama):
 @pytest.mark.slow
 def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama):
     """Kill -9 right after the step-2 checkpoint; rerunning the same command resumes and ends on the same weights."""
-    from justrl_megatron.train.checkpoint import latest_step
+    from justrl_megatron.checkpoint import latest_step
 
     args = [f"model.path={tiny_llama}", *SHORT, "trainer.total_steps=3", "trainer.eval_samples=0"]
     straight = tmp_path / "straight"

@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="verifier names to run")
     p.add_argument("--json", action="store_true", help="print rows as JSON lines")
     a = p.parse_args(argv)
-    from justrl_megatron.rewards.bench import format_rows, run_reward_bench
+    from justrl_megatron.bench.rewards import format_rows, run_reward_bench
 
     rows = run_reward_bench(n_fast=a.n_fast, n_slow=a.n_slow, n_code=a.n_code, workers=a.workers,
                             response_chars=a.response_chars, only=a.only)

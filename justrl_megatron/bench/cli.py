@@ -108,7 +108,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _dtype(a) -> str:
     """auto -> what training uses: bf16 on a GPU, fp32 on the CPU (vLLM's own "auto" would pick bf16 on a CPU too)."""
-    from ..model.policy import dtype_name
+    from ..dtypes import dtype_name
 
     return dtype_name(a.dtype)
 
@@ -168,7 +168,7 @@ def _drop_warmup(values: list, warmup: int) -> list:
 # --- phases ------------------------------------------------------------------------------------------------------------
 
 def run_rewards(a) -> dict:
-    from ..rewards.bench import TARGETS, run_reward_bench
+    from .rewards import TARGETS, run_reward_bench
 
     n_fast = a.reward_items
     runs = [run_reward_bench(n_fast=n_fast, n_slow=max(n_fast // 20, 8), n_code=max(n_fast // 500, 4),

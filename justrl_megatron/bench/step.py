@@ -146,7 +146,7 @@ def bench_step(*, model: str | None = None, prompts: int | None = None, n: int |
         wall = time.perf_counter() - t0
         from omegaconf import OmegaConf
 
-        from ..model.policy import dtype_name
+        from ..dtypes import dtype_name
 
         cfg = OmegaConf.load(run_path / "hydra" / "config.yaml")
         samples = int(cfg.trainer.prompts_per_step) * int(cfg.rollout.n)

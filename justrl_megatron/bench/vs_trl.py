@@ -45,7 +45,7 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
 
     from ..assets import resolve_model_path
     from ..config import compose
-    from ..model.policy import dtype_name
+    from ..dtypes import dtype_name
     from ..train.sampler import PromptSampler, load_training_rows, tokenize_prompts
 
     cfg = compose(overrides)

@@ -23,9 +23,11 @@ import sys
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as ps
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+from ..checkpoint import HF_SUBDIR, find_checkpoint, layout_meta, load_model, read_meta, save_model, write_meta
+from ..dtypes import DTYPES
+from ..model.hf_config import check_parallel_layout
 
 
 class UsageError(Exception):
@@ -89,15 +91,11 @@ def _hf_shape(hf_dir: str | os.PathLike, what: str = "--hf"):
 
 
 def _check_layout(shape, tp: int, pp: int, vpp: int | None) -> None:
-    from .mapping import check_pp_divides, check_tp_divides
-
     if tp < 1 or pp < 1 or (vpp is not None and (vpp < 1 or pp == 1)):
         raise UsageError(f"invalid layout tp={tp} pp={pp} vpp={vpp} (vpp needs pp > 1)")
-    try:
-        check_tp_divides(shape, tp)
-        check_pp_divides(shape, pp, vpp)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    problems = check_parallel_layout(shape, tp, pp, vpp, names=("--tp", "--pp", "--vpp"))
+    if problems:
+        raise UsageError("; ".join(problems))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and world % (tp * pp):
         raise UsageError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}")
@@ -111,23 +109,14 @@ def _check_out(out: str, force: bool) -> None:
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A dist checkpoint folder: the path itself, or the latest step of a training run folder."""
-    from ..train.checkpoint import checkpoint_root, latest_step, step_dir
-    from .dist_ckpt import is_dist_checkpoint
-
-    path = Path(path)
-    if is_dist_checkpoint(path):
-        return path
-    run_dir = path.parent if path.name == checkpoint_root(path.parent).name else path
-    step = latest_step(run_dir) if checkpoint_root(run_dir).is_dir() else None
-    if step is not None:
-        return step_dir(run_dir, step)
-    raise UsageError(f"--ckpt {path}: not a megatron dist checkpoint (no metadata.json) nor a training run folder "
-                     f"with a complete checkpoint")
+    found = find_checkpoint(path)
+    if found is None:
+        raise UsageError(f"--ckpt {path}: not a megatron dist checkpoint (no metadata.json) nor a training run folder "
+                         f"with a complete checkpoint")
+    return found
 
 
 def _ckpt_hf_dir(ckpt: Path, override: str | None) -> Path:
-    from .dist_ckpt import HF_SUBDIR
-
     if override:
         return Path(override)
     if (ckpt / HF_SUBDIR / "config.json").exists():
@@ -177,7 +166,6 @@ def _hf_dtype(config) -> torch.dtype:
 # --- subcommands ------------------------------------------------------------------------------------------------------
 
 def hf_to_mcore(args) -> int:
-    from .dist_ckpt import layout_meta, save_model, write_meta
     from .load import SafetensorsFolder, load_hf_weights
 
     shape, config = _hf_shape(args.hf)
@@ -211,7 +199,6 @@ def hf_to_mcore(args) -> int:
 
 
 def mcore_to_hf(args) -> int:
-    from .dist_ckpt import load_model, read_meta
     from .export import save_hf
 
     ckpt = resolve_checkpoint(args.ckpt)
@@ -238,7 +225,6 @@ def mcore_to_hf(args) -> int:
 
 
 def verify(args) -> int:
-    from .dist_ckpt import load_model, read_meta
     from .verify import hf_logits, megatron_logits, random_tokens
 
     shape, _ = _hf_shape(args.hf)
@@ -257,8 +243,6 @@ def verify(args) -> int:
     load_model(chunks, ckpt)
     tokens = random_tokens(shape.vocab_size, args.batch, args.seq_len, args.seed)
     ours = megatron_logits(chunks, tokens, shape.vocab_size)
-    from megatron.core import parallel_state as ps
-
     diff = torch.zeros(1, dtype=torch.float64)
     if ours is not None and ps.get_tensor_model_parallel_rank() == 0:
         ref = hf_logits(args.hf, tokens, weight_dtype=DTYPES.get(meta.get("dtype", ""), torch.float32))

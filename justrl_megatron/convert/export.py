@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
-from ..model.hf_config import ModelShape
+from ..model.hf_config import ModelShape, copy_side_files
 from .mapping import Entry, hf_shapes, live_parameters, model_entries
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-# non-weight files of an HF folder that travel with exported weights (config, generation config, tokenizer)
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                 "chat_template.jinja", "chat_template.json")
 
 
 @dataclass
@@ -41,8 +39,6 @@ class _Planned:
 
 def _groups():
     """(tp size, tp group, pp size, pp group) of megatron's parallel state; size 1 groups are not used."""
-    from megatron.core import parallel_state as ps
-
     return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group(),
             ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group())
 
@@ -112,8 +108,6 @@ def export_hf_stream(
     `dtype` casts the exported tensors (default: the parameters' dtype). With tied embeddings, HF has no
     `lm_head.weight`; `include_tied_lm_head=True` emits it too (a copy of the embeddings), as vLLM on CPU needs it.
     """
-    from megatron.core import parallel_state as ps
-
     tp, tp_group, pp, pp_group = _groups()
     my_stage = ps.get_pipeline_model_parallel_rank()
     sizes = hf_shapes(shape)
@@ -203,19 +197,3 @@ def save_hf(
     if source_dir is not None:
         copy_side_files(source_dir, out_dir, export_dtype)
     return out_dir
-
-
-def copy_side_files(source_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None) -> None:
-    """Copy config / generation config / tokenizer files; set the config's dtype to the weights' dtype."""
-    source_dir, out_dir = Path(source_dir), Path(out_dir)
-    for name in HF_SIDE_FILES:
-        if (source_dir / name).exists():
-            shutil.copyfile(source_dir / name, out_dir / name)
-    cfg_path = out_dir / "config.json"
-    if dtype is not None and cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text())
-        name = str(dtype).removeprefix("torch.")
-        cfg["torch_dtype"] = name
-        if "dtype" in cfg:
-            cfg["dtype"] = name
-        cfg_path.write_text(json.dumps(cfg, indent=2))

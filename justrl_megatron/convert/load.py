@@ -10,8 +10,12 @@ import json
 import os
 from pathlib import Path
 
-import torch
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
 
+import torch
+from megatron.core import parallel_state as ps
+
+from ..model.build import unwrap
 from ..model.hf_config import ModelShape, model_shape
 from .mapping import Entry, entry_for, hf_to_shard, live_parameters, model_entries
 
@@ -84,15 +88,12 @@ def load_hf_weights(chunks, hf_dir: str | os.PathLike, *, progress: bool = True)
     Call it before building the optimizer, or call `optimizer.reload_model_params()` afterwards (mixed-precision
     optimizers keep their own fp32 copies).
     """
-    from megatron.core import parallel_state as ps
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: importing transformers takes seconds
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").exists():
         raise FileNotFoundError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
     shape = model_shape(AutoConfig.from_pretrained(hf_dir))
-    from .mapping import unwrap
-
     check_model_matches(shape, unwrap(chunks[0]).config)
     files = SafetensorsFolder(hf_dir)
     params = live_parameters(chunks)

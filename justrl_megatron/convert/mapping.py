@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..model.build import unwrap
 from ..model.hf_config import ModelShape
 
 # read(hf_name, dim, start, stop) -> tensor; dim=None means the whole tensor
@@ -92,13 +93,6 @@ _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def live_parameters(chunks) -> dict[str, torch.nn.Parameter]:
@@ -198,20 +192,3 @@ def shards_to_hf(entry: Entry, shards: list[torch.Tensor], shape: ModelShape) ->
             v.append(g[:, (per_group_q + 1) * d:].reshape((-1,) + rest))
         return [torch.cat(q), torch.cat(k), torch.cat(v)]
     raise ValueError(f"unknown weight kind {kind!r}")
-
-
-def check_tp_divides(shape: ModelShape, tp: int) -> None:
-    """Megatron splits whole query groups, heads and the FFN over TP ranks: say which one does not divide."""
-    problems = [f"{what}={n}" for what, n in (("num_attention_heads", shape.num_attention_heads),
-                                              ("num_key_value_heads (query groups)", shape.num_query_groups),
-                                              ("intermediate_size", shape.ffn_hidden_size)) if n % tp]
-    if problems:
-        raise ValueError(f"tensor parallel size {tp} does not divide {', '.join(problems)}; "
-                         f"choose a TP that divides the number of query groups ({shape.num_query_groups})")
-
-
-def check_pp_divides(shape: ModelShape, pp: int, vpp: int | None = None) -> None:
-    stages = pp * (vpp or 1)
-    if shape.num_layers % stages:
-        raise ValueError(f"num_hidden_layers={shape.num_layers} is not divisible by pipeline stages "
-                         f"pp x vpp = {pp} x {vpp or 1}")

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
 def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -17,10 +22,6 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab_size: int) -> torch.Tens
 
     Runs megatron's own schedule (forward only), one sample per micro-batch, so any TP / PP / VPP layout works.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     batch, seq = tokens.shape
     device = next(chunks[0].parameters()).device
     samples = [tokens[i: i + 1].to(device) for i in range(batch)]

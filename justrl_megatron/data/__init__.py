@@ -1,6 +1,7 @@
 """Datasets and prompts: loaders for the math/code sets, generated tasks, prompt templates, the prepared format."""
+from ..boxed import last_boxed_content
 from .generated import RECOMMENDED_TASKS, generate_rows
-from .loaders import FORMATS, LoadResult, countdown_problem, last_boxed_content, load_rows, strip_dapo_wrapper
+from .loaders import FORMATS, LoadResult, countdown_problem, load_rows, strip_dapo_wrapper
 from .prepared import encode_answer, prepare_dataset, prepare_rows, read_parquet, write_parquet
 from .prompts import (CHAT_TEMPLATES, COUNTDOWN_RAW, JUSTRL_SUFFIX, RAW_TEMPLATES, build_messages, render_prompt)
 

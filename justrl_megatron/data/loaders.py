@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from ..boxed import last_boxed_content
+
 FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic", "prepared")
 _SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -233,23 +235,6 @@ def _user_content(prompt) -> Any:
             raise _Skip("bad_type_problem")
         return users[-1].get("content")
     return prompt
-
-
-def last_boxed_content(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` (or ``\\fbox{…}``) with balanced braces, as MATH solutions write it."""
-    idx = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if idx < 0:
-        return None
-    start = text.index("{", idx)
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i]
-    return None
 
 
 # ------------------------------------------------------------------------------------------------------ row parsers

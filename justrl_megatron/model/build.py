@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import contextlib
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region)
+
 from .hf_config import ModelShape, padded_vocab_size
 from .spec import block_spec
 
@@ -18,9 +25,6 @@ def build_model_chunks(
     parallel_output: bool = True,
 ):
     """Return the list of GPTModel chunks of this rank (length = virtual pipeline size, 1 without VPP)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
     vpp = config.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     chunks = []
@@ -45,16 +49,16 @@ def build_model_chunks(
     return chunks
 
 
-def _unwrap(chunk):
-    """The GPTModel inside a DDP (or other megatron) wrapper."""
-    while hasattr(chunk, "module") and not hasattr(chunk, "output_layer"):
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module (or other megatron) wrappers."""
+    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
 
 
 def output_weight(model):
     """The [vocab/TP, hidden] weight of the output projection on a last-stage GPTModel (tied or not)."""
-    model = _unwrap(model)
+    model = unwrap(model)
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
@@ -70,11 +74,6 @@ def _install_hidden_passthrough(layer) -> None:
     """
     if getattr(layer, "_justrl_passthrough", False):
         return
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
-
     logits_forward = layer.forward
 
     def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
@@ -93,7 +92,7 @@ def _install_hidden_passthrough(layer) -> None:
 def returning_hidden_states(chunks):
     """Within the block, last-stage chunks return final hidden states [b, s, h] (after the final norm, full sequence
     on every TP rank) instead of logits, so the logits are never materialised."""
-    layers = [_unwrap(c).output_layer for c in chunks if getattr(_unwrap(c), "post_process", False)]
+    layers = [unwrap(c).output_layer for c in chunks if getattr(unwrap(c), "post_process", False)]
     for layer in layers:
         _install_hidden_passthrough(layer)
         layer.justrl_return_hidden = True

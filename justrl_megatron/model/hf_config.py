@@ -7,13 +7,21 @@ whether the embeddings are tied.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+# non-weight files of an HF folder that travel with the weights (config, generation config, tokenizer)
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                 "chat_template.jinja", "chat_template.json")
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,35 @@ def num_parameters(shape: ModelShape) -> int:
     return s.num_layers * per_layer + embeddings + s.hidden_size
 
 
+def check_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, *,
+                          names: tuple[str, str, str] = ("parallel.tensor", "parallel.pipeline",
+                                                         "parallel.virtual_pipeline")) -> list[str]:
+    """What keeps `shape` from splitting at TP x PP (x VPP): megatron splits whole heads, query groups and the FFN over
+    TP ranks, and whole layers into PP x VPP equal stages. Returns the problems (empty: it splits); `names` are the
+    knobs' names in the messages (config keys, or CLI flags)."""
+    tp_name, pp_name, vpp_name = names
+    problems = []
+    bad = [f"the {n} {what}" for what, n in (("attention heads", shape.num_attention_heads),
+                                             ("query groups (KV heads)", shape.num_query_groups),
+                                             ("FFN size (intermediate_size)", shape.ffn_hidden_size)) if n % tp]
+    if bad:
+        fits = math.gcd(shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size)
+        problems.append(f"{tp_name}={tp} must divide the model's attention heads, query groups and FFN size, but does "
+                        f"not divide {' and '.join(bad)}; use {tp_name} in "
+                        f"{[d for d in range(1, fits + 1) if fits % d == 0]}")
+    if shape.num_layers % (pp * (vpp or 1)):
+        problems.append(f"the model's {shape.num_layers} layers are not divisible by {pp_name} x {vpp_name} = "
+                        f"{pp}x{vpp or 1} equal pipeline stages")
+    return problems
+
+
+def require_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, **kwargs) -> None:
+    """`check_parallel_layout`, raising ValueError with its problems."""
+    problems = check_parallel_layout(shape, tp, pp, vpp, **kwargs)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron pads the vocabulary so that each TP rank holds an equal, aligned slice."""
     multiple = divisible_by * tp
@@ -100,10 +137,13 @@ def transformer_config(
     use_cpu_initialization: bool | None = None,
     **overrides,
 ):
+    # lazy: config validation imports this module, and importing megatron (and compat, which patches it) takes seconds
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .. import compat
+
     if use_cpu_initialization is None:
-        use_cpu_initialization = not torch.cuda.is_available()
+        use_cpu_initialization = not compat.cuda_available()
     kwargs = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -145,3 +185,20 @@ def transformer_config(
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def copy_side_files(source_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Copy the HF side files (config / generation config / tokenizer) that exist; with `dtype`, set the config's
+    dtype to it (the weights' dtype)."""
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    for name in HF_SIDE_FILES:
+        if (source_dir / name).exists():
+            shutil.copyfile(source_dir / name, out_dir / name)
+    cfg_path = out_dir / "config.json"
+    if dtype is not None and cfg_path.exists():
+        cfg = json.loads(cfg_path.read_text())
+        name = str(dtype).removeprefix("torch.")
+        cfg["torch_dtype"] = name
+        if "dtype" in cfg:
+            cfg["dtype"] = name
+        cfg_path.write_text(json.dumps(cfg, indent=2))

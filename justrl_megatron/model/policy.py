@@ -21,38 +21,25 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from .. import compat
+from ..distributed import init_distributed, init_model_parallel
+from ..dtypes import resolve_dtype
 from .build import build_model_chunks
-from .hf_config import ModelShape, padded_vocab_size, transformer_config
+from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .spec import resolve_impl
-
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """`model.dtype`: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if compat.cuda_available() else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be auto, bf16 or fp32, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def dtype_name(dtype) -> str:
-    """`model.dtype` resolved as the trainer resolves it, as a config name: "bf16" | "fp32" | "fp16"."""
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[resolve_dtype(dtype)]
-
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """megatron's finalize_model_grads (DP reduce, SP norm reduce, tied-embedding reduce) without the 1/num_tokens
     rescale: the GRPO loss is already normalised by the global denominator (see the module docstring)."""
-    from megatron.core.distributed import finalize_model_grads
-
     return finalize_model_grads(model, None, **kwargs)
 
 
@@ -137,24 +124,11 @@ class Policy:
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
               max_sequence_length: int | None = None) -> "Policy":
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from ..distributed import init_distributed, init_model_parallel
-
         impl = resolve_impl(transformer_impl)
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
-        if shape.num_attention_heads % tp or shape.num_query_groups % tp:
-            raise ValueError(f"parallel.tensor={tp} must divide the {shape.num_attention_heads} attention heads and "
-                             f"{shape.num_query_groups} KV heads of the model")
-        if shape.num_layers % (pp * (vpp or 1)):
-            raise ValueError(f"{shape.num_layers} layers do not split into parallel.pipeline x "
-                             f"parallel.virtual_pipeline = {pp} x {vpp or 1} equal stages")
+        require_parallel_layout(shape, tp, pp, vpp)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
 
@@ -200,6 +174,18 @@ class Policy:
                    transformer_impl=impl, dtype=torch_dtype,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
                    hyper=hyper)
+
+    @classmethod
+    def from_config(cls, cfg, shape: ModelShape) -> "Policy":
+        """`build` with the knobs of a composed config: cfg.model, cfg.parallel and cfg.trainer (the optimizer)."""
+        model, par, tr = cfg.model, cfg.parallel, cfg.trainer
+        return cls.build(
+            shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
+            dtype=model.dtype, transformer_impl=model.transformer_impl, recompute=model.recompute, lr=tr.lr,
+            warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
+            adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
+            distributed_optimizer=par.distributed_optimizer,
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

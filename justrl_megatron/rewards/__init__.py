@@ -60,7 +60,14 @@ def get_reward_fn(name: str, **options):
     return factory(**options)
 
 
+def make_scorer(algo_cfg, *, enabled: bool) -> BatchScorer | None:
+    """The batch scorer the config's `algo` asks for (algo.reward, reward_options, reward_workers); None where not
+    `enabled` (ranks other than the one that scores). Every rank builds the verifier, so bad options fail everywhere."""
+    verifier = get_reward_fn(algo_cfg.reward, **dict(algo_cfg.reward_options or {}))
+    return BatchScorer(verifier, num_workers=algo_cfg.reward_workers) if enabled else None
+
+
 __all__ = [
     "AnyCorrect", "BatchScorer", "CodeReward", "CountdownReward", "DEFAULT_WEIGHTS", "DapoReward", "Gsm8kReward",
-    "MathVerifyReward", "REWARD_NAMES", "Verifier", "WeightedReward", "get_reward_fn",
+    "MathVerifyReward", "REWARD_NAMES", "Verifier", "WeightedReward", "get_reward_fn", "make_scorer",
 ]

@@ -13,34 +13,13 @@ from __future__ import annotations
 
 import re
 
+from ..boxed import BOXED_ONLY, last_boxed_content
 from .base import Verifier
-
-_BOX = "\\boxed{"
-
-
-def last_boxed_only_string(text: str) -> str | None:
-    """``\\boxed{…}`` around the last ``\\boxed{`` of ``text`` if its braces close, else None (only the last box
-    counts: an earlier closed box does not rescue an unclosed last one)."""
-    start = text.rfind(_BOX)
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + len(_BOX) - 1, len(text)):
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i + 1]
-    return None
-
 
 def strict_box_answer(response: str) -> str | None:
     """What the strict verifier compares: the content of the last complete box in the last 100 characters."""
     tail = response[-300:][-100:]  # both cuts kept as written upstream; together they are the last 100 characters
-    boxed = last_boxed_only_string(tail)
-    return None if boxed is None else boxed[len(_BOX):-1]
+    return last_boxed_content(tail, BOXED_ONLY)
 
 
 # Minerva normalisation (lm-eval-harness hendrycks_math, as DAPO uses it). Order matters: it is applied as listed.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from ..boxed import BOXED_ONLY, last_boxed_content
 from .base import Verifier
 
 _NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
@@ -38,21 +39,6 @@ def to_number(text: str) -> Fraction | None:
         return None
 
 
-def _last_boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + 6, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 7:i]
-    return None
-
-
 def extract_final_number(response: str, mode: str = "flexible") -> Fraction | None:
     hashes = _HASHES.findall(response)
     if hashes:
@@ -60,7 +46,7 @@ def extract_final_number(response: str, mode: str = "flexible") -> Fraction | No
     if mode == "strict":
         return None
     spans = []
-    boxed = _last_boxed(response)
+    boxed = last_boxed_content(response, BOXED_ONLY)
     if boxed is not None:
         spans.append(boxed)
     tags = _ANSWER_TAG.findall(response)

@@ -24,14 +24,13 @@ def make_engine(cfg, model_dir, *, seed: int = 0):
     Reads rollout.tensor_parallel, gpu_memory_utilization, cpu_kvcache_gib, enforce_eager, weight_sync_backend,
     weight_sync_bucket_mb, model.dtype; the context is data.max_prompt_length + rollout.max_response_length.
     """
+    from ..dtypes import resolve_dtype, torch_name
     from .vllm_engine import VLLMEngine
-
-    from ..model.policy import resolve_dtype
 
     ro = cfg.rollout
     # the trainer's dtype, resolved the same way ("auto": bf16 on GPU, fp32 on CPU). vLLM's own "auto" would run a
     # float32 checkpoint in half precision and break trainer/rollout logprob parity.
-    dtype = str(resolve_dtype(cfg.model.dtype)).removeprefix("torch.")
+    dtype = torch_name(resolve_dtype(cfg.model.dtype))
     return VLLMEngine(
         model_dir, dtype=dtype, tensor_parallel=ro.tensor_parallel, seed=seed,
         max_model_len=cfg.data.max_prompt_length + ro.max_response_length,

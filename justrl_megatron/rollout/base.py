@@ -2,8 +2,9 @@
 
 The trainer never imports vLLM. It calls
 
-    rollouts = engine.generate(prompt_token_ids, n, sampling)   # n samples per prompt
+    rollouts = engine.generate_all(prompt_token_ids, n, sampling, seed=...)   # n samples per prompt, whole batch
     engine.sleep(); ...train...; engine.update_weights(stream, version); engine.wake_up()
+    engine.shutdown()                                                          # at the end
 
 and checks `rollouts.weight_version` against the policy's version with `check_staleness` before it trains on them.
 Logprobs are those of the sampled tokens under the engine's weights (raw, before any temperature/top-p
@@ -100,11 +101,18 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> Rollouts: ...
 
+    def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+                     seed: int | None = None) -> Rollouts:
+        """Every rank passes the same prompts and gets the whole batch back (each engine samples its share)."""
+        ...
+
     def update_weights(self, stream: WeightStream, version: int) -> dict: ...
 
     def sleep(self) -> None: ...
 
     def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class StaleRolloutError(RuntimeError):

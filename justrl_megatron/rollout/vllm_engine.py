@@ -26,12 +26,11 @@ from typing import Sequence
 
 import torch
 
+from ..dtypes import DTYPES, torch_name
 from .base import Rollouts, SamplingConfig, WeightStream
 from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, checkpoint_tensors,
                               iter_buckets, tie_lm_head)
 
-_DTYPES = {"auto": "auto", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16"}
 
 
 def model_eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
@@ -84,8 +83,8 @@ class VLLMEngine:
 
         from . import weight_transfer  # noqa: F401  (registers the local and gloo backends)
 
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(['auto', *DTYPES])}, got {dtype!r}")
         if tensor_parallel < 1:
             raise ValueError(f"rollout tensor_parallel must be >= 1, got {tensor_parallel}")
         if sleep_level not in (1, 2):
@@ -107,7 +106,7 @@ class VLLMEngine:
 
         kwargs = dict(
             model=self.model_dir,
-            dtype=_DTYPES[dtype],
+            dtype=dtype if dtype == "auto" else torch_name(dtype),
             tensor_parallel_size=tensor_parallel,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,

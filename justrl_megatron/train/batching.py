@@ -122,6 +122,7 @@ class MicroBatch:
         return int(self.targets.numel())
 
     def packed_seq_params(self):
+        # lazy: packing itself is pure torch (tested and benchmarked without loading megatron, ~4.6 s)
         from megatron.core.packed_seq_params import PackedSeqParams
 
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,

@@ -18,12 +18,17 @@ import functools
 import math
 from typing import Callable, Sequence
 
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..model.build import output_weight, returning_hidden_states
 from ..model.logprobs import logprobs_from_hidden
+from ..rollout.base import logprob_gap
 from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, pack_micro_batches, \
     response_offsets, split_over_dp
 
@@ -34,27 +39,18 @@ SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_lo
 
 # --- parallel layout ---------------------------------------------------------------------------------------------
 
-def _ps():
-    from megatron.core import parallel_state as ps
-
-    return ps
-
-
 def _tp_group():
-    ps = _ps()
     return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
 
 
 def _is_contributor() -> bool:
     """One rank per DP replica reports results: the last pipeline stage's first TP rank."""
-    ps = _ps()
     return ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
 
 
 def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Combine one value per DP replica into the same result on every training rank (DP group, then TP x PP group).
     Non-contributors must hold the identity of ``op`` (0 for SUM, -inf for MAX, +inf for MIN)."""
-    ps = _ps()
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
@@ -67,7 +63,6 @@ def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.
 def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], max_tokens_per_micro_batch: int
                        ) -> list[MicroBatch]:
     """This DP rank's packed micro-batches for the samples ``ids`` (same count on every DP rank)."""
-    ps = _ps()
     lengths = [s.length for s in samples]
     per_rank = split_over_dp(ids, lengths, ps.get_data_parallel_world_size())
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -79,8 +74,6 @@ def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], ma
 
 def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
     """Run all micro-batches through megatron's schedule; returns the loss functions' dicts (last stage only)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     device = policy.device
     mbs = [mb.to(device) for mb in micro_batches]
 
@@ -342,16 +335,10 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
     if s["entropy_loss"]:
         metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
-    metrics.update(rollout_logprob_gap(samples, old_logprobs))
+    # trainer vs rollout-engine logprobs of the same tokens (a weight-sync / numerics check), where rollouts gave some
+    pairs = [(x.rollout_logprobs, lp) for x, lp in zip(samples, old_logprobs) if x.rollout_logprobs]
+    if pairs:
+        gap = logprob_gap(*zip(*pairs))
+        metrics["rollout_logprob_abs_diff_mean"] = gap["logprob_diff_mean"]
+        metrics["rollout_logprob_abs_diff_max"] = gap["logprob_diff_max"]
     return metrics
-
-
-def rollout_logprob_gap(samples: Sequence[Sample], logprobs: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Trainer vs rollout-engine logprobs of the same tokens (a weight-sync / numerics check); {} without rollouts'."""
-    diffs = [(torch.as_tensor(lp, dtype=torch.float32).reshape(-1)
-              - torch.as_tensor(s.rollout_logprobs, dtype=torch.float32).reshape(-1)).abs()
-             for s, lp in zip(samples, logprobs) if s.rollout_logprobs is not None and len(s.rollout_logprobs)]
-    if not diffs:
-        return {}
-    d = torch.cat(diffs)
-    return {"rollout_logprob_abs_diff_mean": d.mean().item(), "rollout_logprob_abs_diff_max": d.max().item()}

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from justrl_megatron import checkpoint as ckpt
 from justrl_megatron.convert import export_hf_stream, load_hf_weights
 from justrl_megatron.convert.mapping import live_parameters
 from justrl_megatron.distributed import init_distributed, init_model_parallel
 from justrl_megatron.model.build import build_model_chunks
 from justrl_megatron.model.hf_config import model_shape, transformer_config
-from justrl_megatron.train import checkpoint as ckpt
 
 MB, SEQ, NUM_MB = 2, 16, 2
 

@@ -17,8 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from justrl_megatron.checkpoint import layout_meta, save_model, write_meta
 from justrl_megatron.convert import export_hf_stream, load_hf_weights
-from justrl_megatron.convert.dist_ckpt import layout_meta, save_model, write_meta
 from justrl_megatron.convert.load import SafetensorsFolder
 from justrl_megatron.convert.mapping import model_entries
 from justrl_megatron.convert.verify import hf_logits, megatron_logits, random_tokens

@@ -14,7 +14,7 @@ import os
 import random
 import time
 
-from . import BatchScorer, get_reward_fn
+from ..rewards import BatchScorer, get_reward_fn
 
 TARGETS = {"dapo": 20_000, "math_verify": 1_000}
 

@@ -1,0 +1,399 @@
+"""Checkpoints: megatron dist checkpoints of a model (converter output) and complete training checkpoints.
+
+Below both convert/ and train/ (it imports neither): `justrl-convert` writes and reads model checkpoints, the training
+loop saves and resumes training checkpoints, and `justrl-convert mcore-to-hf` reads either.
+
+Model checkpoints. megatron's `dist_checkpointing` stores global tensors (layers stacked along a global layer axis,
+the padded vocab allowed to change shape), so a checkpoint written at one TP x PP (x VPP) layout loads at any other.
+Next to the weights a checkpoint folder holds:
+  justrl_megatron.json   what wrote it (HF model shape, dtype, layout, padded vocab, step for training checkpoints)
+  hf/                    the HF config, generation config and tokenizer files, so that export needs nothing else
+
+Training checkpoints: model, optimizer, LR schedule, RNG states, data position and step; atomic; exact resume.
+Layout (all under `run_dir/checkpoints/`):
+  step_00000020/           one complete checkpoint: a megatron dist checkpoint (model + optimizer, global tensors, so
+                           it reloads at another TP / PP), justrl_megatron.json (layout, shape), hf/ (HF config and
+                           tokenizer, so `justrl-convert mcore-to-hf` needs nothing else), trainer_state.pt (step,
+                           scheduler, caller's extra state), rng/rank00000.pt ... (every rank's RNG states)
+  latest                   "step_00000020": written last, by atomic replace
+  .tmp_step_00000030/      a save in progress (or one that died): never read; the next save removes it
+
+Atomicity: every rank writes into the temp folder and fsyncs; after a barrier rank 0 renames it to step_N, fsyncs the
+folder, then replaces `latest`. A crash at any point leaves `latest` on the previous complete checkpoint.
+Retention: after each save only the newest `keep_last` step folders are kept.
+
+Resharding: model weights and the optimizer state (megatron's reshardable formats) load at any TP / PP. RNG states are
+per rank, so they are restored only when the layout is the same (resharded runs get a warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from . import compat
+from .dtypes import torch_name
+from .model.build import unwrap
+from .model.hf_config import ModelShape, copy_side_files, model_shape
+
+META_FILE = "justrl_megatron.json"
+HF_SUBDIR = "hf"
+
+
+# --- model checkpoints (weights + metadata) -------------------------------------------------------------------------
+
+def model_sharded_state_dict(chunks) -> dict:
+    """{"model": ...} (or "model0", "model1", ... with virtual pipeline stages), as Megatron-LM names them."""
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_model_state(chunks, loaded: dict) -> None:
+    """Copy the model part of a loaded (plain) state dict into the chunks."""
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(loaded["model"])
+    else:
+        for i, c in enumerate(chunks):
+            unwrap(c).load_state_dict(loaded[f"model{i}"])
+
+
+def is_dist_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / "metadata.json").exists()
+
+
+def layout_meta(chunks, shape: ModelShape, **extra) -> dict:
+    model = unwrap(chunks[0])
+    config = model.config
+    vocab = model.embedding.word_embeddings.weight if model.pre_process else None
+    return {
+        "format": 1,
+        "family": shape.family,
+        "shape": dataclasses.asdict(shape),
+        "dtype": torch_name(config.params_dtype),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": config.virtual_pipeline_model_parallel_size,
+        "padded_vocab_size_per_tp_rank": None if vocab is None else int(vocab.shape[0]),
+        **extra,
+    }
+
+
+def write_meta(ckpt_dir: str | os.PathLike, meta: dict, hf_source: str | os.PathLike | None) -> None:
+    """Rank 0 only: the metadata file and a copy of the HF side files (config, tokenizer)."""
+    ckpt_dir = Path(ckpt_dir)
+    (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=2))
+    if hf_source is not None:
+        hf = ckpt_dir / HF_SUBDIR
+        hf.mkdir(exist_ok=True)
+        copy_side_files(hf_source, hf)
+
+
+def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    path = Path(ckpt_dir) / META_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_model(chunks, ckpt_dir: str | os.PathLike) -> None:
+    """All ranks: write the model weights of `chunks` as a dist checkpoint into the (existing, empty) folder."""
+    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir))
+
+
+def load_model(chunks, ckpt_dir: str | os.PathLike) -> None:
+    """All ranks: load model weights from a dist checkpoint (a converter output or a training checkpoint)."""
+    if not is_dist_checkpoint(ckpt_dir):
+        raise FileNotFoundError(f"{ckpt_dir} is not a megatron dist checkpoint (no metadata.json)")
+    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(ckpt_dir))
+    with torch.no_grad():
+        load_model_state(chunks, loaded)
+
+
+# --- training checkpoints -------------------------------------------------------------------------------------------
+
+LATEST = "latest"
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
+TRAINER_STATE = "trainer_state.pt"
+# megatron's reshardable optimizer formats (DistributedOptimizer: gathers per-parameter state; plain optimizers are
+# always per-parameter); the same metadata must be used to save and to load.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def checkpoint_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return checkpoint_root(run_dir) / f"{STEP_PREFIX}{step:08d}"
+
+
+def latest_step(run_dir: str | os.PathLike) -> int | None:
+    """The step of the last complete checkpoint (what `latest` points to), or None when there is none."""
+    root = checkpoint_root(run_dir)
+    pointer = root / LATEST
+    if pointer.exists():
+        name = pointer.read_text().strip()
+        if name.startswith(STEP_PREFIX) and (root / name).is_dir():
+            return int(name[len(STEP_PREFIX):])
+    # no (readable) pointer: a crash between the rename and the pointer update; renamed folders are complete
+    steps = sorted(int(p.name[len(STEP_PREFIX):]) for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir())
+    return steps[-1] if steps else None
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """A dist checkpoint folder: the path itself, or the latest complete step of a training run folder (or of its
+    checkpoints/ folder); None when it is neither."""
+    path = Path(path)
+    if is_dist_checkpoint(path):
+        return path
+    run_dir = path.parent if path.name == checkpoint_root(path.parent).name else path
+    step = latest_step(run_dir) if checkpoint_root(run_dir).is_dir() else None
+    return None if step is None else step_dir(run_dir, step)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_durably(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _layout() -> dict:
+    return {"world": dist.get_world_size() if dist.is_initialized() else 1,
+            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": getattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)()}
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if compat.cuda_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and compat.cuda_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _prime_empty_adam_state(optimizer) -> None:
+    """Give a never-stepped torch Adam its state tensors (step 0, zero moments) before loading into it.
+
+    Without apex / TE (the CPU build), megatron's DistributedOptimizer reads the common `step` out of the torch
+    optimizer's per-parameter state when it builds its (loading) state dict, and a fresh Adam has none yet. The values
+    are placeholders: the checkpoint overwrites them.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or len(inner.state) > 0:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                  "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+@contextlib.contextmanager
+def _distopt_load_without_apex(optimizer):
+    """Work around two bugs of megatron-core 0.16's DistributedOptimizer load without apex / TE (CPU builds).
+
+    There the torch Adam state carries a per-parameter "step", which `load_state_dict` restores from the param groups:
+      1. it puts ONE step tensor into every parameter's state; torch Adam increments it in place per parameter, so
+         after the first step it reads 2 + n_params instead of 3 (bias corrections go wrong: resume is not exact);
+      2. the per-parameter loaders then copy every key of that state from the checkpoint tensors, which (by design)
+         hold no "step" -> KeyError.
+    Handing each copy its own current step back makes (2) a no-op; after the load each parameter gets its own step
+    tensor (1). Instance-level, only for the duration of the load; nothing happens where apex or TE is present.
+    """
+    try:
+        from megatron.core.optimizer import distrib_optimizer as dopt
+    except ImportError:
+        yield
+        return
+    subs = [s for s in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(s, dopt.DistributedOptimizer) and not getattr(dopt, "HAVE_APEX_OR_TE", True)
+            and not getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+    originals = {}
+    for sub in subs:
+        original = sub._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, sub=sub, original=original):
+            group, order = sub.model_param_group_index_map[model_param]
+            state = sub.optimizer.state.get(sub.optimizer.param_groups[group]["params"][order], {})
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        originals[sub] = original
+        sub._set_main_param_and_optimizer_states = with_step
+    try:
+        yield
+    finally:
+        for sub in originals:
+            del sub._set_main_param_and_optimizer_states  # back to the class method
+    for sub in subs:
+        for state in sub.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+
+def _sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
+    sd = model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        if is_loading:
+            _prime_empty_adam_state(optimizer)
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(OPTIM_METADATA))
+    return sd
+
+
+def _stage(run_dir, step: int, chunks, optimizer, scheduler, extra: dict, shape: ModelShape | None,
+           hf_source) -> Path:
+    """Phase 1 (all ranks): write everything into the temp folder, durably. Returns the temp folder."""
+    root = checkpoint_root(run_dir)
+    tmp = root / f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):  # saves that died before (never read)
+            shutil.rmtree(stale, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    # torch_dist writes (and fsyncs) one file per rank plus metadata; common (non-tensor) state on rank 0
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp))
+    _save_durably({"layout": _layout(), "rng": rng_state()}, tmp / "rng" / f"rank{_rank():05d}.pt")
+    if _rank() == 0:
+        _save_durably({"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                       "extra": dict(extra)}, tmp / TRAINER_STATE)
+        if shape is None and hf_source is not None:
+            from transformers import AutoConfig  # only here: importing transformers takes seconds
+
+            shape = model_shape(AutoConfig.from_pretrained(hf_source))
+        if shape is not None:
+            write_meta(tmp, layout_meta(chunks, shape, kind="train", step=step), hf_source)
+    return tmp
+
+
+def _commit(run_dir, step: int, tmp: Path, keep_last: int | None) -> Path:
+    """Phase 2 (all ranks; rank 0 acts): rename into place, point `latest` at it, apply retention."""
+    root = checkpoint_root(run_dir)
+    final = step_dir(run_dir, step)
+    _barrier()  # every rank's files are written and fsynced
+    if _rank() == 0:
+        for dirpath, _, _ in os.walk(tmp):
+            _fsync_dir(Path(dirpath))
+        old = None
+        if final.exists():  # re-saving a step (after a resume): keep the old one until the new one is in place
+            old = root / f"{TMP_PREFIX}old_{final.name}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_text_atomically(root / LATEST, final.name + "\n")
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        if keep_last:
+            steps = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir())
+            for p in steps[:-keep_last]:
+                if p != final:
+                    shutil.rmtree(p, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    chunks,
+    optimizer,
+    scheduler,
+    extra: dict,
+    *,
+    keep_last: int | None = 3,
+    shape: ModelShape | None = None,
+    hf_source: str | os.PathLike | None = None,
+) -> Path:
+    """Save a complete training checkpoint for `step` (all ranks call it). Returns the step folder.
+
+    `extra` is the caller's picklable state (data position, metrics, ...), saved from rank 0. `shape` and `hf_source`
+    (the HF model folder) make the checkpoint self-describing for `justrl-convert mcore-to-hf`.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+    tmp = _stage(run_dir, step, chunks, optimizer, scheduler, extra, shape, hf_source)
+    return _commit(run_dir, step, tmp, keep_last)
+
+
+def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, scheduler) -> dict | None:
+    """Restore the latest complete checkpoint into chunks / optimizer / scheduler and this rank's RNG states.
+
+    Returns the caller's extra state with "step" added, or None when there is no checkpoint (a fresh start).
+    The optimizer may be None (weights only).
+    """
+    step = latest_step(run_dir)
+    if step is None:
+        return None
+    path = step_dir(run_dir, step)
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
+    with torch.no_grad():
+        load_model_state(chunks, loaded)
+    if optimizer is not None:
+        with _distopt_load_without_apex(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
+    trainer = torch.load(path / TRAINER_STATE, weights_only=False)
+    if scheduler is not None and trainer["scheduler"] is not None:
+        scheduler.load_state_dict(trainer["scheduler"])
+    rng_file = path / "rng" / f"rank{_rank():05d}.pt"
+    saved = torch.load(rng_file, weights_only=False) if rng_file.exists() else None
+    if saved is not None and saved["layout"] == _layout():
+        set_rng_state(saved["rng"])
+    elif _rank() == 0:
+        warnings.warn(f"{path}: saved at layout {saved['layout'] if saved else 'unknown'}, resumed at {_layout()}: "
+                      f"weights and optimizer state are resharded, RNG states are not restored", stacklevel=2)
+    _barrier()
+    return {**trainer["extra"], "step": trainer["step"]}
