@@ -37,13 +37,13 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     from ..convert.export import export_hf_stream
     from ..convert.load import load_hf_weights
     from ..model.policy import Policy
-    from ..rewards import BatchScorer, get_reward_fn
+    from ..checkpoint import load_latest_checkpoint, save_checkpoint
+    from ..rewards import make_scorer
     from ..rollout import make_engine
     from .batching import Sample
-    from .checkpoint import load_latest_checkpoint, save_checkpoint
     from .step import compute_logprobs, grpo_update, grpo_update_on_policy
 
-    tr, ro, algo, par = cfg.trainer, cfg.rollout, cfg.algo, cfg.parallel
+    tr, ro, algo = cfg.trainer, cfg.rollout, cfg.algo
     _quiet_libraries()
     rank, _ = init_distributed()
     is_leader = rank == 0
@@ -57,12 +57,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     sampler = PromptSampler(prompts, tr.prompts_per_step, seed=tr.seed, shuffle=cfg.data.shuffle)
     heldout = _heldout_prompts(cfg, tokenizer)
 
-    policy = Policy.build(
-        shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
-        dtype=cfg.model.dtype, transformer_impl=cfg.model.transformer_impl, recompute=cfg.model.recompute, lr=tr.lr,
-        warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip, adam_beta1=tr.adam_beta1,
-        adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps, distributed_optimizer=par.distributed_optimizer,
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, seed=tr.seed)
+    policy = Policy.from_config(cfg, shape)
     resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler)
     if resumed is None:
         load_hf_weights(policy.chunks, model_dir, progress=is_leader)
@@ -77,8 +72,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         lambda bucket_bytes: export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes,
                                               include_tied_lm_head=True),
         bucket_mb=ro.weight_sync_bucket_mb)
-    verifier = get_reward_fn(algo.reward, **dict(algo.reward_options or {}))
-    scorer = BatchScorer(verifier, num_workers=algo.reward_workers) if is_leader else None
+    scorer = make_scorer(algo, enabled=is_leader)
     sampling = SamplingConfig.from_rollout_config(ro)
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)

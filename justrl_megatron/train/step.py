@@ -28,7 +28,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..model.build import output_weight, returning_hidden_states
 from ..model.logprobs import logprobs_from_hidden
-from ..rollout.base import logprob_gap
 from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, pack_micro_batches, \
     response_offsets, split_over_dp
 
@@ -335,10 +334,4 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
     if s["entropy_loss"]:
         metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
-    # trainer vs rollout-engine logprobs of the same tokens (a weight-sync / numerics check), where rollouts gave some
-    pairs = [(x.rollout_logprobs, lp) for x, lp in zip(samples, old_logprobs) if x.rollout_logprobs]
-    if pairs:
-        gap = logprob_gap(*zip(*pairs))
-        metrics["rollout_logprob_abs_diff_mean"] = gap["logprob_diff_mean"]
-        metrics["rollout_logprob_abs_diff_max"] = gap["logprob_diff_max"]
     return metrics

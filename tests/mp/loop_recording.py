@@ -16,7 +16,7 @@ import torch
 from justrl_megatron.config import compose
 from justrl_megatron.rollout import RolloutEngine, Rollouts
 from justrl_megatron.train.loop import run
-from justrl_megatron.train_entry import check_config
+from justrl_megatron.train_entry import apply_memory_plan, check_config
 
 
 class RecordingEngine:
@@ -72,6 +72,7 @@ if __name__ == "__main__":
     out, overrides = sys.argv[1], sys.argv[2:]
     cfg = compose(overrides)
     model_dir, shape = check_config(cfg)
+    apply_memory_plan(cfg, shape)  # as justrl-train does: model.recompute=auto becomes concrete
     engine = RecordingEngine(shape.vocab_size)
     assert isinstance(engine, RolloutEngine)
     last = run(cfg, model_dir, shape, engine=engine)

@@ -169,7 +169,7 @@ def reuse_forward_check(out, shape, **layout):
             "weight_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
             "metrics_diff": max(abs(m_sep[k] - m_reuse[k]) for k in
                                 ("loss", "pg_loss", "grad_norm", "entropy", "logprob_mean", "old_logprob_mean",
-                                 "num_response_tokens", "rollout_logprob_abs_diff_mean")
+                                 "num_response_tokens")
                                 if k in m_sep),
             "ratio": (m_reuse["ratio_min"], m_reuse["ratio_max"]),
             "clip_fracs": [m_reuse[k] for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual")],
