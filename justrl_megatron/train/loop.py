@@ -19,30 +19,27 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from ..algo.grpo import group_advantages
+from ..checkpoint import load_latest_checkpoint, save_checkpoint
+from ..convert.export import export_hf_stream
+from ..convert.load import load_hf_weights
 from ..distributed import init_distributed
 from ..metrics import MetricsLogger, plot_curves, step_metrics
-from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap
+from ..model.policy import Policy
+from ..rewards import make_scorer
+from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap, make_engine
 from ..slurm import StopSignal, current_job, describe, requeue_message
+from .batching import Sample
 from .placement import ColocatedRollout
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
+from .step import compute_logprobs, grpo_update, grpo_update_on_policy
 
 
 def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> int:
     """Train; returns the last completed step. `engine` replaces the vLLM engine the config asks for (tests)."""
-    from transformers import AutoTokenizer
-
-    from ..convert.export import export_hf_stream
-    from ..convert.load import load_hf_weights
-    from ..model.policy import Policy
-    from ..checkpoint import load_latest_checkpoint, save_checkpoint
-    from ..rewards import make_scorer
-    from ..rollout import make_engine
-    from .batching import Sample
-    from .step import compute_logprobs, grpo_update, grpo_update_on_policy
-
     tr, ro, algo = cfg.trainer, cfg.rollout, cfg.algo
     _quiet_libraries()
     rank, _ = init_distributed()
@@ -58,14 +55,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     heldout = _heldout_prompts(cfg, tokenizer)
 
     policy = Policy.from_config(cfg, shape)
-    resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler)
-    if resumed is None:
-        load_hf_weights(policy.chunks, model_dir, progress=is_leader)
-        policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
-        start_step = 0
-    else:
-        start_step = int(resumed["step"])
-        sampler.load_state_dict(resumed["sampler"])
+    start_step = _restore(policy, sampler, run_dir, model_dir, progress=is_leader)
 
     rollout = ColocatedRollout(
         engine or make_engine(cfg, model_dir, seed=tr.seed),
@@ -76,7 +66,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     sampling = SamplingConfig.from_rollout_config(ro)
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
-    if resumed is not None:
+    if start_step > 0:
         logger.print(f"resumed from {run_dir} at step {start_step} ({describe(current_job())})")
     if too_long:
         logger.print(f"{too_long} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} were dropped")
@@ -204,6 +194,18 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _restore(policy, sampler, run_dir, model_dir, *, progress: bool) -> int:
+    """Resume from the run dir's latest checkpoint (weights, optimizer, LR schedule, sampler), or start from the HF
+    weights; returns the step to continue after."""
+    resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler)
+    if resumed is None:
+        load_hf_weights(policy.chunks, model_dir, progress=progress)
+        policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
+        return 0
+    sampler.load_state_dict(resumed["sampler"])
+    return int(resumed["step"])
 
 
 def _heldout_prompts(cfg, tokenizer):
