@@ -8,6 +8,7 @@ import sys
 import hydra
 
 from .config import CONFIG_DIR, ConfigError, register, validate
+from .console import quiet_console
 
 register()
 
@@ -36,6 +37,7 @@ def main(cfg) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    quiet_console(verbose=cfg.logging.verbose)  # the composed config decides (a recipe may set it)
     from .train.loop import run
 
     run(cfg, model_dir, shape)
