@@ -2,8 +2,10 @@
 
 `quiet_console()` hides the library lines that are known to be harmless here, each matched by its exact text, and
 keeps megatron's and vLLM's INFO chatter off the console. `quiet_console(verbose=True)` (`logging.verbose=true`)
-undoes all of it and shows everything. Errors (ERROR and above) and anything justrl_megatron itself says are never
-matched. Every filtered line is listed below with the reason it is harmless; a library line that is not listed shows.
+undoes all of it and shows everything. Errors (ERROR and above) and what justrl_megatron itself logs or warns are
+never matched (one caveat: on CPU, torch's non-leaf `.grad` warning is attributed to compat.py whoever reads the
+attribute; see PY_WARNINGS). Every filtered line is listed below with the reason it is harmless; a library line that
+is not listed shows.
 
 How each kind of line is matched:
 - Python warnings: `warnings.filterwarnings` with the exact message (the regex is anchored at both ends) and category;
@@ -37,7 +39,8 @@ PY_WARNINGS: list[tuple[type[Warning], str, str]] = [
     # are not used here
     (UserWarning, "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.", ""),
     # vLLM's triton dispatcher probes every torch.distributed attribute with hasattr, touching the deprecated alias
-    (FutureWarning, "`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead", ""),
+    (FutureWarning, "`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` "
+     "instead", ""),
     # megatron-core 0.16's distributed optimizer calls the collectives torch 2.13 renamed
     (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use "
      "`torch.distributed.reduce_scatter_single` instead.", ""),
@@ -46,7 +49,8 @@ PY_WARNINGS: list[tuple[type[Warning], str, str]] = [
     # megatron's DistributedOptimizer.zero_grad reads `.grad` of its fp32 shard views (non-leaf slices of the
     # parameters; megatron's source marks the line "throws grad-access warning"). On CPU the read passes through
     # compat's TorchFunctionMode, so the warning names compat.py. Not fixable there: megatron sets real grads on
-    # those views, so answering None for a non-leaf would make Adam skip the fp32 parameters.
+    # those views, so answering None for a non-leaf would make Adam skip the fp32 parameters. (Caveat: on CPU a
+    # non-leaf `.grad` read by our own code would be attributed to compat.py too; `logging.verbose=true` shows it.)
     (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad attribute "
      "won't be populated during autograd.backward(). If you indeed want the .grad field to be populated for a "
      "non-leaf Tensor, use .retain_grad() on the non-leaf Tensor. If you access the non-leaf Tensor by mistake, make "

@@ -56,8 +56,11 @@ def stderr_of(setup: str, env: dict | None = None) -> list[str]:
             if not line.startswith("  ")]  # drop the source lines warnings print under each warning
 
 
+KNOWN_LINES = (f"UserWarning: {KNOWN_WARNING}", f"{RECORD_LOGGER} WARNING {KNOWN_RECORD}")
+
+
 def known_lines(lines):
-    return [line for line in lines if line in (f"UserWarning: {KNOWN_WARNING}", f"{RECORD_LOGGER} WARNING {KNOWN_RECORD}")]
+    return [line for line in lines if line in KNOWN_LINES]
 
 
 def test_without_the_console_everything_shows():
