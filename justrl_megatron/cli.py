@@ -10,6 +10,9 @@ import sys
 
 def train_main() -> None:
     """justrl-train [hydra overrides...]: GRPO training (default: the embedded CPU demo)."""
+    from .console import quiet_console, verbose_requested
+
+    quiet_console(verbose=verbose_requested(sys.argv[1:]))  # before the libraries are imported: their import warnings
     import justrl_megatron.compat  # noqa: F401
 
     from .train_entry import main

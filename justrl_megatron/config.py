@@ -121,6 +121,7 @@ class LoggingConfig:
     wandb_name: Optional[str] = None
     console_every: int = 1
     progress: bool = True
+    verbose: bool = False  # true: every library warning and INFO line too (see console.py for what is hidden)
 
 
 @dataclass

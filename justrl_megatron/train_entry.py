@@ -8,6 +8,7 @@ import sys
 import hydra
 
 from .config import CONFIG_DIR, ConfigError, register, validate
+from .console import quiet_console
 
 register()
 
@@ -49,6 +50,7 @@ def main(cfg) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    quiet_console(verbose=cfg.logging.verbose)  # the composed config decides (a recipe may set it)
     from .train.loop import run
 
     run(cfg, model_dir, shape)

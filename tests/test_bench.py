@@ -3,17 +3,17 @@ end on a tiny model (valid JSON with every field), and a one-step smoke run agai
 
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 
-from justrl_megatron import assets
+from helpers import ENV, run_ok
 from justrl_megatron.bench import flops
 from justrl_megatron.model.hf_config import ModelShape, padded_vocab_size
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+BENCH_ENV = {**ENV, "OMP_NUM_THREADS": "2"}  # the phases are timed: two threads, as a user would run them
+# the tiny_llama fixture (conftest.py) at head_dim 64: vLLM's CPU attention has no kernel for 16
+TINY_LLAMA = dict(num_heads=2, num_kv_heads=1, intermediate_size=256)
 SMALL = ModelShape(family="llama", num_layers=2, hidden_size=8, ffn_hidden_size=12, num_attention_heads=2,
                    num_query_groups=1, head_dim=4, vocab_size=10, max_position_embeddings=64, rope_theta=1e4,
                    rms_norm_eps=1e-6, qkv_bias=False, tie_word_embeddings=True, init_std=0.02)
@@ -109,20 +109,9 @@ def test_bad_arguments_are_clear():
 
 # --- end to end on a tiny model -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer: every phase (and justrl-train) runs on it. head_dim 64: vLLM's
-    CPU attention has no kernel for 16."""
-    return assets.tiny_model(tmp_path_factory.mktemp("models") / "tiny_llama", "llama", num_layers=2, hidden_size=128,
-                             num_heads=2, num_kv_heads=1, intermediate_size=256, max_position_embeddings=512,
-                             tokenizer=assets.smollm2_135m_instruct())
-
-
 def bench(args, timeout=1200):
     cmd = [sys.executable, "-m", "justrl_megatron.cli", "bench", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return proc
+    return run_ok(cmd, timeout=timeout, env=BENCH_ENV)
 
 
 ROW_KEYS = {"metric", "unit", "median", "min", "max", "n", "values"}

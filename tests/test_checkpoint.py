@@ -1,20 +1,15 @@
 """Training checkpoints: `latest` / temp-folder rules, and (one 2-process job) exact resume, resharding, retention."""
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import ENV, rank_verdicts, run_mp
 from justrl_megatron import checkpoint as ckpt
 from justrl_megatron.assets import tiny_model
-
-HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 # --- which checkpoint is "latest" (no megatron needed) ------------------------------------------------------------
@@ -58,11 +53,8 @@ def test_keep_last_must_be_positive(tmp_path):
 def resume(tmp_path_factory):
     hf = tiny_model(tmp_path_factory.mktemp("hf") / "qwen2", "qwen2", vocab_size=1100)
     out = tmp_path_factory.mktemp("ckpt_resume")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "mp" / "ckpt_resume.py"), str(out), str(hf)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    run_mp("ckpt_resume.py", out, hf, nproc=2)
+    return out, rank_verdicts(out, 2)
 
 
 def test_exact_resume_is_bitwise(resume):

@@ -1,17 +1,13 @@
 """compat.py: real megatron-core on CPU. Unit checks of each redirection, then TP2 / TP2+SP / PP2 parity vs TP1."""
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import justrl_megatron.compat as compat
-
-HERE = Path(__file__).parent
+from helpers import rank_verdicts, run_mp
 
 
 def test_cuda_device_arguments_land_on_cpu():
@@ -82,11 +78,8 @@ def test_noop_when_cuda_is_present():
 def parity(tmp_path_factory):
     """One 2-process gloo job (torchrun) runs every layout; each rank writes its measurements."""
     out = tmp_path_factory.mktemp("compat_parity")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "mp" / "compat_parity.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    run_mp("compat_parity.py", out, nproc=2, timeout=600)
+    return rank_verdicts(out, 2)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])

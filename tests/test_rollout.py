@@ -6,18 +6,12 @@ torch.distributed and patches torch globally, which must not leak into the pytes
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import VLLM_TINY, rank_verdicts, run_mp
 from justrl_megatron.rollout import Rollouts, SamplingConfig, StaleRolloutError, check_staleness, logprob_gap
-
-HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
 # --- unit: version stamps, sampling, rollouts ------------------------------------------------------------------------
@@ -166,9 +160,7 @@ def test_backends_are_registered_with_vllm():
 
 def _run_hf(kind, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"rollout_{kind}")
-    proc = subprocess.run([sys.executable, str(HERE / "mp" / "rollout_hf.py"), kind, str(out)],
-                          capture_output=True, text=True, timeout=900, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_mp("rollout_hf.py", kind, out)
     return json.loads((out / "verdict.json").read_text())
 
 
@@ -248,12 +240,8 @@ def split_run(tmp_path_factory):
     from justrl_megatron.assets import tiny_model
 
     out = tmp_path_factory.mktemp("rollout_split")
-    model = tiny_model(out / "tiny_llama", "llama", hidden_size=128, num_heads=4, num_kv_heads=2,
-                       intermediate_size=200)  # tied embeddings: lm_head travels too
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "mp" / "rollout_split.py"), str(model), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    model = tiny_model(out / "tiny_llama", "llama", **VLLM_TINY)  # tied embeddings: lm_head travels too
+    run_mp("rollout_split.py", model, out, nproc=2)
     return json.loads((out / "verdict.json").read_text())
 
 
@@ -277,13 +265,9 @@ def megatron_run(tmp_path_factory):
     from justrl_megatron.assets import tiny_model
 
     out = tmp_path_factory.mktemp("rollout_megatron")
-    model = tiny_model(out / "tiny_qwen2", "qwen2", hidden_size=128, num_heads=4, num_kv_heads=2,
-                       intermediate_size=200)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "mp" / "rollout_megatron.py"), str(model), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    model = tiny_model(out / "tiny_qwen2", "qwen2", **VLLM_TINY)
+    run_mp("rollout_megatron.py", model, out, nproc=2)
+    return rank_verdicts(out, 2)
 
 
 @pytest.mark.slow

@@ -295,14 +295,8 @@ def require_cli(command: str, issue: str) -> None:
                     f"(exit {r.returncode}): {text[-600:]}")
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-    from justrl_megatron import assets
-
-    # vLLM's CPU attention needs head_dim >= 32; SmolLM2's tokenizer (49,152 tokens) keeps the embedding small
-    return assets.tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", num_layers=2, hidden_size=128,
-                             num_heads=4, num_kv_heads=2, intermediate_size=256, max_position_embeddings=512,
-                             tokenizer=assets.smollm2_135m_instruct())
+# the tiny_llama fixture (conftest.py): head_dim 32 (vLLM's CPU attention), SmolLM2's tokenizer (a small embedding)
+TINY_LLAMA = dict(intermediate_size=256)
 
 
 def tiny_overrides(model: Path, total_steps: int) -> list[str]:
@@ -327,7 +321,7 @@ def _run_dir(submit_dir: Path, job_id: str) -> Path:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_hf, tmp_path):
+def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_llama, tmp_path):
     """The real train.sbatch + justrl-train on 2 nodes (1 CPU rank each), only -t/-o and tiny-model overrides.
     One job covers both: the run succeeds and writes its checkpoints, and a USR1 after the first step makes it
     checkpoint, requeue (Restarts=1) and resume, with every step trained exactly once. (3 steps, not 2: the stop must
@@ -335,7 +329,7 @@ def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_hf, tmp_pat
     require_cli("train", "issue 7 (trainer)")
     log, total = tmp_path / "job.out", 3
     proc, job_id = cluster.submit("-t", "30", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
-                                  *tiny_overrides(tiny_hf, total), cwd=tmp_path)
+                                  *tiny_overrides(tiny_llama, total), cwd=tmp_path)
     run_dir = _run_dir(tmp_path, job_id)
     wait_for(lambda: _metric_steps(run_dir), 240, "the first training step", proc, log)
     cluster.run("scancel", "--signal=USR1", "--batch", job_id)
@@ -356,18 +350,18 @@ def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_hf, tmp_pat
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_issue5_convert_sbatch_roundtrip(cluster, tiny_hf, tmp_path):
+def test_issue5_convert_sbatch_roundtrip(cluster, tiny_llama, tmp_path):
     require_cli("convert", "issue 5 (converter)")
     from safetensors.torch import load_file
 
     mcore, back = tmp_path / "mcore", tmp_path / "hf"
-    for args in (["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(mcore)],
+    for args in (["hf-to-mcore", "--hf", str(tiny_llama), "--out", str(mcore)],
                  ["mcore-to-hf", "--ckpt", str(mcore), "--out", str(back)]):
         log = tmp_path / f"{args[0]}.out"
         proc, job_id = cluster.submit("-t", "30", "-o", str(log), str(REPO / "launch/slurm/convert.sbatch"), *args,
                                       cwd=tmp_path)
         assert cluster.finish(proc, timeout=240) == 0, log.read_text()[-4000:]
-    original = {k: v for f in tiny_hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    original = {k: v for f in tiny_llama.glob("*.safetensors") for k, v in load_file(f).items()}
     restored = {k: v for f in back.glob("*.safetensors") for k, v in load_file(f).items()}
     assert restored.keys() == original.keys()
     for name, tensor in original.items():

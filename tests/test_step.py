@@ -5,18 +5,14 @@ The parity tests run tests/mp/step_parity.py under torchrun (gloo, CPU): a 1-pro
 dist_checkpointing and must reproduce its logits, logprobs, loss, gradients and grad norm for one GRPO step.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import rank_verdicts, run_mp
 from justrl_megatron.train.batching import (
     Sample,
     gather_per_target,
@@ -27,7 +23,6 @@ from justrl_megatron.train.batching import (
 )
 from justrl_megatron.train.step import loss_denominator
 
-HERE = Path(__file__).parent
 
 
 # --- batching ------------------------------------------------------------------------------------------------------
@@ -126,12 +121,8 @@ def test_loss_denominator_is_global_over_the_mini_batch():
 # --- multi-rank parity ------------------------------------------------------------------------------------------
 
 def _torchrun(out, mode, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(HERE / "mp" / "step_parity.py"), str(out), mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(nproc)]
+    run_mp("step_parity.py", out, mode, nproc=nproc)
+    return rank_verdicts(out, nproc, prefix=f"{mode}_rank")
 
 
 @pytest.fixture(scope="module")

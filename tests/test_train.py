@@ -10,33 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from justrl_megatron import assets
+from helpers import ENV, SHORT_TRAIN as SHORT, TORCHRUN, run_ok
 
-SHORT = ["trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.mini_batch_size=2",
-         "rollout.max_response_length=8", "trainer.eval_samples=2", "data.num_generated=16", "trainer.save_every=1",
-         "logging.progress=false"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
 
 
 def train_cmd(args, nproc=1):
     if nproc == 1:
         return [sys.executable, "-m", "justrl_megatron.cli", "train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-            "justrl_megatron.cli", "train", *args]
+    return [*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "justrl_megatron.cli", "train", *args]
 
 
 def train(args, nproc=1, timeout=900):
-    proc = subprocess.run(train_cmd(args, nproc), capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return proc
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer: runs on text prompts, 4 heads / 2 KV groups (TP=2 works)."""
-    return assets.tiny_model(tmp_path_factory.mktemp("models") / "tiny_llama", "llama", num_layers=2, hidden_size=128,
-                             num_heads=4, num_kv_heads=2, intermediate_size=96, max_position_embeddings=512,
-                             tokenizer=assets.smollm2_135m_instruct())
+    return run_ok(train_cmd(args, nproc), timeout=timeout)
 
 
 def metrics(run_dir):
@@ -60,9 +45,7 @@ sys.exit(1 if unequal else 0)
 
 def assert_same_weights(ckpt_a, ckpt_b):
     """Bitwise comparison of the model tensors of two dist checkpoints (in a subprocess: loading needs a group)."""
-    proc = subprocess.run([sys.executable, "-c", COMPARE_WEIGHTS, str(ckpt_a), str(ckpt_b)], capture_output=True,
-                          text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_ok([sys.executable, "-c", COMPARE_WEIGHTS, str(ckpt_a), str(ckpt_b)], timeout=300)
     assert "unequal: []" in proc.stdout
 
 

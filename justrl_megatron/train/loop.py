@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from transformers import AutoTokenizer
 
 from ..algo.grpo import group_advantages
 from ..checkpoint import load_latest_checkpoint, save_checkpoint
+from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
 from ..distributed import init_distributed
@@ -41,7 +41,7 @@ from .step import compute_logprobs, grpo_update, grpo_update_on_policy
 def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> int:
     """Train; returns the last completed step. `engine` replaces the vLLM engine the config asks for (tests)."""
     tr, ro, algo = cfg.trainer, cfg.rollout, cfg.algo
-    _quiet_libraries()
+    quiet_console(verbose=cfg.logging.verbose)
     rank, _ = init_distributed()
     is_leader = rank == 0
     run_dir = Path(tr.run_dir)
@@ -226,15 +226,6 @@ def _evaluate(rollout, prompts, scorer, tokenizer, ro) -> float | None:
         return None
     texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
     return sum(scorer.evaluate(texts, [p.answer for p in prompts])[1]) / len(prompts)
-
-
-def _quiet_libraries() -> None:
-    """megatron logs every parameter name and vLLM every engine detail at INFO: keep the console for the run."""
-    import logging
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    for name in ("megatron", "megatron.core", "vllm"):
-        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _plain_config(cfg) -> dict:

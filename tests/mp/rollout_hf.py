@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from _common import hf_greedy, hf_logprobs
+
 PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301]]
 
 
@@ -28,31 +30,11 @@ def build_model(kind: str, out: str) -> str:
     raise ValueError(kind)
 
 
-def hf_token_logprobs(model, prompt, tokens):
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
-    return logp[pos, torch.tensor(tokens)].tolist()
-
-
-def hf_greedy(model, prompt, steps):
-    """Argmax decoding with transformers' KV cache; EOS does not stop it (the engine samples with ignore_eos)."""
-    tokens, past, ids = [], None, torch.tensor([list(prompt)])
-    with torch.no_grad():
-        for _ in range(steps):
-            out = model(ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            ids = torch.tensor([[tokens[-1]]])
-    return tokens
-
-
 def logprob_diff(model, prompts, rollouts):
     """{mean, max} |vLLM - transformers| over the sampled tokens (transformers recomputes them)."""
     from justrl_megatron.rollout import logprob_gap
 
-    ref = [hf_token_logprobs(model, prompts[i], toks) for i, toks in zip(rollouts.prompt_index, rollouts.token_ids)]
+    ref = [hf_logprobs(model, prompts[i], toks) for i, toks in zip(rollouts.prompt_index, rollouts.token_ids)]
     gap = logprob_gap(rollouts.logprobs, ref)
     return {"mean": gap["logprob_diff_mean"], "max": gap["logprob_diff_max"], "tokens": gap["logprob_diff_tokens"]}
 

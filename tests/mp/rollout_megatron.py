@@ -20,19 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from _common import hf_greedy
+
 PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301], [17, 18, 19]]
 N, STEPS = 4, 10
-
-
-def hf_greedy(model, prompt, steps):
-    tokens, past, ids = [], None, torch.tensor([list(prompt)])
-    with torch.no_grad():
-        for _ in range(steps):
-            out = model(ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            ids = torch.tensor([[tokens[-1]]])
-    return tokens
 
 
 def build_policy(shape, hf_dir, tp):

@@ -19,26 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from _common import hf_greedy, hf_logprobs
+
 PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11]]
 STEPS = 8
-
-
-def hf_greedy(model, prompt, steps):
-    tokens, past, ids = [], None, torch.tensor([list(prompt)])
-    with torch.no_grad():
-        for _ in range(steps):
-            out = model(ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            ids = torch.tensor([[tokens[-1]]])
-    return tokens
-
-
-def hf_logprobs(model, prompt, tokens):
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return logp[torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens)), torch.tensor(tokens)].tolist()
 
 
 def share(obj, src, group):

@@ -1,0 +1,28 @@
+"""transformers references shared by the tests/mp worker scripts.
+
+The scripts run as files (`python tests/mp/x.py`, or `torchrun tests/mp/x.py`), so Python puts tests/mp on sys.path
+and they import this module as `from _common import ...`.
+"""
+
+import torch
+
+
+def hf_greedy(model, prompt, steps):
+    """Argmax decoding with transformers' KV cache; EOS does not stop it (the engine samples with ignore_eos)."""
+    tokens, past, ids = [], None, torch.tensor([list(prompt)])
+    with torch.no_grad():
+        for _ in range(steps):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def hf_logprobs(model, prompt, tokens):
+    """transformers' logprobs of `tokens` following `prompt` (one full forward, fp32 log-softmax)."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    return logp[pos, torch.tensor(tokens)].tolist()
