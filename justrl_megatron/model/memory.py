@@ -328,7 +328,7 @@ def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: 
     from omegaconf import open_dict
 
     from .. import compat
-    from .policy import resolve_dtype
+    from ..dtypes import resolve_dtype
     from .spec import resolve_impl
 
     configured = cfg.model.recompute

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
@@ -35,6 +36,7 @@ from ..distributed import init_distributed, init_model_parallel
 from ..dtypes import resolve_dtype
 from .build import build_model_chunks
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
+from .memory import resolve_recompute
 from .spec import resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -177,7 +179,11 @@ class Policy:
 
     @classmethod
     def from_config(cls, cfg, shape: ModelShape) -> "Policy":
-        """`build` with the knobs of a composed config: cfg.model, cfg.parallel and cfg.trainer (the optimizer)."""
+        """`build` with the knobs of a composed config: cfg.model, cfg.parallel and cfg.trainer (the optimizer).
+        `model.recompute=auto` is resolved by the memory plan first, as justrl-train does (it may also clamp
+        `trainer.max_tokens_per_micro_batch` in cfg)."""
+        if cfg.model.recompute == "auto":
+            resolve_recompute(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
         model, par, tr = cfg.model, cfg.parallel, cfg.trainer
         return cls.build(
             shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
