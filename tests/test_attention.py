@@ -60,7 +60,7 @@ def test_this_torch_has_the_varlen_forms_but_no_cpu_kernel(monkeypatch, caplog):
     the choice is cached, and the fallback is announced once per process, not per layer or per key."""
     monkeypatch.setattr(attention, "_VARLEN", {})
     monkeypatch.setattr(attention, "_WARNED", set())
-    names = [c[0] for c in attention._varlen_candidates()]
+    names = [c[0] for c in attention.varlen_candidates()]
     assert names == ["window_size+enable_gqa", "window_size", "window_size+expanded_kv", "is_causal",
                      "is_causal+expanded_kv"]
     with caplog.at_level(logging.INFO, logger=attention.__name__):

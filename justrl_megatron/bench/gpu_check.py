@@ -199,19 +199,14 @@ def stage_probe() -> dict:
     except Exception as err:  # noqa: BLE001
         out["varlen_signature"] = f"unavailable ({type(err).__name__}: {err})"
         return out
-    # which causal call form this torch accepts (torch 2.10/2.11 differ from later releases)
-    q = torch.randn(64, 4, 64, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 24, 64], device="cuda", dtype=torch.int32)
-    forms = {"is_causal": dict(is_causal=True), "window_size+enable_gqa": dict(window_size=(-1, 0), enable_gqa=True),
-             "is_causal+enable_gqa": dict(is_causal=True, enable_gqa=True)}
-    out["varlen_calls"] = {}
-    for name, kw in forms.items():
-        try:
-            varlen_attn(q, kv, kv, cu, cu, 40, 40, **kw)
-            out["varlen_calls"][name] = "ok"
-        except Exception as err:  # noqa: BLE001
-            out["varlen_calls"][name] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    # which call form the model's attention will use (the same probe, attention.varlen_choice), GQA and MHA
+    from ..model.attention import probe_varlen, varlen_candidates
+
+    out["varlen_choice"] = {}
+    for heads, groups in ((12, 2), (4, 4)):
+        name, _, rejected = probe_varlen(varlen_candidates(), torch.device("cuda", 0), torch.bfloat16, heads, groups,
+                                         128)
+        out["varlen_choice"][f"{heads} heads / {groups} KV groups"] = {"chosen": name, "rejected": rejected}
     return out
 
 
@@ -387,7 +382,7 @@ def _summary(s: dict) -> str:
         return f"failed: {s.get('error', '')}".replace("|", "/").replace("\n", " ")[:300]
     if s["stage"] == "probe":
         return (f"torch {s['torch']} CUDA {s['cuda']}, {s['device']} {s['device_total_gib']} GiB, megatron-core "
-                f"{s['megatron_core']}, varlen: {s.get('varlen_calls') or s.get('varlen_signature')}")
+                f"{s['megatron_core']}, varlen: {s.get('varlen_choice') or s.get('varlen_signature')}")
     if s["stage"] == "pytest":
         return s["summary"]
     if s["stage"] == "train":

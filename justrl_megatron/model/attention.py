@@ -42,7 +42,7 @@ def _expand_kv(q, k, v):
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
-def _varlen_candidates() -> list:
+def varlen_candidates() -> list:
     """[(name, fn(q, k, v, cu, max_seqlen, scale) -> out, expands_kv)] in order of preference (an expanding form is
     skipped for MHA, where it equals the form before it); empty where torch has no varlen_attn."""
     try:
@@ -136,7 +136,7 @@ def varlen_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int)
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device, dtype, num_heads, num_groups, head_dim)
     if key not in _VARLEN:
-        name, fn, errors = probe_varlen(_varlen_candidates(), key[0], dtype, num_heads, num_groups, head_dim)
+        name, fn, errors = probe_varlen(varlen_candidates(), key[0], dtype, num_heads, num_groups, head_dim)
         _VARLEN[key] = (name, fn)
         what = f"{key[0]}/{str(dtype).replace('torch.', '')}, {num_heads} heads, {num_groups} KV groups, d={head_dim}"
         if name is not None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf_config import ModelShape, padded_vocab_size
+from .hf_config import ModelShape, check_parallel_layout, padded_vocab_size
 from .logprobs import CHUNK_ELEMENTS
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -301,7 +301,7 @@ def _no_fit_message(shape, recompute, fit, min_tokens, device_bytes, margin, kw)
     fixes = [f"model.recompute={m} (fits {fit[m]} tokens)" for m in RECOMPUTE_MODES
              if m != recompute and fit[m] >= min_tokens]
     for bigger in (2 * tp, 4 * tp):
-        if shape.num_attention_heads % bigger == 0 and shape.num_query_groups % bigger == 0:
+        if not check_parallel_layout(shape, bigger, kw["pp"], None):  # the layout megatron accepts
             n = max_tokens_that_fit(shape, device_bytes=device_bytes, margin=margin, recompute="full",
                                     **dict(kw, tp=bigger))
             if n >= min_tokens:

@@ -56,7 +56,7 @@ def _rel(a, b):
 def test_probe_picks_varlen_on_this_torch(dtype, heads, groups):
     if not _torch_at_least(2, 10):
         pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen (>= 2.10)")
-    name, fn, errors = probe_varlen(attention._varlen_candidates(), torch.device("cuda"), dtype, heads, groups,
+    name, fn, errors = probe_varlen(attention.varlen_candidates(), torch.device("cuda"), dtype, heads, groups,
                                     HEAD_DIM)
     # a failure here means the GPU path silently lost varlen flash: fix the candidate forms in model/attention.py
     assert name is not None, f"no varlen_attn form works on torch {torch.__version__}: {errors}"
