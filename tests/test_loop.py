@@ -3,12 +3,11 @@ switch, with a recording engine in place of vLLM (tests/mp/loop_recording.py); t
 test_train.py."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from helpers import ENV, MP, SHORT_TRAIN
+from helpers import MP, SHORT_TRAIN, run_ok
 from justrl_megatron.config import ConfigError, compose, validate
 
 SCRIPT = MP / "loop_recording.py"
@@ -19,9 +18,7 @@ def test_colocated_cycle_sleeps_during_update_and_profiles(tmp_path, tiny_llama)
     run_dir, out = tmp_path / "run", tmp_path / "calls.json"
     overrides = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.total_steps=3",
                  "trainer.weight_decay=0.1", "trainer.profile_steps=[2,3]", "logging.wandb_mode=disabled"]
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *overrides], capture_output=True, text=True,
-                          timeout=600, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_ok([sys.executable, SCRIPT, out, *overrides], timeout=600)
     log = json.loads(out.read_text())
     assert log["last_step"] == 3
     calls = log["calls"]
