@@ -82,7 +82,11 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip_c: Optional[float] = 10.0
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    # token-mean: over the mini-batch's response tokens (JustRL's intent; packing-independent) | verl04-dynbsz: what
+    # verl 0.4.0 computes with dynamic batch size (a token mean per micro-batch, weighted by its share of the mini-
+    # batch's sequences; depends on the packing) | seq-mean-token-mean | seq-mean-token-sum (Dr. GRPO, without its
+    # constant divisor). docs/algorithm.md compares them.
+    loss_agg: str = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -101,6 +105,9 @@ class TrainerConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    # an optimizer step with a NaN / inf grad norm is skipped (as verl); this many in a row stop the run after a
+    # checkpoint of the last good weights (0: never stop). One is noise; three in a row mean something is broken.
+    max_skipped_steps: int = 3
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -197,8 +204,9 @@ def validate(cfg, *, world_size: int, shape=None) -> None:
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("auto", "none", "selective", "full"):
         problems.append(f"model.recompute must be auto, none, selective or full, got {cfg.model.recompute!r}")
-    if algo.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-        problems.append(f"algo.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got {algo.loss_agg!r}")
+    if algo.loss_agg not in ("token-mean", "verl04-dynbsz", "seq-mean-token-mean", "seq-mean-token-sum"):
+        problems.append(f"algo.loss_agg must be token-mean, verl04-dynbsz, seq-mean-token-mean or seq-mean-token-sum, "
+                        f"got {algo.loss_agg!r}")
     if not (0 <= algo.clip_low < 1 and algo.clip_high >= 0):
         problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 (got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:

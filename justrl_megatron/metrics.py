@@ -114,8 +114,8 @@ def _plain(value):
 
 
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_ratio", "actor/entropy",
-                "actor/grad_norm", "actor/clip_frac_low", "actor/clip_frac_high", "rollout/logprob_diff_mean",
-                "rollout/weight_version", "time/step_s", "throughput/tokens_per_s")
+                "actor/grad_norm", "actor/skipped_steps", "actor/clip_frac_low", "actor/clip_frac_high",
+                "rollout/logprob_diff_mean", "rollout/weight_version", "time/step_s", "throughput/tokens_per_s")
 
 
 def _table(step: int, record: dict) -> Table:

@@ -2,7 +2,7 @@
 
 JustRL: advantages normalised by the group std, clip ratio [1 - 0.2, 1 + 0.28], dual-clip c = 10, token-mean over the
 whole mini-batch (the denominator counts response tokens across all micro-batches and data-parallel ranks), no KL,
-no entropy bonus.
+no entropy bonus. `aggregate` lists the other loss aggregations (docs/algorithm.md compares them with verl 0.4.0).
 
 Per response token, with ratio r = exp(logp - old_logp) and advantage A:
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "verl04-dynbsz", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # as verl: exp() of a larger log-ratio is inf; such tokens get no gradient either way
 
@@ -59,16 +59,24 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=None, num_sequences=None):
-    """Reduce per-token ``values`` [B, T] to a scalar.
+    """Reduce per-token ``values`` [B, T] (B rows = the sequences of one micro-batch) to a scalar.
 
     token-mean:            sum(values * mask) / denominator   (default: this batch's token count)
+    verl04-dynbsz:         sum(values * mask) / (this batch's token count) * B / num_sequences   (default: B)
     seq-mean-token-mean:   sum_b mean_t(values_b) / num_sequences
     seq-mean-token-sum:    sum_b sum_t(values_b) / num_sequences   (default: rows with at least one token)
+
+    seq-mean-token-sum is Dr. GRPO's aggregation without its constant divisor (Dr. GRPO also divides by a fixed
+    generation length, which only rescales the loss).
 
     Pass the mini-batch's global token (or sequence) count and the losses of its micro-batches, on all ranks, add up
     to the loss of the whole mini-batch. The gradients add up too — so the caller must undo any averaging its
     framework does on top: Megatron's schedule divides each micro-batch loss by the number of micro-batches, and DDP
     averages gradients over data-parallel ranks (multiply back, or configure sum reductions).
+
+    verl04-dynbsz is verl 0.4.0's "token-mean" with dynamic batch size: a token mean inside each micro-batch, weighted
+    by the micro-batch's share of the mini-batch's sequences (all of them: ``num_sequences`` counts empty responses
+    too). Unlike the others it depends on how the mini-batch was packed into micro-batches.
     """
     mask = mask.to(values.dtype)
     if agg == "token-mean":
@@ -76,6 +84,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
         return (values * mask).sum() / torch.as_tensor(denom, dtype=values.dtype).clamp(min=1)
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; known: {AGG_MODES}")
+    if agg == "verl04-dynbsz":
+        rows = values.shape[0]
+        share = rows / (rows if num_sequences is None else max(float(num_sequences), 1.0))
+        return (values * mask).sum() / mask.sum().clamp(min=1) * share
     tokens = mask.sum(dim=-1)
     per_seq = (values * mask).sum(dim=-1)
     if agg == "seq-mean-token-mean":

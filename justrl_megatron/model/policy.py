@@ -118,6 +118,7 @@ class Policy:
     dtype: torch.dtype
     padded_vocab_size: int
     hyper: dict = field(default_factory=dict)
+    skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
 
     @classmethod
     def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,

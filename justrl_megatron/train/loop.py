@@ -35,7 +35,7 @@ from .batching import Sample
 from .placement import ColocatedRollout
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
-from .step import compute_logprobs, grpo_update, grpo_update_on_policy
+from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
 
 
 def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> int:
@@ -76,7 +76,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     rollout.publish(version)
     start_accuracy = _evaluate(rollout, heldout, scorer, tokenizer, ro) if start_step == 0 else None
 
-    step = start_step
+    step, diverged = start_step, None
     while step < tr.total_steps:
         step += 1
         profiler.step_started(step)
@@ -139,8 +139,10 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             logprob_gap=logprob_gap(rollouts.logprobs, old_logprobs), update=update,
             phase_seconds=timer.seconds, step_seconds=timer.elapsed()))
 
-        # 9. checkpoint (periodic, at the end, or when asked to stop)
-        stopping = stop.agreed()
+        # 9. checkpoint (periodic, at the end, or when asked to stop; or after too many skipped optimizer steps: the
+        #    weights are then still the last good ones). Every rank agrees on the skips (train/step.py).
+        diverged = skip_limit_message(policy.skipped_in_a_row, tr.max_skipped_steps)
+        stopping = stop.agreed() or diverged is not None
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
                             {"step": step, "sampler": sampler.state_dict()}, keep_last=tr.keep_last, shape=shape,
@@ -149,7 +151,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if trace is not None:
             logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")
         if stopping:
-            logger.print(requeue_message(step))
+            logger.print(diverged or requeue_message(step))
             break
 
     if step == tr.total_steps:
@@ -165,6 +167,8 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     if scorer is not None:
         scorer.close()
     rollout.shutdown()
+    if diverged is not None:  # a failed run, not a requeue: exit non-zero (the message was printed above)
+        raise SystemExit(1)
     return step
 
 

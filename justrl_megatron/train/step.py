@@ -6,9 +6,12 @@ packed into micro-batches (train/batching.py). The last pipeline stage never bui
 layer hands back hidden states and logprobs/entropy are computed from them in chunks (model/logprobs.py).
 
 Loss normalisation (JustRL: token-mean over the whole mini-batch): every rank knows every sample, so the global
-denominator (response tokens of the mini-batch over all micro-batches and DP ranks; sequences for the seq-mean
+denominator (response tokens of the mini-batch over all micro-batches and DP ranks; sequences for the other
 modes) is computed locally, with no collective. Each micro-batch's loss is `policy_loss(..., denominator=D)`, a
 partial sum that adds up to the mini-batch loss; megatron is configured not to rescale it (model/policy.py).
+
+Non-finite gradients (as verl 0.4.0): an optimizer step whose global grad norm is NaN or inf is skipped — gradients
+zeroed, weights and optimizer state untouched — and counted (`skipped_steps`, `Policy.skipped_in_a_row`).
 """
 
 from __future__ import annotations
@@ -141,11 +144,14 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
 
 
 def loss_denominator(samples: Sequence[Sample], ids: Sequence[int], loss_agg: str) -> int:
-    """The mini-batch's global denominator: response tokens (token-mean) or responses with a token (seq-mean-*)."""
+    """The mini-batch's global denominator: response tokens (token-mean), sequences (verl04-dynbsz) or responses with
+    a token (seq-mean-*)."""
     if loss_agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {loss_agg!r}; known: {AGG_MODES}")
     if loss_agg == "token-mean":
         return sum(len(samples[i].response_ids) for i in ids)
+    if loss_agg == "verl04-dynbsz":  # verl divides by the mini-batch size: every sequence, empty or not
+        return len(ids)
     return sum(1 for i in ids if samples[i].response_ids)
 
 
@@ -236,9 +242,9 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         forward_logprobs = [(mb, r.pop("target_logprobs")) for mb, r in zip(micro_batches, results)]
         if on_grads is not None:
             on_grads(policy, step)
-        ok, grad_norm, _ = policy.optimizer.step()
-        steps_ok.append(bool(ok))
-        grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        ok, grad_norm = optimizer_step_if_finite(policy)
+        steps_ok.append(ok)
+        grad_norms.append(grad_norm)
         for r in results:
             if totals is None:
                 totals = {k: v.detach().clone() for k, v in r.items()}
@@ -250,12 +256,50 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                     totals[k] = torch.maximum(totals[k], v)
                 else:
                     totals[k] = totals[k] + v
+    # verl 0.4.0 steps its LR scheduler once per RL step whether or not the optimizer stepped: so does this
     policy.scheduler.step(increment=1)
     if reuse_forward:  # the one mini-batch's forward pass ran on the weights before the step
         old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
     metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
                                 tokens_total, lr)
     return metrics, list(old_logprobs)
+
+
+def optimizer_step_if_finite(policy) -> tuple[bool, float]:
+    """megatron's ``optimizer.step()`` unless the global grad norm is NaN or inf (verl 0.4.0 skips such a step too).
+    Returns (stepped, grad norm); a skipped step zeroes the gradients and leaves weights and optimizer state as they
+    were. Every training rank decides the same way.
+
+    megatron skips only on its fp16 loss scaler's inf check, which bf16 / fp32 never use: without this guard a NaN
+    norm makes the clip factor NaN and Adam writes NaN into every weight. The norm is all-reduced by megatron over its
+    grad-stats group; the skip flag is reduced over all training ranks on top, so a NaN that appeared on one replica
+    after the DP reduction still stops every rank. `optimizer.step()` then repeats the (idempotent, scaler-free)
+    grad copy and the norm: one more pass over the gradients, kept so that megatron's own clipping runs unchanged.
+    """
+    optimizer = policy.optimizer
+    found_inf = optimizer.prepare_grads()  # DDP grads -> main grads (the norm reads the main grads)
+    norm = float(optimizer.get_grad_norm())
+    bad = torch.tensor([float(found_inf or not math.isfinite(norm))], device=policy.device)
+    skip = bool(_reduce_over_training_ranks(bad, dist.ReduceOp.MAX).item())
+    if skip:
+        optimizer.zero_grad()
+        for chunk in policy.chunks:
+            chunk.zero_grad_buffer()
+        policy.skipped_in_a_row += 1
+        return False, norm
+    ok, grad_norm, _ = optimizer.step()
+    policy.skipped_in_a_row = 0
+    return bool(ok), float(grad_norm) if grad_norm is not None else norm
+
+
+def skip_limit_message(skipped_in_a_row: int, limit: int) -> str | None:
+    """Why training stops after ``limit`` optimizer steps in a row were skipped (``limit`` 0: never), else None."""
+    if limit <= 0 or skipped_in_a_row < limit:
+        return None
+    return (f"stopping: the last {skipped_in_a_row} optimizer steps were skipped (non-finite gradient norm; "
+            f"trainer.max_skipped_steps={limit}). The weights are the last good ones and were checkpointed. "
+            "Look for the cause (actor/grad_norm, actor/entropy, the data of these steps), or resume with a higher "
+            "trainer.max_skipped_steps (0: never stop)")
 
 
 def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output: torch.Tensor):
@@ -309,11 +353,14 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
     s = dict(zip(SUM_KEYS, sums.tolist()))
     n_steps = len(grad_norms)
     tokens = max(s["num_tokens"], 1.0)
+    # the norms of the steps taken; a skipped step's norm is not finite (all skipped: NaN, as verl would log)
+    taken = [g for g, ok in zip(grad_norms, steps_ok) if ok]
+    no_step = 0.0 if not grad_norms else float("nan")
     metrics = {
         "loss": s["loss"] / max(n_steps, 1),  # mean over mini-batches of the mini-batch loss
         "pg_loss": s["pg_loss"] / max(n_steps, 1),
-        "grad_norm": sum(grad_norms) / max(n_steps, 1),
-        "grad_norm_max": max(grad_norms, default=0.0),
+        "grad_norm": sum(taken) / len(taken) if taken else no_step,
+        "grad_norm_max": max(taken, default=no_step),
         "clip_frac_low": s["clip_low_count"] / tokens,
         "clip_frac_high": s["clip_high_count"] / tokens,
         "clip_frac_dual": s["clip_dual_count"] / tokens,
@@ -325,7 +372,7 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         "ratio_max": rmax.item(),
         "lr": lr,
         "num_optimizer_steps": float(n_steps),
-        "num_skipped_steps": float(sum(not ok for ok in steps_ok)),
+        "skipped_steps": float(sum(not ok for ok in steps_ok)),  # optimizer steps skipped (non-finite grad norm)
         "num_micro_batches": float(sum(micro_batch_counts)),
         "num_response_tokens": s["num_tokens"],
         "num_tokens": float(tokens_total),
