@@ -272,3 +272,175 @@ def test_vocab_parallel_chunked_logprobs_match_naive(layouts2):
                     "logits_path_logprob_diff", "logits_path_grad_diff"):
             assert v[key] <= 1e-10, (key, v)
         assert v["grad_scale"] > 1e-2
+
+
+# --- non-finite gradients and loss aggregation on a real policy (in this process: TP1, one rank) -------------------
+
+TINY = dict(family="qwen2", num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+            head_dim=8, vocab_size=120, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+            qkv_bias=True, tie_word_embeddings=False, init_std=0.02)
+STEP_KW = dict(max_tokens_per_micro_batch=32, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
+
+
+def _policy(dtype="fp32", distopt=True, lr=1e-2):
+    from justrl_megatron.model.hf_config import ModelShape
+    from justrl_megatron.model.policy import Policy
+
+    return Policy.build(ModelShape(**TINY), dtype=dtype, transformer_impl="local", lr=lr, warmup_steps=0,
+                        weight_decay=0.1, grad_clip=1.0, distributed_optimizer=distopt, seed=7)
+
+
+def _batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(prompt_ids=torch.randint(1, 120, (3,), generator=g).tolist(),
+                   response_ids=torch.randint(1, 120, (n,), generator=g).tolist(),
+                   advantage=float(torch.randn((), generator=g))) for n in lengths]
+
+
+def _snapshot(policy):
+    """Model weights, and every tensor of megatron's inner optimizers: their (fp32 master) params and Adam state."""
+    out = {f"w{i}.{n}": p.detach().clone() for i, c in enumerate(policy.chunks) for n, p in c.module.named_parameters()}
+    for k, opt in enumerate(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                out[f"o{k}.{g}.{j}"] = p.detach().clone()
+                for name, v in opt.optimizer.state.get(p, {}).items():
+                    out[f"o{k}.{g}.{j}.{name}"] = v.detach().clone() if torch.is_tensor(v) else torch.tensor(v)
+    return out
+
+
+def _poison(value):
+    def on_grads(policy, step):
+        p = next(policy.chunks[0].module.parameters())
+        p.main_grad.view(-1)[0] = value
+    return on_grads
+
+
+@pytest.mark.parametrize("dtype,distopt,inject", [("fp32", True, "grad"), ("fp32", True, "advantage"),
+                                                  ("bf16", False, "grad")])
+def test_non_finite_gradient_skips_the_step(dtype, distopt, inject):
+    """A NaN (or inf) in the gradients: no change to any weight or optimizer tensor, gradients zeroed, the skip
+    counted; the LR schedule still advances (as verl's); the next good step resets the count and moves the weights."""
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    policy = _policy(dtype, distopt)
+    samples = _batch([5, 3, 7, 2])
+    def step(**kw):
+        old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=32)
+        return grpo_update(policy, samples, old, mini_batch_size=4, **STEP_KW, **kw)
+
+    assert step()["skipped_steps"] == 0  # a good step first: Adam has state to protect
+    before, lr_steps = _snapshot(policy), policy.scheduler.num_steps
+    assert any(k.endswith("exp_avg") for k in before)
+
+    if inject == "grad":
+        bad = step(on_grads=_poison(float("nan")))
+    else:
+        good = samples
+        samples = [Sample(s.prompt_ids, s.response_ids, float("nan") if i == 1 else s.advantage)
+                   for i, s in enumerate(good)]
+        bad = step()
+        samples = good
+    assert bad["skipped_steps"] == 1 and math.isnan(bad["grad_norm"]) and bad["num_optimizer_steps"] == 1
+    after = _snapshot(policy)
+    assert after.keys() == before.keys()
+    assert [k for k in before if not torch.equal(after[k], before[k])] == []
+    assert all(not c.module.parameters().__next__().main_grad.any() for c in policy.chunks)  # zeroed
+    assert policy.skipped_in_a_row == 1 and policy.scheduler.num_steps == lr_steps + 1
+
+    assert step(on_grads=_poison(float("inf")))["skipped_steps"] == 1 and policy.skipped_in_a_row == 2
+    good = step()
+    assert good["skipped_steps"] == 0 and math.isfinite(good["grad_norm"]) and policy.skipped_in_a_row == 0
+    moved = _snapshot(policy)
+    assert all(torch.isfinite(v).all() for v in moved.values())
+    assert any(not torch.equal(moved[k], before[k]) for k in before if k.startswith("w"))
+
+
+@pytest.mark.slow
+def test_all_ranks_skip_together(tmp_path):
+    """2 ranks (DP2, DP2 with the distributed optimizer, TP2): a NaN in one rank's gradients skips the step on both."""
+    for v in _torchrun(tmp_path, "guard2", 2):
+        for layout in ("dp2", "dp2_distopt", "tp2"):
+            g = v[layout]
+            assert g["skipped"] == [0, 1, 0] and g["unchanged_after_nan"], (layout, g)
+            assert (g["streak_after_nan"], g["streak_after_good"]) == (1, 0), (layout, g)
+            assert g["moved_after_good"] and g["finite"], (layout, g)
+
+
+def test_skip_limit_decides_the_stop():
+    from justrl_megatron.train.step import skip_limit_message
+
+    assert skip_limit_message(2, 3) is None and skip_limit_message(0, 3) is None
+    assert "trainer.max_skipped_steps=3" in skip_limit_message(3, 3)
+    assert skip_limit_message(1, 1) is not None
+    assert skip_limit_message(50, 0) is None  # 0: never stop, skip on as verl does
+
+
+# lengths (prompt 3 + response) 8, 5, 11, 4, 9, 3 under a 16-token budget: three micro-batches, longest first into the
+# lightest (checked below), with 8, 7 and 7 response tokens; sample 5's response is empty
+AGG_LENGTHS = [5, 2, 8, 1, 6, 0]
+AGG_PACKING = [[2, 5], [3, 4], [0, 1]]
+
+
+def _hand_loss(samples, lp, old, agg):
+    """The mini-batch loss from per-token values with plain torch: clipped GRPO loss per token, then each mode's
+    weights (token-mean: 1 / all tokens; verl04-dynbsz: sequences in the micro-batch / all sequences / tokens in the
+    micro-batch; seq-mean-token-mean: 1 / (non-empty sequences x own length); seq-mean-token-sum: 1 / non-empty)."""
+    c, lo, hi = STEP_KW["dual_clip_c"], STEP_KW["clip_low"], STEP_KW["clip_high"]
+    tokens = sum(len(s.response_ids) for s in samples)
+    nonempty = sum(1 for s in samples if s.response_ids)
+    mb_of = {i: mb for mb in AGG_PACKING for i in mb}
+    mb_tokens = {i: sum(len(samples[j].response_ids) for j in mb) for i, mb in mb_of.items()}
+    total, weights = 0.0, []
+    for i, s in enumerate(samples):
+        a, r = s.advantage, torch.exp(lp[i].double() - old[i].double())
+        pg = torch.maximum(-a * r, -a * r.clamp(1 - lo, 1 + hi))
+        if a < 0:
+            pg = torch.minimum(pg, torch.full_like(pg, -a * c))
+        n = len(s.response_ids)
+        w = {"token-mean": 1 / tokens,
+             "verl04-dynbsz": len(mb_of[i]) / len(samples) / mb_tokens[i],
+             "seq-mean-token-mean": 1 / (nonempty * max(n, 1)),
+             "seq-mean-token-sum": 1 / nonempty}[agg]
+        total += w * float(pg.sum())
+        weights.append(w)
+    return total, weights
+
+
+def test_loss_aggregation_modes_on_the_policy_match_hand_computations():
+    """Each algo.loss_agg through the real step (megatron schedule, packed micro-batches): the loss equals the hand
+    computation from per-token logprobs, and the gradient equals token-mean's with each advantage scaled by the hand
+    weight ratio (the GRPO token loss is positively homogeneous in A, clipping included). lr 0 keeps the weights."""
+    from justrl_megatron.algo.grpo import AGG_MODES
+    from justrl_megatron.train.step import compute_logprobs, grpo_update, plan_micro_batches
+
+    policy = _policy(lr=0.0)
+    samples = _batch(AGG_LENGTHS, seed=3)
+    assert [mb.sample_ids for mb in plan_micro_batches(policy, samples, range(6), 16)] == AGG_PACKING
+    lp = compute_logprobs(policy, samples, max_tokens_per_micro_batch=16)
+    g = torch.Generator().manual_seed(1)
+    old = [x + 0.3 * torch.randn(x.shape, generator=g) for x in lp]  # ratios on both sides of the clip range
+
+    def update(batch, agg):
+        grads = {}
+
+        def capture(pol, step):
+            grads.update({n: p.main_grad.clone() for n, p in pol.chunks[0].module.named_parameters()})
+        m = grpo_update(policy, batch, old, mini_batch_size=6, **{**STEP_KW, "max_tokens_per_micro_batch": 16},
+                        loss_agg=agg, on_grads=capture)
+        return m, grads
+
+    tokens = sum(AGG_LENGTHS)
+    results = {}
+    for agg in AGG_MODES:
+        m, grads = update(samples, agg)
+        expect, weights = _hand_loss(samples, lp, old, agg)
+        assert m["clip_frac_low"] + m["clip_frac_high"] > 0 and m["num_micro_batches"] == 3
+        assert m["loss"] == pytest.approx(expect, rel=1e-5), agg
+        scaled = [Sample(s.prompt_ids, s.response_ids, s.advantage * w * tokens) for s, w in zip(samples, weights)]
+        _, ref = update(scaled, "token-mean")
+        for n in grads:
+            torch.testing.assert_close(grads[n], ref[n], rtol=1e-4, atol=1e-8)
+        assert max(float(v.abs().max()) for v in grads.values()) > 1e-4
+        results[agg] = m["loss"]
+    assert results["verl04-dynbsz"] != pytest.approx(results["token-mean"], rel=1e-3)  # they do differ here

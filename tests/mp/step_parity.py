@@ -8,6 +8,8 @@ layout: packed logprobs vs padded rows, zero advantages leave the weights unchan
 MODE layouts2 (2 processes): TP2, TP2+SP, PP2, DP2 (plain and distributed optimizer), TP2+SP with tied embeddings,
 and the vocab-parallel chunked logprob/entropy against the naive full-vocabulary computation.
 MODE layouts4 (4 processes): TP2 x PP2, and PP2 x virtual PP2 (x DP2) with tied embeddings.
+MODE guard2 (2 processes): a NaN put into one rank's gradients (DP2, DP2 with the distributed optimizer, TP2) makes
+every rank skip the optimizer step together.
 Each layout loads the reference weights (resharded by megatron's own dist_checkpointing), runs the same step, and
 writes its gradients back through dist_checkpointing so a TP1 model can load them: no code of ours decides how shards
 line up. Verdicts: OUT/<mode>_rank<r>.json.
@@ -365,10 +367,40 @@ def vocab_parallel_logprobs_check():
     }
 
 
+def skip_together(**layout):
+    """One good step, then a NaN in rank 1's gradients only (after the DP reduction: the replicas now disagree), then
+    a good step again. Per rank: what was skipped, whether its weights moved."""
+    samples = make_samples()
+    policy = build("qwen", **layout)
+
+    def step(**kw):
+        old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+        return grpo_update(policy, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
+                           **STEP_KW, **kw)
+
+    def poison(pol, step_index):
+        if dist.get_rank() == 1:
+            next(pol.chunks[0].module.parameters()).main_grad.view(-1)[0] = float("nan")
+
+    first = step()
+    before = {k: p.detach().clone() for k, p in params(policy).items()}
+    bad = step(on_grads=poison)
+    unchanged = all(torch.equal(p, before[k]) for k, p in params(policy).items())
+    streak = policy.skipped_in_a_row
+    good = step()
+    moved = any(not torch.equal(p, before[k]) for k, p in params(policy).items())
+    return {"skipped": [first["skipped_steps"], bad["skipped_steps"], good["skipped_steps"]],
+            "unchanged_after_nan": unchanged, "streak_after_nan": streak, "streak_after_good": policy.skipped_in_a_row,
+            "moved_after_good": moved, "finite": all(bool(torch.isfinite(p).all()) for p in params(policy).values())}
+
+
 def main(out, mode):
     rank, world = init_distributed()
     if mode == "ref":
         verdict = mode_ref(out)
+    elif mode == "guard2":
+        verdict = {"dp2": skip_together(distopt=False), "dp2_distopt": skip_together(distopt=True),
+                   "tp2": skip_together(tp=2)}
     else:
         verdict = {}
         if mode == "layouts2":
