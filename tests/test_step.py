@@ -367,6 +367,68 @@ def test_all_ranks_skip_together(tmp_path):
             assert g["moved_after_good"] and g["finite"], (layout, g)
 
 
+# justrl-train's loop (tests/mp/loop_recording.py's engine in place of vLLM) with a NaN put into the gradients of every
+# optimizer step from the second RL step on
+_DIVERGING_RUN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import justrl_megatron.compat  # noqa: F401
+from loop_recording import RecordingEngine
+from justrl_megatron.config import compose
+from justrl_megatron.train import loop
+from justrl_megatron.train_entry import apply_memory_plan, check_config
+
+
+def nan_grads(policy, step_index):
+    next(policy.chunks[0].module.parameters()).main_grad.view(-1)[0] = float("nan")
+
+
+def poisoned(update):
+    def wrapped(policy, *args, **kw):
+        return update(policy, *args, **kw, **({"on_grads": nan_grads} if policy.scheduler.num_steps >= 1 else {}))
+    return wrapped
+
+
+loop.grpo_update, loop.grpo_update_on_policy = poisoned(loop.grpo_update), poisoned(loop.grpo_update_on_policy)
+cfg = compose(sys.argv[3:])
+model_dir, shape = check_config(cfg)
+apply_memory_plan(cfg, shape)
+engine = RecordingEngine(shape.vocab_size)
+try:
+    code = loop.run(cfg, model_dir, shape, engine=engine) and 0
+except SystemExit as exc:
+    code = exc.code
+with open(sys.argv[2], "w") as f:
+    json.dump({"code": code, "calls": engine.calls}, f)
+"""
+
+
+@pytest.mark.slow
+def test_consecutive_skips_stop_the_run_after_a_checkpoint_of_the_last_good_weights(tmp_path, tiny_llama):
+    import json
+    import sys
+
+    from helpers import MP, SHORT_TRAIN, run_ok
+    from justrl_megatron.checkpoint import latest_step
+    from justrl_megatron.metrics import read_metrics
+
+    run_dir, out = tmp_path / "run", tmp_path / "out.json"
+    proc = run_ok([sys.executable, "-c", _DIVERGING_RUN, MP, out, f"model.path={tiny_llama}",
+                   f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.total_steps=6", "trainer.save_every=100",
+                   "trainer.max_skipped_steps=2", "trainer.warmup_steps=0", "trainer.weight_decay=0.1",
+                   "logging.wandb_mode=disabled"], timeout=600)
+    result = json.loads(out.read_text())
+    assert result["code"] == 1  # a failed run: not a requeue, not a success
+    assert "the last 2 optimizer steps were skipped" in proc.stdout + proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["actor/skipped_steps"] for r in records] == [0, 1, 1]
+    syncs = {c[1]: c[3] for c in result["calls"] if c[0] == "update_weights"}  # weight version -> digest
+    # step 1 moved the weights (weight decay, at least); the NaN never reached them
+    assert syncs[0] != syncs[1] == syncs[2] == syncs[3]
+    assert latest_step(run_dir) == 3  # the stop checkpoint (periodic saves are off): the step-1 weights
+
+
 def test_skip_limit_decides_the_stop():
     from justrl_megatron.train.step import skip_limit_message
 
