@@ -89,7 +89,7 @@ def test_missing_column_and_empty_results_name_the_file(tmp_path):
         load_rows(path, "gsm8k")
     pq_path = tmp_path / "no_answer.parquet"
     pq.write_table(pa.table({"problem": ["x"], "solution_text": ["y"]}), pq_path)
-    with pytest.raises(ValueError, match=r"no_answer\.parquet: missing column 'answer' / 'solution'"):
+    with pytest.raises(ValueError, match=r"no_answer\.parquet: missing column 'answer' / 'reward_model' / 'solution'"):
         load_rows(str(pq_path), "math")
     bad = write_jsonl(tmp_path / "all_bad.jsonl", [{"question": "", "answer": "#### 1"}, {"question": "q"}])
     with pytest.raises(ValueError, match=r"all_bad\.jsonl: no usable rows .*empty_problem=1.*missing_answer=1"):
