@@ -36,7 +36,8 @@ def test_justrl_aime_layout_loads_and_a_correct_boxed_response_scores_1(tmp_path
     assert [(r["problem"], r["answer"]) for r in rows] == [(PROBLEMS[0][0], "204"), (PROBLEMS[1][0], "\\frac{1}{2}"),
                                                            (PROBLEMS[2][0], "70")]
     err = capsys.readouterr().err
-    assert "columns problem<-prompt, answer<-reward_model.ground_truth" in err and "2 \\boxed{} answers unwrapped" in err
+    assert "columns problem<-prompt, answer<-reward_model.ground_truth" in err
+    assert "2 \\boxed{} answers unwrapped" in err
     # JustRL's eval prompt: the problem, a space, the instruction
     assert row_messages(rows[0], "justrl_eval") == [
         {"role": "user", "content": PROBLEMS[0][0] + " Please reason step by step, and put your final answer within "

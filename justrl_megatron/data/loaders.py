@@ -530,7 +530,9 @@ def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool 
         row = {"problem": problem, "answer": answer, "data_source": src,
                "id": str(rid) if rid is not None and str(rid) else f"{src}-{index}"}
         if extra:  # the source prompt text, or fmt="prepared"'s messages (the template must not run again on those)
-            row.update({k: earlier.get(k, v) if earlier else v for k, v in extra[0].items()})
+            # a duplicate shares the first copy's objects where they are equal; its own text where not
+            row.update({k: earlier[k] if earlier is not None and earlier.get(k) == v else v
+                        for k, v in extra[0].items()})
         if earlier is None:
             first[key] = row
         result.rows.append(row)
