@@ -48,6 +48,7 @@ setup(
         "tqdm",
         "matplotlib",
         "pyarrow",
+        "champ-dataset",  # builtin:champ, a real offline benchmark (data only; pulls natsort, nothing heavy)
     ],
     extras_require={"cpu": CPU, "gpu": GPU, "test": TEST, "bench": BENCH},
     entry_points={

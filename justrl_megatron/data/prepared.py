@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from .prompts import as_message_list, build_messages
+from .prompts import as_message_list, row_messages
 
 
 
@@ -27,10 +27,11 @@ def encode_answer(answer) -> str:
 
 
 def prepare_rows(rows, template: str = "justrl", system: str | None = None) -> list[dict]:
-    """Rows in the prepared format: a row with a ``prompt`` keeps it, else its ``problem`` goes through the template."""
+    """Rows in the prepared format: a row with a ``prompt`` keeps it, else it goes through the template
+    (:func:`~.prompts.row_messages`: ``justrl`` keeps a DAPO row's full source prompt)."""
     out = []
     for r in rows:
-        prompt = r["prompt"] if "prompt" in r else build_messages(r["problem"], template, system)
+        prompt = row_messages(r, template, system)
         out.append({"prompt": as_message_list(prompt), "answer": encode_answer(r["answer"]),
                     "data_source": str(r["data_source"]), "id": str(r["id"])})
     return out

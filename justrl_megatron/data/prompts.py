@@ -2,11 +2,16 @@
 
 Two kinds of template:
 
-* chat templates (``"justrl"``, ``"boxed"``, ``"plain"``, ``"think"``) produce a list of chat messages; the tokenizer's own chat
-  template turns them into text (:func:`render_prompt`, with ``add_generation_prompt=True``);
+* chat templates (``"justrl"``, ``"justrl_stripped"``, ``"justrl_eval"``, ``"boxed"``, ``"plain"``, ``"think"``)
+  produce a list of chat messages; the tokenizer's own chat template turns them into text (:func:`render_prompt`, with
+  ``add_generation_prompt=True``);
 * raw templates (``"countdown"``, ``"raw:<format string>"``) produce the final prompt string themselves, no chat
   template involved (seed 003's TinyZero-style countdown prompt is written this way: the assistant turn is pre-filled
   with ``<think>``).
+
+:func:`row_messages` is the entry point for loader rows: ``"justrl"`` is applied to the source's own prompt text
+(``row["source_prompt"]`` where the loader kept one: JustRL trained on DAPO-Math-17k's full prompt, its "Solve ...
+Answer:" wrapper included), every other template to the bare ``row["problem"]``; prepared rows keep their ``prompt``.
 
 In the prepared parquet every prompt is a list of messages; a raw prompt is stored as the single message
 ``{"role": "raw", "content": text}``, which :func:`render_prompt` passes through untouched.
@@ -17,6 +22,8 @@ from typing import Any
 
 # JustRL (verl `use_boxed_suffix_prompt`): appended to the problem in the user turn, verbatim.
 JUSTRL_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+# JustRL's eval (evals/gen_vllm.py) joins the same instruction to the problem with a space instead.
+JUSTRL_EVAL_SUFFIX = " Please reason step by step, and put your final answer within \\boxed{}."
 
 # <think>/<answer> format asked for by the weighted format rewards (seed 001 style).
 THINK_SUFFIX = (
@@ -44,12 +51,16 @@ def _escape(text: str) -> str:
 BOXED_SUFFIX = "\n\nPut your final answer within \\boxed{}."
 
 CHAT_TEMPLATES = {
-    "justrl": "{problem}" + _escape(JUSTRL_SUFFIX),
+    "justrl": "{problem}" + _escape(JUSTRL_SUFFIX),  # row_messages fills it with the source's own prompt text
+    "justrl_stripped": "{problem}" + _escape(JUSTRL_SUFFIX),  # the bare problem (DAPO's wrapper removed)
+    "justrl_eval": "{problem}" + _escape(JUSTRL_EVAL_SUFFIX),
     "boxed": "{problem}" + _escape(BOXED_SUFFIX),
     "plain": "{problem}",
     "think": "{problem}" + _escape(THINK_SUFFIX),
 }
 RAW_TEMPLATES = {"countdown": COUNTDOWN_RAW}
+# Templates filled with the dataset's prompt text exactly as stored, not the loader's stripped problem.
+VERBATIM_TEMPLATES = frozenset({"justrl"})
 
 
 def _fill(fmt: str, problem: str, fields: dict[str, Any]) -> str:
@@ -73,11 +84,20 @@ def build_messages(problem: str, template: str = "justrl", system: str | None = 
     if template in RAW_TEMPLATES:
         return _fill(RAW_TEMPLATES[template], problem, fields)
     if template not in CHAT_TEMPLATES:
-        raise ValueError(f"unknown prompt template {template!r}; known: {sorted(CHAT_TEMPLATES) + sorted(RAW_TEMPLATES)}"
-                         " or 'raw:<format string>'")
+        known = sorted(CHAT_TEMPLATES) + sorted(RAW_TEMPLATES)
+        raise ValueError(f"unknown prompt template {template!r}; known: {known} or 'raw:<format string>'")
     messages = [] if system is None else [{"role": "system", "content": system}]
     messages.append({"role": "user", "content": _fill(CHAT_TEMPLATES[template], problem, fields)})
     return messages
+
+
+def row_messages(row: dict, template: str = "justrl", system: str | None = None, **fields: Any):
+    """The prompt of a loader row: its ready ``prompt`` (prepared data) as is; else ``template`` applied to the source's
+    own prompt text (``source_prompt``) for VERBATIM_TEMPLATES, or to the bare ``problem`` for every other one."""
+    if "prompt" in row:
+        return row["prompt"]
+    text = row.get("source_prompt", row["problem"]) if template in VERBATIM_TEMPLATES else row["problem"]
+    return build_messages(text, template, system, **fields)
 
 
 def as_message_list(prompt) -> list[dict]:

@@ -42,13 +42,17 @@ def load_training_rows(data_cfg, *, seed: int, split: str = "train", limit: int 
 
 def tokenize_prompts(rows: list[dict], tokenizer, data_cfg) -> tuple[list[Prompt], int]:
     """Chat-template and tokenize; prompts longer than data.max_prompt_length are dropped (and counted)."""
-    from ..data import build_messages, render_prompt
+    from ..data import render_prompt, row_messages
 
-    prompts, too_long = [], 0
+    # DAPO-Math-17k with data.dedup=false repeats each prompt ~100 times: tokenize each distinct prompt once
+    prompts, too_long, cache = [], 0, {}
     for row in rows:
-        messages = build_messages(row["problem"], data_cfg.template, data_cfg.system_prompt)
-        text = messages if isinstance(messages, str) else render_prompt(tokenizer, messages)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        messages = row_messages(row, data_cfg.template, data_cfg.system_prompt)
+        key = messages if isinstance(messages, str) else tuple((m["role"], m["content"]) for m in messages)
+        ids = cache.get(key)
+        if ids is None:
+            text = messages if isinstance(messages, str) else render_prompt(tokenizer, messages)
+            ids = cache[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > data_cfg.max_prompt_length:
             too_long += 1
             continue
