@@ -357,7 +357,7 @@ def value_problems(cfg, world_size: int) -> list[str]:
             problems.append(f"{key} must be one of {', '.join(names)}; got {value!r}")
     ro = cfg.rollout
     backend = {"cpu": "local"}.get(ro.weight_sync_backend, ro.weight_sync_backend)
-    if ro.placement == "colocated" and backend not in ("auto", "local"):
+    if ro.placement == "colocated" and backend in ("gloo", "nccl", "ipc"):
         problems.append(f"rollout.weight_sync_backend={ro.weight_sync_backend} is for rollout.placement=split; a "
                         f"colocated engine takes the weights by reference (auto or local)")
     if ro.placement == "split" and not 1 <= ro.num_rollout_ranks < world_size:

@@ -7,7 +7,8 @@ objects. Everything is megatron-core's own machinery:
   * `get_megatron_optimizer`: Adam with decoupled weight decay (AdamW), the distributed optimizer by default, global
     grad-norm clipping; bf16 params keep fp32 master weights;
   * `OptimizerParamScheduler`: linear warmup from 0 to `lr` over `warmup_steps`, then constant (JustRL). The step
-    code advances it once per RL step (as verl does), so every mini-batch of an RL step uses the same LR.
+    code advances it once per RL step (as verl does), so every mini-batch of an RL step uses the same LR. A resumed
+    run keeps only the saved step count: the schedule's values are the config's (a changed lr applies at once).
 Loss scaling: the config sets `calculate_per_token_loss=True`, which turns off every implicit division in megatron
 (by the number of micro-batches in the schedule, by the DP size in DDP). The GRPO loss of each micro-batch is
 already divided by the GLOBAL token count of its mini-batch (train/step.py), so summing the micro-batch gradients
@@ -168,7 +169,10 @@ class Policy:
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=warmup_steps,
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
-            wd_incr_steps=1, wd_incr_style="constant")
+            wd_incr_steps=1, wd_incr_style="constant",
+            # on resume the config's schedule (lr, warmup, weight decay) wins over the saved one; only the step count
+            # comes from the checkpoint, so a changed trainer.lr takes effect at once
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
         hyper = dict(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, tp=tp, pp=pp,
                      vpp=vpp, sequence_parallel=config.sequence_parallel, recompute=recompute,
                      distributed_optimizer=distributed_optimizer, seed=seed)
