@@ -108,6 +108,24 @@ def _gpu_fusions(impl: str) -> dict:
     return dict(bias_activation_fusion=True)
 
 
+class ConfigScheduler(OptimizerParamScheduler):
+    """megatron's OptimizerParamScheduler where a resumed run keeps only the saved step count: lr, warmup and weight
+    decay are this launch's config, so a changed trainer.lr takes effect at once (megatron's override flag). The
+    optimizer's param groups carry their own max_lr / min_lr, which the optimizer checkpoint (loaded first) brings
+    back from the earlier launch; they are set back to this launch's before the schedule is replayed."""
+
+    def __init__(self, optimizer, **schedule):
+        super().__init__(optimizer, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+                         **schedule)
+        self._group_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for group, (max_lr, min_lr) in zip(self.optimizer.param_groups, self._group_lrs):
+            if max_lr is not None:
+                group["max_lr"], group["min_lr"] = max_lr, min_lr
+        super().load_state_dict(state_dict)
+
+
 @dataclass
 class Policy:
     chunks: list            # DDP-wrapped GPTModel chunks of this rank (one per virtual pipeline stage)
@@ -166,13 +184,10 @@ class Policy:
                             bf16=torch_dtype == torch.bfloat16, fp16=False, params_dtype=torch_dtype,
                             use_distributed_optimizer=distributed_optimizer),
             chunks)
-        scheduler = OptimizerParamScheduler(
+        scheduler = ConfigScheduler(
             optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=warmup_steps,
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
-            wd_incr_steps=1, wd_incr_style="constant",
-            # on resume the config's schedule (lr, warmup, weight decay) wins over the saved one; only the step count
-            # comes from the checkpoint, so a changed trainer.lr takes effect at once
-            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+            wd_incr_steps=1, wd_incr_style="constant")
         hyper = dict(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, tp=tp, pp=pp,
                      vpp=vpp, sequence_parallel=config.sequence_parallel, recompute=recompute,
                      distributed_optimizer=distributed_optimizer, seed=seed)
