@@ -91,6 +91,17 @@ def _model(cfg, problems: list[str]):
     from .assets import resolve_model_path
     from .model.hf_config import model_shape
 
+    if cfg.model.tokenizer:
+        from transformers import AutoTokenizer
+
+        folder = Path(cfg.model.tokenizer).expanduser()
+        try:
+            if not folder.exists() and (cfg.model.tokenizer.startswith((".", "/", "~")) or len(folder.parts) > 2):
+                raise FileNotFoundError("no such folder")
+            AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        except (OSError, ValueError) as exc:
+            problems.append(f"model.tokenizer={cfg.model.tokenizer}: {str(exc).splitlines()[0]} (give a folder with "
+                            f"the tokenizer files, or leave it unset for the model's own)")
     try:
         model_dir = resolve_model_path(cfg.model.path)
         return model_dir, model_shape(AutoConfig.from_pretrained(model_dir))

@@ -6,7 +6,7 @@ from hydra.errors import ConfigCompositionException
 from justrl_megatron.config import ConfigError, compose, key_problem, unknown_keys, validate
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.run_config import ResumeCheck, history, record_launch
-from justrl_megatron.train_entry import data_problems, override_problems
+from justrl_megatron.train_entry import check_config, data_problems, override_problems
 
 DEEPSEEK_1P5B = ModelShape(family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
                            num_query_groups=2, head_dim=128, vocab_size=151936, max_position_embeddings=131072,
@@ -255,3 +255,18 @@ def test_resume_refuses_another_model_shape_and_fewer_steps(tmp_path):
     assert len(check.problems) == 2
     assert "is not the model of the checkpoint at step 20 (num_layers 24 -> 28)" in check.problems[0]
     assert "trainer.total_steps=10 is below the checkpoint's step 20" in check.problems[1]
+
+
+def test_check_config_reports_model_tokenizer_and_data_together(tmp_path):
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no_model'}",
+                   f"model.tokenizer={tmp_path / 'no_tok'}", f"data.train={tmp_path / 'no.jsonl'}",
+                   "data.format=gsm8k", "trainer.lr=0"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"  - model.tokenizer={tmp_path / 'no_tok'}: no such folder")
+    assert lines[1].startswith(f"  - model.path={tmp_path / 'no_model'}: no such folder")
+    assert lines[2] == f"  - data.train: {tmp_path / 'no.jsonl'}: no such file or directory"
+    assert lines[3] == "  - trainer.lr must be > 0, got 0.0"
+    assert not (tmp_path / "run").exists()  # a refused launch is not recorded
