@@ -1,7 +1,8 @@
 """Hydra structured configs: one dataclass per concern, registered in hydra's ConfigStore as the schema.
 
 The yaml under configs/ (recipes, model/, parallel/) only sets values; any key the schema lacks is an error at compose
-time. `validate()` checks what a schema cannot (divisibility, lengths) before any heavy work and says what to change.
+time, or in `validate()` for one appended with hydra's `+`. `validate()` checks what a schema cannot (ranges, names,
+divisibility, lengths) before any heavy work and reports every problem at once, each saying what to change.
 Every knob has one name everywhere: the yaml key, the hydra override and the attribute the code reads are the same.
 """
 
