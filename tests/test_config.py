@@ -152,7 +152,7 @@ def test_each_bad_value_is_named_with_its_rule(override, message):
 
 
 def test_reward_options_must_fit_the_verifier():
-    with pytest.raises(ConfigError, match=r"algo.reward_options=\{'stric': True\} do not fit algo.reward=dapo: .*stric"):
+    with pytest.raises(ConfigError, match=r"algo.reward_options=\{'stric': True\} do not fit algo.reward=dapo: "):
         validate(compose(["algo.reward=dapo", "+algo.reward_options.stric=true"]), world_size=1)
 
 
