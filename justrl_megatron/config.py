@@ -1,15 +1,20 @@
 """Hydra structured configs: one dataclass per concern, registered in hydra's ConfigStore as the schema.
 
 The yaml under configs/ (recipes, model/, parallel/) only sets values; any key the schema lacks is an error at compose
-time. `validate()` checks what a schema cannot (divisibility, lengths) before any heavy work and says what to change.
+time, or in `validate()` for one appended with hydra's `+`. `validate()` checks what a schema cannot (ranges, names,
+divisibility, lengths) before any heavy work and reports every problem at once, each saying what to change.
 Every knob has one name everywhere: the yaml key, the hydra override and the attribute the code reads are the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from omegaconf import MISSING, OmegaConf
 
@@ -163,9 +168,10 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def validate(cfg, *, world_size: int, shape=None) -> None:
-    """Check what the schema cannot. `shape` (a model.hf_config.ModelShape) enables the model-dependent checks."""
-    problems: list[str] = []
+def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> None:
+    """Check what the schema cannot. `shape` (a model.hf_config.ModelShape) enables the model-dependent checks;
+    `also`: problems the caller found elsewhere (model, data, resume), reported in the same message."""
+    problems: list[str] = [*also, *unknown_keys(cfg), *value_problems(cfg, world_size)]
     par, ro, tr, algo = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algo
     tp, pp = par.tensor, par.pipeline
     if tp < 1 or pp < 1:
@@ -232,6 +238,180 @@ def validate(cfg, *, world_size: int, shape=None) -> None:
             )
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+# --- unknown keys: hydra's `+key=value` appends even into a structured schema (it opens the struct flag to do so),
+# so a typo such as +trainer.lrr=1 would compose and train with the default; every key is checked against the schema.
+
+@functools.lru_cache(maxsize=None)
+def schema_keys(cls: type = None, prefix: str = "") -> dict[str, str]:
+    """Every dotted key of the schema -> "section" (a dataclass), "free" (a dict: any keys below it) or "value"."""
+    cls = cls or JustRLConfig
+    keys, hints = {}, typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path, kind = prefix + f.name, hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys[path] = "section"
+            keys.update(schema_keys(kind, path + "."))
+        else:
+            keys[path] = "free" if kind is dict or typing.get_origin(kind) is dict else "value"
+    return keys
+
+
+def key_problem(key: str) -> str | None:
+    """None when `key` (dotted) is a schema key or lies under a free-form dict field; else what is wrong with it."""
+    keys, parts = schema_keys(), key.split(".")
+    for i in range(1, len(parts) + 1):
+        kind = keys.get(".".join(parts[:i]))
+        if kind is None or (kind == "value" and i < len(parts)):
+            break
+        if kind == "free" or i == len(parts):
+            return None
+    return f"unknown key {key}{closest_key_hint(key)}"
+
+
+def closest_key_hint(key: str) -> str:
+    """"; did you mean X?" with the closest schema key: the same name in another section, else the first misspelt
+    part corrected where that is a section (trainr.lr -> trainer.lr), else a near spelling of the whole key."""
+    all_keys = schema_keys()
+    parts = key.split(".")
+    match = [k for k, kind in all_keys.items() if kind != "section" and k.rsplit(".", 1)[-1] == parts[-1]]
+    bad = next((i for i in range(len(parts)) if ".".join(parts[:i + 1]) not in all_keys), len(parts) - 1)
+    if not match and bad < len(parts) - 1:
+        prefix = ".".join(parts[:bad] + [""])
+        siblings = [k[len(prefix):] for k in all_keys if k.startswith(prefix) and "." not in k[len(prefix):]]
+        near = difflib.get_close_matches(parts[bad], siblings, n=1, cutoff=0.5)
+        fixed = ".".join(parts[:bad] + near + parts[bad + 1:])
+        match = [fixed if fixed in all_keys else prefix + near[0]] if near else []
+    match = match or difflib.get_close_matches(key, [k for k, kind in all_keys.items() if kind != "section"], n=1)
+    return f"; did you mean {match[0]}?" if match else " (the schema, justrl_megatron/config.py, has no such key)"
+
+
+def unknown_keys(cfg) -> list[str]:
+    """A problem for every key of a composed config that the schema lacks (those added with hydra's `+`)."""
+    def walk(node, prefix, known):
+        for k, v in node.items():
+            path = f"{prefix}{k}"
+            kind = schema_keys().get(path) if known else None
+            if kind == "free" or (kind == "value" and not isinstance(v, dict)):
+                continue
+            if isinstance(v, dict) and v and kind != "value":
+                yield from walk(v, path + ".", kind == "section")
+            else:
+                yield key_problem(path)
+
+    plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    return [p for p in walk({k: v for k, v in plain.items() if k != "hydra"}, "", True) if p is not None]
+
+
+# --- values: ranges and names, every one checked before any heavy work -----------------------------------------------
+
+def _between(low, high, *, low_open=False, high_open=False):
+    return lambda v: (v > low if low_open else v >= low) and (high is None or (v < high if high_open else v <= high))
+
+
+_AT_LEAST_1, _AT_LEAST_0 = _between(1, None), _between(0, None)
+_POSITIVE = _between(0, None, low_open=True)
+# key -> (test, the rule in words); None values (Optional fields) are not tested
+RANGES = {
+    "trainer.total_steps": (_AT_LEAST_1, ">= 1"),
+    "trainer.prompts_per_step": (_AT_LEAST_1, ">= 1"),
+    "trainer.lr": (_POSITIVE, "> 0"),
+    "trainer.warmup_steps": (_AT_LEAST_0, ">= 0"),
+    "trainer.weight_decay": (_AT_LEAST_0, ">= 0"),
+    "trainer.grad_clip": (_POSITIVE, "> 0 (JustRL clips at 1.0; a large value clips nothing)"),
+    "trainer.adam_beta1": (_between(0, 1, high_open=True), "in [0, 1)"),
+    "trainer.adam_beta2": (_between(0, 1, high_open=True), "in [0, 1)"),
+    "trainer.adam_eps": (_POSITIVE, "> 0"),
+    "trainer.seed": (_AT_LEAST_0, ">= 0"),
+    "trainer.save_every": (_AT_LEAST_1, ">= 1 (steps between checkpoints; the last step is always saved)"),
+    "trainer.keep_last": (_AT_LEAST_1, ">= 1 (checkpoints kept; a resume needs at least one)"),
+    "trainer.eval_every": (_AT_LEAST_0, ">= 0"),
+    "trainer.eval_samples": (_AT_LEAST_0, ">= 0 (0: no held-out evaluation)"),
+    "rollout.max_response_length": (_AT_LEAST_1, ">= 1"),
+    "rollout.temperature": (_AT_LEAST_0, ">= 0 (0: greedy)"),
+    "rollout.top_p": (_between(0, 1, low_open=True), "in (0, 1]"),
+    "rollout.top_k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+    "rollout.tensor_parallel": (_AT_LEAST_1, ">= 1"),
+    "rollout.num_rollout_ranks": (_AT_LEAST_0, ">= 0"),
+    "rollout.gpu_memory_utilization": (_between(0, 1, low_open=True), "in (0, 1]"),
+    "rollout.cpu_kvcache_gib": (_AT_LEAST_1, ">= 1"),
+    "rollout.max_staleness": (_AT_LEAST_0, ">= 0 (0: on-policy)"),
+    "rollout.weight_sync_bucket_mb": (_AT_LEAST_1, ">= 1"),
+    "algo.reward_workers": (_AT_LEAST_0, ">= 0 (0: score in the trainer's process)"),
+    "algo.kl_coef": (_AT_LEAST_0, ">= 0"),
+    "data.num_generated": (_AT_LEAST_1, ">= 1"),
+    "data.max_prompt_length": (_AT_LEAST_1, ">= 1"),
+    "logging.console_every": (_AT_LEAST_1, ">= 1"),
+    "model.make_vocab_size_divisible_by": (_AT_LEAST_1, ">= 1"),
+    "model.max_context": (_AT_LEAST_1, ">= 1 (or null: the model's own)"),
+}
+# key -> the names it accepts (the engine's own list for weight_sync_backend: cpu is an alias of local)
+CHOICES = {
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+    "rollout.weight_sync_backend": ("auto", "local", "cpu", "gloo", "nccl", "ipc"),
+}
+
+
+def value_problems(cfg, world_size: int) -> list[str]:
+    """Ranges, names, the reward and its options, and the placement's rank split."""
+    problems = []
+    for key, (test, rule) in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not test(value)):
+            problems.append(f"{key} must be {rule}, got {value!r}")
+    for key, names in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in names:
+            problems.append(f"{key} must be one of {', '.join(names)}; got {value!r}")
+    ro = cfg.rollout
+    backend = {"cpu": "local"}.get(ro.weight_sync_backend, ro.weight_sync_backend)
+    if ro.placement == "colocated" and backend in ("gloo", "nccl", "ipc"):
+        problems.append(f"rollout.weight_sync_backend={ro.weight_sync_backend} is for rollout.placement=split; a "
+                        f"colocated engine takes the weights by reference (auto or local)")
+    if ro.placement == "split" and not 1 <= ro.num_rollout_ranks < world_size:
+        problems.append(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size {world_size}, "
+                        f"got {ro.num_rollout_ranks}")
+    if ro.placement == "split" and backend == "local":
+        problems.append("rollout.weight_sync_backend=local needs rollout.placement=colocated (the engine in the "
+                        "trainer's process); use auto")
+    return problems + reward_problems(cfg.algo) + data_name_problems(cfg.data)
+
+
+def reward_problems(algo) -> list[str]:
+    """algo.reward must be a registered verifier and algo.reward_options its constructor's keywords."""
+    from .algo.grpo import KL_ESTIMATORS
+    from .rewards import REWARD_NAMES, get_reward_fn
+
+    problems = []
+    if algo.kl_estimator not in KL_ESTIMATORS:
+        problems.append(f"algo.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}; got {algo.kl_estimator!r}")
+    if algo.reward not in REWARD_NAMES:
+        hint = difflib.get_close_matches(str(algo.reward), REWARD_NAMES, n=1)
+        return problems + [f"algo.reward must be one of {', '.join(REWARD_NAMES)}; got {algo.reward!r}"
+                           + (f" (did you mean {hint[0]}?)" if hint else "")]
+    options = OmegaConf.to_container(algo.reward_options) if algo.reward_options else {}
+    try:
+        get_reward_fn(algo.reward, **options)
+    except (TypeError, ValueError) as exc:
+        problems.append(f"algo.reward_options={options} do not fit algo.reward={algo.reward}: {exc}")
+    return problems
+
+
+def data_name_problems(data) -> list[str]:
+    """data.format / data.eval_format must be loader formats (a generated task has its own); data.template a
+    template name or raw:<format string>."""
+    from .data import CHAT_TEMPLATES, FORMATS, RAW_TEMPLATES
+
+    problems = []
+    for key, fmt, spec in (("data.format", data.format, data.train), ("data.eval_format", data.eval_format, data.eval)):
+        if fmt is not None and fmt not in FORMATS and not str(spec or "").startswith("generated:"):
+            problems.append(f"{key} must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    templates = sorted(CHAT_TEMPLATES) + sorted(RAW_TEMPLATES)
+    if data.template not in templates and not data.template.startswith("raw:"):
+        problems.append(f"data.template must be one of {', '.join(templates)} or raw:<format string>; "
+                        f"got {data.template!r}")
+    return problems
 
 
 def to_yaml(cfg) -> str:

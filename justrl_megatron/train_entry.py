@@ -1,33 +1,149 @@
-"""The hydra entry point of justrl-train: compose -> validate (before any heavy work) -> run the GRPO loop."""
+"""The hydra entry point of justrl-train: the command line's keys -> compose -> every check that needs neither megatron
+nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the launch recorded -> the GRPO loop."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import os
 import sys
+from pathlib import Path
 
 import hydra
 
-from .config import CONFIG_DIR, ConfigError, register, validate
+from .config import CONFIG_DIR, ConfigError, data_name_problems, key_problem, register, validate
 from .console import quiet_console
 
 register()
+
+# config groups (configs/<group>/<option>.yaml): `group=option` on the command line chooses a file, it sets no key
+GROUPS = frozenset(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
+DATA_SAMPLE_ROWS = 4  # rows read to check a data source: enough to see its columns and the template at work
+
+_cli_problems: list[str] = []  # unknown command-line keys, reported together with what check_config finds
 
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_config(cfg):
-    """Everything that can be checked without starting megatron or vLLM. Returns the model's ModelShape."""
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def override_problems(args: list[str]) -> tuple[list[str], list[str]]:
+    """(problems, the arguments left for hydra): a problem for every override of a key the schema lacks. hydra
+    refuses `key=v` with the advice to append it as `+key=v`, and `+key=v` then composes into the schema."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    problems, kept = [], []
+    for arg in args:
+        key = None
+        if not arg.startswith("-"):
+            try:
+                (override,) = parser.parse_overrides([arg])
+                key = None if override.package else override.key_or_group
+            except Exception:  # noqa: BLE001  (not an override, e.g. a flag's value: hydra reads it)
+                key = None
+        if key is None or key.split(".")[0] == "hydra" or "/" in key or key in GROUPS:
+            kept.append(arg)
+            continue
+        problem = key_problem(key)
+        if problem is None:
+            kept.append(arg)
+        else:
+            problems.append(problem)
+    return problems, kept
+
+
+def check_config(cfg, *, also=()):
+    """Everything that can be checked without starting megatron or vLLM: the config's keys and values, the model
+    folder, the data (a few rows read), on resume what changed since the last launch, then the memory plan
+    (apply_memory_plan: cfg gets concrete values). Raises one ConfigError with every problem (`also`: ones the caller
+    found), or the plan's MemoryPlanError. On success rank 0 lists the settings a resume changes and records the
+    launch, as written, in run_dir/config_history/. Returns (model_dir, ModelShape)."""
+    from .run_config import record_launch
+
+    launched = copy.deepcopy(cfg)  # the history keeps what was asked for, not what the memory plan made of it
+    problems = list(also)
+    model_dir, shape = _model(cfg, problems)
+    if not data_name_problems(cfg.data):  # a bad format or template is reported once, by validate
+        problems += data_problems(cfg)
+    resume = resume_check(cfg, shape) if _is_rank0() else None  # rank 0 decides; torchrun stops the others
+    if resume is not None:
+        problems += resume.problems
+    validate(cfg, world_size=_world_size(), shape=shape, also=problems)
+    apply_memory_plan(cfg, shape)
+    if resume is not None:
+        note = resume.describe(cfg.trainer.run_dir)
+        if note:
+            print(f"justrl-train: {note}", flush=True)
+        record_launch(launched, resume.step)
+    return model_dir, shape
+
+
+def _model(cfg, problems: list[str]):
+    """(model_dir, shape), or (None, None) with the reason added to `problems`."""
     from transformers import AutoConfig
 
     from .assets import resolve_model_path
     from .model.hf_config import model_shape
 
-    model_dir = resolve_model_path(cfg.model.path)
-    shape = model_shape(AutoConfig.from_pretrained(model_dir))
-    validate(cfg, world_size=_world_size(), shape=shape)
-    return model_dir, shape
+    if cfg.model.tokenizer:
+        from transformers import AutoTokenizer
+
+        folder = Path(cfg.model.tokenizer).expanduser()
+        try:
+            if not folder.exists() and (cfg.model.tokenizer.startswith((".", "/", "~")) or len(folder.parts) > 2):
+                raise FileNotFoundError("no such folder")
+            AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        except (OSError, ValueError) as exc:
+            problems.append(f"model.tokenizer={cfg.model.tokenizer}: {str(exc).splitlines()[0]} (give a folder with "
+                            f"the tokenizer files, or leave it unset for the model's own)")
+    try:
+        model_dir = resolve_model_path(cfg.model.path)
+        return model_dir, model_shape(AutoConfig.from_pretrained(model_dir))
+    except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
+        problems.append(str(exc))
+        return None, None
+
+
+def data_problems(cfg) -> list[str]:
+    """data.train (and data.eval) read as the loop will read them, a few rows each, through the chat template: a
+    missing file, a missing column, an empty or unreadable source become one line each."""
+    from .data import build_messages
+    from .train.sampler import load_training_rows
+
+    problems = []
+    for split, key in (("train", "data.train"), ("eval", "data.eval")):
+        if split == "eval" and not cfg.data.eval:
+            continue
+        try:
+            # the loader's summary line would describe the sample, not the data set; the loop prints the real one
+            with contextlib.redirect_stderr(io.StringIO()):
+                rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=DATA_SAMPLE_ROWS)
+            for row in rows:
+                build_messages(row["problem"], cfg.data.template, cfg.data.system_prompt)
+        except Exception as exc:  # noqa: BLE001  (whatever the reader raises, the data is the user's to fix)
+            what = str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+            problems.append(f"{key}: {what}")
+    return problems
+
+
+def resume_check(cfg, shape):
+    """A run_config.ResumeCheck of this launch against the run dir's checkpoint and config history."""
+    from .run_config import ResumeCheck
+
+    run_dir = Path(cfg.trainer.run_dir)
+    if not (run_dir / "checkpoints").is_dir():
+        return ResumeCheck(cfg, None)
+    from .checkpoint import latest_step, read_meta, step_dir  # megatron: only when there is something to resume
+
+    step = latest_step(run_dir)
+    saved_shape = read_meta(step_dir(run_dir, step)).get("shape") if step is not None else None
+    return ResumeCheck(cfg, step, saved_shape=saved_shape, shape=shape)
 
 
 def apply_memory_plan(cfg, shape):
@@ -37,16 +153,15 @@ def apply_memory_plan(cfg, shape):
     from .model.memory import resolve_recompute
 
     plan = resolve_recompute(cfg, shape, _world_size())
-    if plan is not None and int(os.environ.get("RANK", "0")) == 0:
+    if plan is not None and _is_rank0():
         print(f"justrl-train: {plan.describe()}", flush=True)
     return plan
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
-def main(cfg) -> None:
+def _hydra_main(cfg) -> None:
     try:
-        model_dir, shape = check_config(cfg)
-        apply_memory_plan(cfg, shape)
+        model_dir, shape = check_config(cfg, also=_cli_problems)
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
@@ -54,3 +169,10 @@ def main(cfg) -> None:
     from .train.loop import run
 
     run(cfg, model_dir, shape)
+
+
+def main() -> None:
+    """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
+    every other problem is found too) and reported with them."""
+    _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
+    _hydra_main()

@@ -3,8 +3,10 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from justrl_megatron.config import ConfigError, compose, validate
+from justrl_megatron.config import ConfigError, compose, key_problem, unknown_keys, validate
 from justrl_megatron.model.hf_config import ModelShape
+from justrl_megatron.run_config import ResumeCheck, history, record_launch
+from justrl_megatron.train_entry import check_config, data_problems, override_problems
 
 DEEPSEEK_1P5B = ModelShape(family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
                            num_query_groups=2, head_dim=128, vocab_size=151936, max_position_embeddings=131072,
@@ -84,3 +86,187 @@ def test_micro_batch_budget_holds_one_sample():
 def test_every_problem_is_reported_at_once():
     msg = _problems(["parallel.tensor=4", "trainer.mini_batch_size=60", "model.dtype=fp8"], world_size=4)
     assert msg.count("\n  - ") == 3
+
+
+# --- unknown keys: also hydra's `+key=value`, which appends past the structured schema ------------------------------
+
+def test_a_plus_typo_is_rejected_naming_the_closest_key():
+    with pytest.raises(ConfigError, match=r"unknown key trainer\.lrr; did you mean trainer\.lr\?"):
+        validate(compose(["+trainer.lrr=1"]), world_size=1)
+
+
+@pytest.mark.parametrize("key,closest", [
+    ("trainer.temperature", "rollout.temperature"),  # the right name in the wrong section
+    ("trainr.lr", "trainer.lr"),                     # a misspelt section
+    ("rollout.nn", "rollout.n"),
+])
+def test_unknown_keys_name_their_closest_schema_key(key, closest):
+    assert unknown_keys(compose([f"+{key}=1"])) == [f"unknown key {key}; did you mean {closest}?"]
+
+
+def test_keys_under_dict_fields_stay_free_form():
+    cfg = compose(["algo.reward=dapo", "+algo.reward_options.strict=false", "++data.task_options.min_terms=2"])
+    assert unknown_keys(cfg) == []
+    assert key_problem("algo.reward_options.any.depth") is None and key_problem("trainer.lr.x") is not None
+
+
+def test_command_line_typos_are_taken_off_before_hydra_composes():
+    """hydra refuses `trainer.lrr=1` with advice to append it with `+`; justrl-train reports both forms itself."""
+    args = ["trainer.lrr=1", "+trainer.seeed=3", "recipe=cpu_demo", "parallel=tp2", "model.path=/x", "--cfg", "job",
+            "hydra.run.dir=/tmp/x", "+algo.reward_options.strict=false", "~trainer.profile_steps"]
+    problems, kept = override_problems(args)
+    assert problems == ["unknown key trainer.lrr; did you mean trainer.lr?",
+                        "unknown key trainer.seeed; did you mean trainer.seed?"]
+    assert kept == args[2:]
+
+
+# --- every value, before any heavy work ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.save_every=0", "trainer.save_every must be >= 1"),
+    ("trainer.keep_last=0", "trainer.keep_last must be >= 1"),
+    ("trainer.lr=-1e-6", "trainer.lr must be > 0, got -1e-06"),
+    ("trainer.warmup_steps=-1", "trainer.warmup_steps must be >= 0"),
+    ("trainer.total_steps=0", "trainer.total_steps must be >= 1"),
+    ("trainer.grad_clip=0", "trainer.grad_clip must be > 0"),
+    ("trainer.adam_beta2=1", "trainer.adam_beta2 must be in [0, 1)"),
+    ("rollout.temperature=-0.5", "rollout.temperature must be >= 0"),
+    ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+    ("rollout.top_p=1.5", "rollout.top_p must be in (0, 1]"),
+    ("rollout.top_k=0", "rollout.top_k must be -1 (off) or >= 1"),
+    ("rollout.n=0", "rollout.n must be >= 1"),
+    ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization must be in (0, 1]"),
+    ("algo.reward=dapoo", "algo.reward must be one of dapo, dapo_minerva"),
+    ("algo.kl_estimator=k4", "algo.kl_estimator must be one of k1, k2, k3"),
+    ("logging.wandb_mode=off", "logging.wandb_mode must be one of offline, online, disabled"),
+    ("rollout.weight_sync_backend=nccl", "rollout.weight_sync_backend=nccl is for rollout.placement=split"),
+    ("rollout.weight_sync_backend=shm", "rollout.weight_sync_backend must be one of auto, local"),
+    ("rollout.placement=split", "rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size"),
+    ("data.template=justr", "data.template must be one of boxed, justrl"),
+    ("logging.console_every=0", "logging.console_every must be >= 1"),
+])
+def test_each_bad_value_is_named_with_its_rule(override, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose([override]), world_size=1)
+    assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+def test_reward_options_must_fit_the_verifier():
+    with pytest.raises(ConfigError, match=r"algo.reward_options=\{'stric': True\} do not fit algo.reward=dapo: "):
+        validate(compose(["algo.reward=dapo", "+algo.reward_options.stric=true"]), world_size=1)
+
+
+def test_data_format_is_checked_unless_the_data_is_generated():
+    validate(compose(["data.format=nope"]), world_size=1)  # the demo's data is generated: no format applies
+    msg = _problems(["data.format=parquet"])
+    assert "data.format must be one of dapo, gsm8k" in msg
+
+
+def test_several_kinds_of_problem_in_one_message():
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["+trainer.lrr=1", "trainer.save_every=0", "rollout.temperature=-1", "algo.reward=nope",
+                          "trainer.mini_batch_size=3"]), world_size=1, also=["data.train: x.parquet: no such file"])
+    msg = str(err.value)
+    assert msg.count("\n  - ") == 6 and msg.startswith("invalid config:\n  - data.train: x.parquet")
+    for part in ("trainer.lrr", "save_every", "temperature", "algo.reward", "multiple of mini_batch_size"):
+        assert part in msg
+
+
+# --- data: read a few rows as the loop would; each problem one line ------------------------------------------------
+
+def _parquet(path, table):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(table), path)
+    return path
+
+
+def test_data_problems_are_one_line_each(tmp_path):
+    wrong = _parquet(tmp_path / "wrong.parquet", {"text": ["1+1"], "label": ["2"]})
+    empty = _parquet(tmp_path / "empty.parquet", {"question": pa_strings(), "answer": pa_strings()})
+    cases = {tmp_path / "missing.parquet": "no such file or directory", wrong: "missing column", empty: "no records"}
+    for path, reason in cases.items():
+        problems = data_problems(compose([f"data.train={path}", "data.format=gsm8k"]))
+        assert len(problems) == 1 and "\n" not in problems[0], problems
+        assert problems[0].startswith(f"data.train: {path}") and reason in problems[0], problems
+
+
+def pa_strings():
+    import pyarrow as pa
+
+    return pa.array([], type=pa.string())
+
+
+def test_good_data_and_a_bad_held_out_set(tmp_path):
+    good = _parquet(tmp_path / "gsm.parquet", {"question": ["What is 1+1?"], "answer": ["so #### 2"]})
+    cfg = compose([f"data.train={good}", "data.format=gsm8k", f"data.eval={tmp_path / 'no_eval.jsonl'}"])
+    assert data_problems(cfg) == [f"data.eval: {tmp_path / 'no_eval.jsonl'}: no such file or directory"]
+    assert data_problems(compose(["data.train=generated:no_such_task"]))[0].startswith(
+        "data.train: reasoning-gym could not build task 'no_such_task'")
+
+
+# --- resume: what changed since the last launch -----------------------------------------------------------------------
+
+def _launch(tmp_path, *overrides):
+    return compose([f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_history_keeps_every_launch(tmp_path):
+    first = record_launch(_launch(tmp_path), None)
+    second = record_launch(_launch(tmp_path, "trainer.lr=2e-6"), 4)
+    assert [p.name for p in history(tmp_path / "run")] == ["0001.yaml", "0002.yaml"] == [first.name, second.name]
+    assert "fresh start" in first.read_text().splitlines()[0] and "resumed at step 4" in second.read_text()
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(first).trainer.lr == 1e-5 and OmegaConf.load(second).trainer.lr == 2e-6
+    assert OmegaConf.load(second).trainer.run_dir == str(tmp_path / "run")  # resolved
+
+
+def test_resume_lists_changes_that_take_effect(tmp_path):
+    record_launch(_launch(tmp_path), None)
+    check = ResumeCheck(_launch(tmp_path, "trainer.lr=3e-6", "trainer.total_steps=200", "logging.progress=false"), 5)
+    assert check.problems == []
+    assert check.changes == ["logging.progress: True -> False", "trainer.lr: 1e-05 -> 3e-06",
+                             "trainer.total_steps: 16 -> 200"]
+    assert "at step 5 with settings changed since the last launch (0001.yaml)" in check.describe("run")
+    assert ResumeCheck(_launch(tmp_path), 5).describe("run") is None  # same config: nothing to say
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.path=/other/model", "model.path"),
+    ("parallel.tensor=2", "parallel.tensor"),
+    ("data.train=generated:chain_sum", "data.train"),
+    ("++data.task_options.max_terms=3", "data.task_options.max_terms"),  # under a pinned dict
+    ("trainer.seed=2", "trainer.seed"),
+])
+def test_resume_refuses_what_the_checkpoint_pins(tmp_path, override, key):
+    record_launch(_launch(tmp_path), None)
+    check = ResumeCheck(_launch(tmp_path, override, "trainer.lr=3e-6"), 5)
+    assert len(check.problems) == 1 and check.problems[0].startswith(f"{key} changed since the last launch")
+    assert "start a new run (another trainer.run_dir)" in check.problems[0]
+    assert check.changes == ["trainer.lr: 1e-05 -> 3e-06"]
+
+
+def test_resume_refuses_another_model_shape_and_fewer_steps(tmp_path):
+    check = ResumeCheck(_launch(tmp_path, "trainer.total_steps=10"), 20, saved_shape=dict(DEEPSEEK_1P5B.__dict__,
+                                                                                          num_layers=24),
+                        shape=DEEPSEEK_1P5B)
+    assert len(check.problems) == 2
+    assert "is not the model of the checkpoint at step 20 (num_layers 24 -> 28)" in check.problems[0]
+    assert "trainer.total_steps=10 is below the checkpoint's step 20" in check.problems[1]
+
+
+def test_check_config_reports_model_tokenizer_and_data_together(tmp_path):
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no_model'}",
+                   f"model.tokenizer={tmp_path / 'no_tok'}", f"data.train={tmp_path / 'no.jsonl'}",
+                   "data.format=gsm8k", "trainer.lr=0"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"  - model.tokenizer={tmp_path / 'no_tok'}: no such folder")
+    assert lines[1].startswith(f"  - model.path={tmp_path / 'no_model'}: no such folder")
+    assert lines[2] == f"  - data.train: {tmp_path / 'no.jsonl'}: no such file or directory"
+    assert lines[3] == "  - trainer.lr must be > 0, got 0.0"
+    assert not (tmp_path / "run").exists()  # a refused launch is not recorded

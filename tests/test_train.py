@@ -143,3 +143,102 @@ def test_eval_avg_at_n_on_an_hf_folder_and_a_megatron_checkpoint(tmp_path, tiny_
         assert (summary["temperature"], summary["top_p"]) == (0.7, 0.9)
         lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
         assert len(lines) == 6 and {line["sample"] for line in lines} == {0, 1}
+
+
+# --- config mistakes and resume (issue 15) ----------------------------------------------------------------------------
+
+@pytest.mark.slow  # seconds on an idle machine; ~40 s on the shared 2 CI cores
+def test_config_mistakes_fail_before_any_work_in_one_message(tmp_path, tiny_llama):
+    """A typo appended with +, bad values and a data file with the wrong columns: one message, rc 2, no traceback,
+    in seconds, and nothing of a run started (no checkpoint, no vLLM, no launch recorded)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "wrong_columns.parquet"
+    pq.write_table(pa.table({"text": ["1+1"], "label": ["2"]}), data)
+    run_dir = tmp_path / "r"
+    start = time.monotonic()
+    proc = subprocess.run(train_cmd([f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", "+trainer.lrr=1e-5",
+                                     "trainer.keep_last=0", "rollout.temperature=-1", f"data.train={data}",
+                                     "data.format=gsm8k", "trainer.save_every=0"]),
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    elapsed = time.monotonic() - start
+    print(f"failed after {elapsed:.1f} s")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "justrl-train: invalid config:" and len(lines) == 6, proc.stderr
+    for expected in ("unknown key trainer.lrr; did you mean trainer.lr?", "trainer.keep_last must be >= 1",
+                     f"data.train: {data}: missing column 'question' / 'problem'", "rollout.temperature must be >= 0",
+                     "trainer.save_every must be >= 1"):
+        assert sum(line.startswith("  - ") and expected in line for line in lines[1:]) == 1, (expected, lines)
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "config_history").exists()
+    assert "vllm" not in (proc.stdout + proc.stderr).lower()
+    assert elapsed < 90, f"{elapsed:.0f} s: the checks should take seconds (megatron / vLLM must not start)"
+
+
+LR_RESUME = """
+import json, sys
+import justrl_megatron.compat  # noqa: F401
+from justrl_megatron.checkpoint import load_latest_checkpoint, save_checkpoint
+from justrl_megatron.model.hf_config import ModelShape
+from justrl_megatron.model.policy import Policy
+
+if __name__ == "__main__":  # dist_checkpointing spawns
+    shape = ModelShape(family="qwen2", num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                       num_query_groups=1, head_dim=8, vocab_size=32, max_position_embeddings=64, rope_theta=1e4,
+                       rms_norm_eps=1e-6, qkv_bias=False, tie_word_embeddings=True, init_std=0.02)
+    kw = dict(dtype="fp32", transformer_impl="local", warmup_steps=4)
+    first = Policy.build(shape, lr=1e-3, weight_decay=0.1, **kw)
+    first.optimizer.step()  # Adam state to save
+    first.scheduler.step(increment=2)
+    save_checkpoint(sys.argv[1], 2, first.chunks, first.optimizer, first.scheduler, {}, keep_last=1)
+    second = Policy.build(shape, lr=2e-3, weight_decay=0.2, **kw)  # the resumed launch asks for another lr and wd
+    load_latest_checkpoint(sys.argv[1], second.chunks, second.optimizer, second.scheduler)
+    resumed = second.current_lr()
+    second.scheduler.step(increment=1)
+    print(json.dumps({"resumed": resumed, "next": second.current_lr(), "num_steps": second.scheduler.num_steps,
+                      "wd": max(g["weight_decay"] for g in second.optimizer.param_groups)}))
+"""
+
+
+@pytest.mark.slow
+def test_resumed_optimizer_follows_the_config_lr(tmp_path):
+    """The saved schedule keeps only its step count: the optimizer's param groups get this launch's lr (warming up
+    2/4 of the way to 2e-3, not to the saved 1e-3) and weight decay."""
+    proc = run_ok([sys.executable, "-c", LR_RESUME, str(tmp_path / "run")], timeout=600)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"resumed": pytest.approx(1e-3), "next": pytest.approx(1.5e-3), "num_steps": 3,
+                   "wd": pytest.approx(0.2)}
+
+
+@pytest.mark.slow
+def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_path, tiny_llama):
+    from justrl_megatron import assets
+    from justrl_megatron.checkpoint import latest_step
+
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT, "trainer.eval_samples=0",
+            "trainer.warmup_steps=0"]
+    train([*args, "trainer.lr=1e-6"])
+    resumed = train([*args, "trainer.lr=1e-5", "trainer.total_steps=3"])
+    out = resumed.stdout + resumed.stderr
+    assert "with settings changed since the last launch (0001.yaml)" in out
+    assert "trainer.lr: 1e-06 -> 1e-05" in out and "trainer.total_steps: 2 -> 3" in out
+    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-6), (2, 1e-6), (3, 1e-5)]
+    history = sorted((run_dir / "config_history").glob("*.yaml"))
+    assert [p.name for p in history] == ["0001.yaml", "0002.yaml"]
+    assert "lr: 1.0e-06" in history[0].read_text() and "lr: 1.0e-05" in history[1].read_text()
+    assert (run_dir / "hydra" / "config.yaml").exists()  # hydra's own record of the latest launch stays too
+
+    other = assets.tiny_model(tmp_path / "other", "llama", tokenizer=tiny_llama, num_layers=3, hidden_size=128,
+                              num_heads=4, num_kv_heads=2, intermediate_size=96)
+    start = time.monotonic()
+    proc = subprocess.run(train_cmd([*args, f"model.path={other}", "trainer.total_steps=4", "trainer.seed=5"]),
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"model.path changed since the last launch ('{tiny_llama}' -> '{other}')" in proc.stderr
+    assert "is not the model of the checkpoint at step 3 (num_layers 2 -> 3)" in proc.stderr
+    assert "trainer.seed changed since the last launch (1 -> 5)" in proc.stderr
+    assert time.monotonic() - start < 90
+    assert latest_step(run_dir) == 3 and len(list((run_dir / "config_history").glob("*.yaml"))) == 2

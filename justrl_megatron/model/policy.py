@@ -7,7 +7,8 @@ objects. Everything is megatron-core's own machinery:
   * `get_megatron_optimizer`: Adam with decoupled weight decay (AdamW), the distributed optimizer by default, global
     grad-norm clipping; bf16 params keep fp32 master weights;
   * `OptimizerParamScheduler`: linear warmup from 0 to `lr` over `warmup_steps`, then constant (JustRL). The step
-    code advances it once per RL step (as verl does), so every mini-batch of an RL step uses the same LR.
+    code advances it once per RL step (as verl does), so every mini-batch of an RL step uses the same LR. A resumed
+    run keeps only the saved step count: the schedule's values are the config's (a changed lr applies at once).
 Loss scaling: the config sets `calculate_per_token_loss=True`, which turns off every implicit division in megatron
 (by the number of micro-batches in the schedule, by the DP size in DDP). The GRPO loss of each micro-batch is
 already divided by the GLOBAL token count of its mini-batch (train/step.py), so summing the micro-batch gradients
@@ -107,6 +108,24 @@ def _gpu_fusions(impl: str) -> dict:
     return dict(bias_activation_fusion=True)
 
 
+class ConfigScheduler(OptimizerParamScheduler):
+    """megatron's OptimizerParamScheduler where a resumed run keeps only the saved step count: lr, warmup and weight
+    decay are this launch's config, so a changed trainer.lr takes effect at once (megatron's override flag). The
+    optimizer's param groups carry their own max_lr / min_lr, which the optimizer checkpoint (loaded first) brings
+    back from the earlier launch; they are set back to this launch's before the schedule is replayed."""
+
+    def __init__(self, optimizer, **schedule):
+        super().__init__(optimizer, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+                         **schedule)
+        self._group_lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for group, (max_lr, min_lr) in zip(self.optimizer.param_groups, self._group_lrs):
+            if max_lr is not None:
+                group["max_lr"], group["min_lr"] = max_lr, min_lr
+        super().load_state_dict(state_dict)
+
+
 @dataclass
 class Policy:
     chunks: list            # DDP-wrapped GPTModel chunks of this rank (one per virtual pipeline stage)
@@ -166,7 +185,7 @@ class Policy:
                             bf16=torch_dtype == torch.bfloat16, fp16=False, params_dtype=torch_dtype,
                             use_distributed_optimizer=distributed_optimizer),
             chunks)
-        scheduler = OptimizerParamScheduler(
+        scheduler = ConfigScheduler(
             optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=warmup_steps,
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
             wd_incr_steps=1, wd_incr_style="constant")

@@ -1,0 +1,140 @@
+"""Each launch of a run, kept: run_dir/config_history/0001.yaml, 0002.yaml, ... and what a resume changes.
+
+Rerunning a command on a run dir with a checkpoint resumes it. The config may differ from the previous launch's; the
+newest history entry is the previous launch, so before any heavy work the two are compared:
+  * settings the checkpoint pins (PINNED: the model and its layout, the prompt stream the saved sampler position
+    indexes, the seed) stop the run with one message;
+  * every other difference takes effect (the LR schedule too: model/policy.py lets the config override the saved
+    scheduler) and is listed once, by rank 0.
+hydra's own run_dir/hydra/config.yaml is rewritten by every launch (also one refused later); the history keeps every
+launch that passed the checks, resolved, with the command that made it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+HISTORY_DIR = "config_history"
+
+_SAMPLER = "the saved sampler position indexes the prompt list this setting builds"
+# key (or a prefix of keys) -> why a checkpoint pins it
+PINNED = {
+    "model.path": "the checkpoint holds this model's weights",
+    "model.tokenizer": "the token ids the policy learned are this tokenizer's",
+    "model.dtype": "the optimizer state was saved in this precision",
+    "model.make_vocab_size_divisible_by": "it sets the padded vocabulary of the saved embedding",
+    "parallel.tensor": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
+    "parallel.pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
+    "parallel.virtual_pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
+    "parallel.distributed_optimizer": "the optimizer state was saved in this optimizer's format",
+    "data.train": _SAMPLER,
+    "data.format": _SAMPLER,
+    "data.num_generated": _SAMPLER,
+    "data.task_options": _SAMPLER,
+    "data.template": _SAMPLER + " (prompts over data.max_prompt_length are dropped)",
+    "data.system_prompt": _SAMPLER + " (prompts over data.max_prompt_length are dropped)",
+    "data.max_prompt_length": _SAMPLER + " (prompts over it are dropped)",
+    "data.dedup": _SAMPLER,
+    "data.shuffle": _SAMPLER,
+    "trainer.seed": "the prompt order and every step's rollout seed derive from it",
+}
+
+
+def history_dir(run_dir) -> Path:
+    return Path(run_dir) / HISTORY_DIR
+
+
+def history(run_dir) -> list[Path]:
+    """The history entries of a run dir, oldest first."""
+    folder = history_dir(run_dir)
+    return sorted(p for p in folder.glob("[0-9][0-9][0-9][0-9]*.yaml")) if folder.is_dir() else []
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """{"trainer.lr": 1e-6, ...}: dotted keys of the leaves (lists are leaves; an empty dict is a leaf)."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix[:-1]: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def pinned_root(key: str) -> str | None:
+    """The PINNED entry that covers `key` (itself, or a dict it lies under), or None."""
+    return next((p for p in PINNED if key == p or key.startswith(p + ".")), None)
+
+
+class ResumeCheck:
+    """The previous launch vs this one, for a run dir with a checkpoint at `step` (None: a fresh start).
+    `saved_shape` (the checkpoint's metadata "shape") and `shape` (this launch's ModelShape) compare the model itself,
+    also for a run from before the history existed."""
+
+    def __init__(self, cfg, step: int | None, *, saved_shape: dict | None = None, shape=None):
+        self.step, self.previous, self.changes, self.problems = step, None, [], []
+        if step is None:
+            return
+        if saved_shape and shape is not None:
+            now_shape = dataclasses.asdict(shape)
+            differ = [f"{k} {v} -> {now_shape.get(k)}" for k, v in saved_shape.items() if v != now_shape.get(k)]
+            if differ:
+                self.problems.append(f"model.path={cfg.model.path} is not the model of the checkpoint at step {step} "
+                                     f"({', '.join(differ)}); resume with the model the run started from, or start a "
+                                     f"new run (another trainer.run_dir)")
+        if cfg.trainer.total_steps < step:
+            self.problems.append(f"trainer.total_steps={cfg.trainer.total_steps} is below the checkpoint's step "
+                                 f"{step}; raise it to continue the run")
+        entries = history(cfg.trainer.run_dir)
+        if not entries:
+            return  # a run from before the history existed: nothing to compare with
+        self.previous = entries[-1]
+        before = flatten(OmegaConf.to_container(OmegaConf.load(self.previous), resolve=False))
+        now = flatten(OmegaConf.to_container(cfg, resolve=True))
+        for key in sorted(before.keys() | now.keys()):
+            old, new = before.get(key, UNSET), now.get(key, UNSET)
+            if old == new:
+                continue
+            root = pinned_root(key)
+            if root is not None and any(k == root or k.startswith(root + ".") for k in before):
+                self.problems.append(
+                    f"{key} changed since the last launch ({_show(old)} -> {_show(new)}) but the checkpoint at step "
+                    f"{step} pins it: {PINNED[root]}. Set it back, or start a new run (another trainer.run_dir)")
+            else:
+                self.changes.append(f"{key}: {_show(old)} -> {_show(new)}")
+
+    def describe(self, run_dir) -> str | None:
+        """The changes that take effect, for rank 0 to print once (None when nothing changed)."""
+        if not self.changes:
+            return None
+        lines = "\n".join(f"  {c}" for c in self.changes)
+        return (f"resuming {run_dir} at step {self.step} with settings changed since the last launch "
+                f"({self.previous.name}):\n{lines}")
+
+
+UNSET = "(unset)"  # a key one of the two configs lacks (a setting added or removed by a code update)
+
+
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) and value != UNSET else str(value)
+
+
+def record_launch(cfg, step: int | None) -> Path:
+    """Write this launch's resolved config as the next history entry (rank 0, after the checks passed)."""
+    folder = history_dir(cfg.trainer.run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = history(cfg.trainer.run_dir)
+    number = int(entries[-1].stem) + 1 if entries else 1
+    path = folder / f"{number:04d}.yaml"
+    when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    start = f"resumed at step {step}" if step else "fresh start"
+    header = f"# launch {number}, {when}, {start}\n# command: {' '.join(sys.argv)}\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(tmp, path)  # a reader never sees half an entry
+    return path
