@@ -210,9 +210,10 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("auto", "none", "selective", "full"):
         problems.append(f"model.recompute must be auto, none, selective or full, got {cfg.model.recompute!r}")
-    if algo.loss_agg not in ("token-mean", "verl04-dynbsz", "seq-mean-token-mean", "seq-mean-token-sum"):
-        problems.append(f"algo.loss_agg must be token-mean, verl04-dynbsz, seq-mean-token-mean or seq-mean-token-sum, "
-                        f"got {algo.loss_agg!r}")
+    from .algo.grpo import AGG_MODES  # torch-only module; config.py stays import-light
+
+    if algo.loss_agg not in AGG_MODES:
+        problems.append(f"algo.loss_agg must be one of {', '.join(AGG_MODES)}, got {algo.loss_agg!r}")
     if not (0 <= algo.clip_low < 1 and algo.clip_high >= 0):
         problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 (got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
@@ -328,6 +329,7 @@ RANGES = {
     "trainer.keep_last": (_AT_LEAST_1, ">= 1 (checkpoints kept; a resume needs at least one)"),
     "trainer.eval_every": (_AT_LEAST_0, ">= 0"),
     "trainer.eval_samples": (_AT_LEAST_0, ">= 0 (0: no held-out evaluation)"),
+    "trainer.max_skipped_steps": (_AT_LEAST_0, ">= 0 (0: never stop on non-finite gradients)"),
     "rollout.max_response_length": (_AT_LEAST_1, ">= 1"),
     "rollout.temperature": (_AT_LEAST_0, ">= 0 (0: greedy)"),
     "rollout.top_p": (_between(0, 1, low_open=True), "in (0, 1]"),
