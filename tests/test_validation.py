@@ -146,11 +146,11 @@ def test_demo_val_set_is_the_held_out_draw_and_loading_keeps_the_rng():
     val = Validation(cfg, tokenizer, enabled=True)
     assert random.random() == expected  # reasoning-gym's draw did not touch the global stream
     (s,) = val.sets
-    assert (s.name, s.n, len(s.prompts)) == ("sums", 4, 32)
+    assert (s.name, s.n, len(s.prompts)) == ("sums", 4, 16)
     assert (s.sampling.temperature, s.sampling.top_p, s.sampling.max_tokens) == (0.7, 0.9, 64)
     assert s.verifier == ("gsm8k", {})  # null reward: the training reward
     heldout = _heldout_prompts(cfg, tokenizer)  # the start/end greedy check's problems (same held-out seed)
-    assert [p.ids for p in s.prompts] == [p.ids for p in heldout[:32]]
+    assert [p.ids for p in s.prompts] == [p.ids for p in heldout[:16]]
     assert "+" in tokenizer.decode(s.prompts[0].ids)  # one-digit sums, the demo's task options
     assert [val.due(k) for k in range(0, 17)] == [k % 4 == 0 for k in range(0, 17)]
     assert Validation(compose(), tokenizer, enabled=True).sets == []  # eval_every=0: nothing loaded, never due

@@ -76,6 +76,11 @@ def preserved_rng():
             torch.cuda.set_rng_state_all(state[3])
 
 
+def plain_dict(options) -> dict:
+    """A plain dict of a config's options node (null or empty: {})."""
+    return OmegaConf.to_container(options, resolve=True) if options else {}
+
+
 def set_name(entry) -> str:
     """data.val[i].name, or the file stem / task name of its path."""
     if entry.name:
@@ -169,7 +174,7 @@ class Validation:
                 # the set as data.eval of a copy of data (same template, prompt length, dedup); a generated set is
                 # the held-out draw of its task (trainer.seed + sampler.HELDOUT_SEED_OFFSET), never training prompts
                 set_cfg = OmegaConf.create({**data, "val": [], "eval": entry.path, "eval_format": entry.format,
-                                            "task_options": OmegaConf.to_container(entry.task_options, resolve=True)})
+                                            "task_options": plain_dict(entry.task_options)})
                 rows = load_training_rows(set_cfg, seed=tr.seed, split="eval", limit=entry.limit)
                 prompts, self.dropped[name] = tokenize_prompts(rows, tokenizer, set_cfg)
                 if not prompts:
@@ -177,8 +182,8 @@ class Validation:
                                      f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")
                 sampling = SamplingConfig(max_tokens=entry.max_tokens or cfg.rollout.max_response_length,
                                           temperature=entry.temperature, top_p=entry.top_p)
-                verifier = ((entry.reward, dict(entry.reward_options)) if entry.reward is not None
-                            else (cfg.algo.reward, dict(cfg.algo.reward_options or {})))
+                verifier = ((entry.reward, plain_dict(entry.reward_options))
+                            if entry.reward is not None else (cfg.algo.reward, plain_dict(cfg.algo.reward_options)))
                 self.sets.append(_ValSet(name, int(entry.n), prompts, sampling, verifier))
 
     def due(self, step: int) -> bool:
