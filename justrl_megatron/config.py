@@ -45,6 +45,24 @@ class ParallelConfig:
 
 
 @dataclass
+class ValSetConfig:
+    """One validation set of data.val (train/validation.py): avg@n / pass@n every trainer.eval_every steps.
+    The defaults are JustRL's (32 samples per problem, temperature 0.7, top_p 0.9)."""
+
+    path: Optional[str] = None  # a parquet/jsonl/json file, a hub name, or "generated:<task>" (then limit is required)
+    name: Optional[str] = None  # the metric prefix val/<name>/...; defaults to the file stem (or the task name)
+    format: str = "generic"  # as data.format
+    n: int = 32  # samples per problem
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_tokens: Optional[int] = None  # defaults to rollout.max_response_length (and may not exceed it)
+    limit: Optional[int] = None  # the first `limit` problems (a generated set draws that many)
+    reward: Optional[str] = None  # a verifier name; null: the training reward (algo.reward, reward_options)
+    reward_options: dict = field(default_factory=dict)
+    task_options: dict = field(default_factory=dict)  # reasoning-gym options of a generated set
+
+
+@dataclass
 class DataConfig:
     # a parquet/jsonl/json path, a hub name (where a hub is reachable), or "generated:<reasoning-gym task>"
     train: str = MISSING
@@ -58,6 +76,7 @@ class DataConfig:
     max_prompt_length: int = 1024
     dedup: bool = True
     shuffle: bool = True
+    val: list[ValSetConfig] = field(default_factory=list)  # validation sets (trainer.eval_every)
 
 
 @dataclass
@@ -120,7 +139,8 @@ class TrainerConfig:
     run_dir: str = "runs/${recipe_name}"
     save_every: int = 50
     keep_last: int = 2
-    eval_every: int = 0
+    eval_every: int = 0  # validate on data.val every K steps and at the last one (0: off)
+    eval_before_train: bool = True  # with eval_every > 0: validate the initial weights too (logged as step 0)
     eval_samples: int = 64
     # [first, last]: a torch profiler Chrome trace of those steps in run_dir/profile/ (null: no profiling)
     profile_steps: Optional[list[int]] = None
@@ -237,6 +257,9 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
                 f"data.max_prompt_length + rollout.max_response_length = {total_len} exceeds the model context "
                 f"{context}; shorten them (or raise model.max_context if the model supports it)"
             )
+    from .train.validation import config_problems  # data.val and trainer.eval_every
+
+    problems += config_problems(cfg)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 

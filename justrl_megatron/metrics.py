@@ -78,7 +78,7 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log(record, step=step)
-        if self._progress is not None:
+        if self._progress is not None and "reward/mean" in metrics:  # not for step 0's validation-only record
             self._progress.update(self._task, completed=step, stats=(
                 f"reward {metrics.get('reward/mean', float('nan')):+.3f}  acc {metrics.get('reward/accuracy', 0):.2f}  "
                 f"len {metrics.get('response/length_mean', 0):.0f}  {metrics.get('time/step_s', 0):.1f} s/step"))
@@ -121,7 +121,7 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "respo
 def _table(step: int, record: dict) -> Table:
     """The headline numbers of a step (all of them go to metrics.jsonl and wandb)."""
     table = Table(title=f"step {step}", show_header=False, box=None, padding=(0, 1))
-    keys = [k for k in CONSOLE_KEYS if k in record]
+    keys = [k for k in CONSOLE_KEYS if k in record] + val_keys(record)
     for i in range(0, len(keys), 3):
         row = []
         for k in keys[i:i + 3]:
@@ -129,6 +129,11 @@ def _table(step: int, record: dict) -> Table:
             row += [k, f"{v:.4g}" if isinstance(v, float) else str(v)]
         table.add_row(*row)
     return table
+
+
+def val_keys(record: dict) -> list[str]:
+    """The validation figures of a record (train/validation.py: val/<set>/avg@<n>, pass@<n>, response_length)."""
+    return sorted(k for k in record if k.startswith("val/") and k != "val/time_s")
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -151,7 +156,8 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    val = val_curves(records)
+    fig, axes = plt.subplots(1, len(keys) + bool(val), figsize=(4 * (len(keys) + bool(val)), 3.2))
     for ax, key in zip(axes, keys):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
@@ -159,11 +165,25 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+    if val:  # one more panel: every validation set's avg@n
+        ax = axes[-1]
+        for key, points in val.items():
+            ax.plot(*zip(*points), marker="o", markersize=3, label=key.removeprefix("val/"))
+        ax.set_title("validation avg@n")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(run_dir) / "curves.png"
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def val_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) points of every val/<set>/avg@<n> key in the records."""
+    keys = sorted({k for r in records for k in r if k.startswith("val/") and "/avg@" in k})
+    return {k: [(r["step"], r[k]) for r in records if k in r] for k in keys}
 
 
 def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_tokens: int, logprob_gap: dict,

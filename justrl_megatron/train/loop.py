@@ -1,7 +1,8 @@
 """The GRPO training loop. `run(cfg)` reads top to bottom like the algorithm:
 
     sample prompts -> rollout (vLLM) -> rewards (worker pool) -> group advantages -> old logprobs
-    (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics -> checkpoint
+    (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics (+ avg@n on
+    data.val every trainer.eval_every steps, train/validation.py) -> checkpoint
 
 Every rank runs this same program (SPMD). Each rank hosts a vLLM engine (colocated, one per rollout-TP group) that
 samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while the policy
@@ -36,6 +37,7 @@ from .placement import ColocatedRollout
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
+from .validation import Validation
 
 
 def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> int:
@@ -53,6 +55,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     prompts, too_long = tokenize_prompts(load_training_rows(cfg.data, seed=tr.seed), tokenizer, cfg.data)
     sampler = PromptSampler(prompts, tr.prompts_per_step, seed=tr.seed, shuffle=cfg.data.shuffle)
     heldout = _heldout_prompts(cfg, tokenizer)
+    validation = Validation(cfg, tokenizer, enabled=is_leader)  # data.val, every trainer.eval_every steps
 
     policy = Policy.from_config(cfg, shape)
     start_step = _restore(policy, sampler, run_dir, model_dir, progress=is_leader)
@@ -70,11 +73,15 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         logger.print(f"resumed from {run_dir} at step {start_step} ({describe(current_job())})")
     if too_long:
         logger.print(f"{too_long} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} were dropped")
+    if validation.sets:
+        logger.print(validation.describe())
     profiler = StepProfiler(tr.profile_steps, run_dir, rank)
 
     version = start_step
     rollout.publish(version)
     start_accuracy = _evaluate(rollout, heldout, scorer, tokenizer, ro) if start_step == 0 else None
+    if start_step == 0 and validation.due(0):
+        logger.log(0, validation.run(rollout, 0))
 
     step, diverged = start_step, None
     while step < tr.total_steps:
@@ -132,12 +139,15 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             version = step
             rollout.publish(version)
 
-        # 8. metrics
-        logger.log(step, step_metrics(
+        # 8. metrics, and when due the validation of the new weights (avg@n on data.val) in the same record
+        metrics = step_metrics(
             rewards=rewards, correct=correct, reward_stats=reward_stats, rollouts=rollouts,
             prompt_tokens=sum(len(s.prompt_ids) for s in samples),
             logprob_gap=logprob_gap(rollouts.logprobs, old_logprobs), update=update,
-            phase_seconds=timer.seconds, step_seconds=timer.elapsed()))
+            phase_seconds=timer.seconds, step_seconds=timer.elapsed())
+        if validation.due(step):
+            metrics |= validation.run(rollout, step)
+        logger.log(step, metrics)
 
         # 9. checkpoint (periodic, at the end, or when asked to stop; or after too many skipped optimizer steps: the
         #    weights are then still the last good ones). Every rank agrees on the skips (train/step.py).
@@ -164,6 +174,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         (run_dir / "heldout_accuracy.json").write_text(json.dumps(accuracy) + "\n")
         logger.print(f"curves: {plot_curves(run_dir)}")
     logger.close()
+    validation.close()
     if scorer is not None:
         scorer.close()
     rollout.shutdown()
