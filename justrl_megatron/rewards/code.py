@@ -22,7 +22,7 @@ import builtins
 import importlib
 import json
 
-from . import sandbox
+from . import sandbox as _sandbox
 from .base import Verifier, VerifierTimeout, structured_answer
 from .code_harness import HARNESS, decode
 
@@ -141,7 +141,7 @@ def _verify(program: list, results: list, modules: dict) -> bool:
 
 
 def run_tests(code: str, tests: list[str], setup: str = "", *, timeout_s: float = 10.0, per_test_s: int = 3,
-              cpu_s: int = 10, memory_mb: int = 512, file_mb: int = 16) -> tuple[int, int]:
+              cpu_s: int = 10, memory_mb: int = 512, file_mb: int = 16, sandbox_kind: str = "auto") -> tuple[int, int]:
     """(passed, total) of ``tests`` against ``code``; raises VerifierTimeout when the sandbox's deadline passed."""
     try:
         names = _bound_names(ast.parse(setup + "\n" + code))
@@ -155,8 +155,8 @@ def run_tests(code: str, tests: list[str], setup: str = "", *, timeout_s: float 
             plans.append(None)
     spec = {"code": code, "setup": setup, "per_test_s": per_test_s,
             "tests": [p[0] if p else [] for p in plans]}
-    result = sandbox.run_python(HARNESS, json.dumps(spec).encode(), deadline_s=timeout_s, cpu_s=cpu_s,
-                                memory_mb=memory_mb, file_mb=file_mb)
+    result = _sandbox.run_python(HARNESS, json.dumps(spec).encode(), deadline_s=timeout_s, cpu_s=cpu_s,
+                                memory_mb=memory_mb, file_mb=file_mb, kind=sandbox_kind)
     if result.timed_out:
         raise VerifierTimeout(f"code sandbox passed its {timeout_s:.0f}s deadline")
     reported = _read_results(result.stdout, [len(p[0]) if p else 0 for p in plans])
@@ -184,20 +184,23 @@ def _read_results(stdout: bytes, sizes: list[int]) -> list[list]:
 
 
 class CodeReward(Verifier):
-    """answer: ``{"tests": [...], "setup": str}`` (or its JSON string); grade = fraction of tests passed."""
+    """answer: ``{"tests": [...], "setup": str}`` (or its JSON string); grade = fraction of tests passed.
+    ``sandbox``: "auto" (bwrap, else unshare), "bwrap" or "unshare"."""
 
     in_process = False
 
     def __init__(self, correct: float | None = None, wrong: float | None = None, no_answer: float | None = None,
-                 timeout_s: float = 10.0, per_test_s: int = 3, cpu_s: int = 10, memory_mb: int = 512):
+                 timeout_s: float = 10.0, per_test_s: int = 3, cpu_s: int = 10, memory_mb: int = 512,
+                 sandbox: str = "auto"):
         super().__init__(correct, wrong, no_answer)
         self.timeout_s, self.per_test_s, self.cpu_s, self.memory_mb = float(timeout_s), int(per_test_s), int(cpu_s), \
             int(memory_mb)
-        sandbox.check_available()  # fail at construction, with how to fix it, not on every response
+        self.sandbox = sandbox
+        _sandbox.check_available(sandbox)  # fail at construction, saying how to fix it, not on every response
 
     @property
     def time_limit_s(self) -> float:
-        return self.timeout_s + sandbox.TEARDOWN_S + 1.0  # the deadline, the namespace's teardown, the verdicts
+        return self.timeout_s + _sandbox.TEARDOWN_S + 1.0  # the deadline, the namespace's teardown, the verdicts
 
     def grade(self, response: str, answer) -> float | None:
         spec = structured_answer(answer)
@@ -208,5 +211,6 @@ class CodeReward(Verifier):
         if not tests or len(code) > MAX_CODE_CHARS:
             return 0.0
         passed, total = run_tests(code, tests, spec.get("setup") or "", timeout_s=self.timeout_s,
-                                  per_test_s=self.per_test_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb)
+                                  per_test_s=self.per_test_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
+                                  sandbox_kind=self.sandbox)
         return min(passed, total) / total

@@ -19,10 +19,13 @@ Only stdout comes back (capped); stdin carries the input. ``check_available()`` 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import secrets
+import select
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -149,14 +152,26 @@ def backend() -> str:
                              + "; ".join(f"{k}: {v}" for k, v in why.items()) + "): " + HOW_TO)
 
 
-def check_available() -> str:
-    return backend()
+BACKENDS = ("auto", "bwrap", "unshare")
+
+
+@functools.lru_cache(maxsize=None)
+def check_available(kind: str = "auto") -> str:
+    """The backend ``kind`` resolves to here; SandboxUnavailable (saying how to get one) when it cannot run."""
+    if kind == "auto":
+        return backend()
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown sandbox {kind!r}; choose one of {BACKENDS}")
+    why = _probe(kind)
+    if why is not None:
+        raise SandboxUnavailable(f"the {kind} sandbox cannot run here ({why}): {HOW_TO}")
+    return kind
 
 
 def run_python(program: str, stdin: bytes, *, deadline_s: float, cpu_s: int = 10, memory_mb: int = 512,
-               file_mb: int = 16, nproc: int = 16, max_output: int = 4 << 20) -> Result:
+               file_mb: int = 16, nproc: int = 16, max_output: int = 4 << 20, kind: str = "auto") -> Result:
     """Run ``program`` in the sandbox; returns within ``deadline_s`` + ``TEARDOWN_S``."""
-    return _launch(backend(), program, stdin, deadline_s=deadline_s, cpu_s=cpu_s, memory_mb=memory_mb,
+    return _launch(check_available(kind), program, stdin, deadline_s=deadline_s, cpu_s=cpu_s, memory_mb=memory_mb,
                    file_mb=file_mb, nproc=nproc, max_output=max_output, tmpfs_mb=file_mb)
 
 
@@ -170,24 +185,81 @@ def _launch(backend: str, program: str, stdin: bytes, *, deadline_s: float, tmpf
     if backend == "bwrap":  # --clearenv drops ours; give the program the same minimal set
         argv[argv.index("--") :argv.index("--")] = [a for k, v in env.items() for a in ("--setenv", k, v)]
     deadline = time.monotonic() + deadline_s
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                            close_fds=True)
+    info_r = info_w = None
+    if backend == "bwrap":  # bwrap reports its namespace's init: waiting for that init is waiting for the namespace
+        info_r, info_w = os.pipe()
+        argv[1:1] = ["--info-fd", str(info_w)]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env, close_fds=True, pass_fds=() if info_w is None else (info_w,))
+    finally:
+        if info_w is not None:
+            os.close(info_w)
+    init = _init_pidfd(info_r, deadline) if info_r is not None else None
     out, timed_out, truncated = bytearray(), False, False
     try:
         timed_out, truncated = _pump(proc, stdin, out, deadline, max_output)
     finally:
-        if proc.poll() is None:
-            proc.kill()  # the namespace's init dies with it; the kernel kills everything in the namespace
-        try:
-            proc.wait(timeout=TEARDOWN_S)
-        except subprocess.TimeoutExpired:  # never seen; do not block the reward call on it
-            pass
+        _kill_namespace(proc, init)
         for pipe in (proc.stdin, proc.stdout):
             try:
                 pipe.close()
             except OSError:
                 pass
     return Result(bytes(out), timed_out, truncated, proc.returncode)
+
+
+def _init_pidfd(info_r: int, deadline: float) -> int | None:
+    """A pidfd of the init bwrap reports on its info fd (None: it is gone already, or never reported)."""
+    data = b""
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                break
+            chunk = os.read(info_r, 4096)
+            if not chunk:
+                break
+            data += chunk
+            try:
+                return os.pidfd_open(int(json.loads(data)["child-pid"]))
+            except ValueError:  # not all of it yet
+                continue
+    except (OSError, KeyError, TypeError):
+        return None
+    finally:
+        os.close(info_r)
+    return None
+
+
+def _kill_namespace(proc: subprocess.Popen, init: int | None):
+    """Kill the namespace's init and wait until it has exited: the kernel completes an init's exit only once every
+    other process of its namespace is gone, so when this returns nothing of the sandbox runs any more (killing the
+    launcher alone would return while they are still dying). bwrap's launcher exits as soon as the program does, hence
+    its init's pidfd; ``unshare --fork`` itself waits for its init, so waiting for it is enough."""
+    if init is not None:
+        try:
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        select.select([init], [], [], TEARDOWN_S / 2)  # readable once the init has exited
+        os.close(init)
+    elif proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                inits = [int(pid) for pid in f.read().split()]
+        except OSError:
+            inits = []
+        for pid in inits:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for _ in range(2):
+        try:
+            proc.wait(timeout=TEARDOWN_S / 2)
+            return
+        except subprocess.TimeoutExpired:  # the launcher takes its init along when killed (pdeathsig)
+            proc.kill()
 
 
 def _pump(proc, stdin: bytes, out: bytearray, deadline: float, max_output: int) -> tuple[bool, bool]:
