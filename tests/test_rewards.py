@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from justrl_megatron.rewards import (REWARD_NAMES, BatchScorer, CountdownReward, DapoReward, MathVerifyReward,
-                                     WeightedReward, get_reward_fn)
+                                     get_reward_fn)
 from justrl_megatron.rewards.countdown import evaluate
 from justrl_megatron.rewards.dapo import normalize_final_answer, strict_box_answer
 

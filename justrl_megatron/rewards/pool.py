@@ -22,8 +22,8 @@ reward is clamped into the verifier's ``reward_range`` here, the one place all o
 metrics) from the same verification — no second, unprotected pass in the caller.
 
 Pure verifiers that parse a bounded tail in linear time (``fn.in_process``: dapo, gsm8k, countdown) are scored in the
-calling process: for them pickling and pipes would cost more than the verification. Verifiers that only read the response's tail
-(``fn.tail_chars``) get only that tail sent to the workers.
+calling process: for them pickling and pipes would cost more than the verification. Verifiers that only read the
+response's tail (``fn.tail_chars``) get only that tail, in either place.
 
 Workers start with ``forkserver`` (never plain ``fork``: the trainer has threads, and forking a threaded process can
 deadlock the child), so ``fn`` must be picklable and importable by module path, and a script that uses a

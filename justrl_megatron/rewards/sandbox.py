@@ -32,7 +32,9 @@ import time
 from dataclasses import dataclass
 
 HOW_TO = ("install bubblewrap (`apt-get install -y bubblewrap`, or tools/setup_env.sh as root), or allow "
-          "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0)")
+          "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0); "
+          "in a container, also allow namespaces (docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined "
+          "--security-opt apparmor=unconfined)")
 
 TEARDOWN_S = 2.0  # after the deadline: killing the namespace and reaping its launcher
 
