@@ -199,8 +199,18 @@ def test_equality_tricks_score_zero(code_fn):
     """
     for solution in (always, int_trick):
         assert code_fn(py(solution), ADD) == 0.0
+    # redefining the builtins / stdlib names a test's verdict uses does not move the verdict into the sandbox
+    shadow = {"tests": ["assert set(pair(3)) == set((9, 9))", "assert math.isclose(half(3), 7.0)"], "setup": ""}
+    solution = """
+        class math:
+            isclose = staticmethod(lambda *a, **k: True)
+        def set(*a): return 0
+        def pair(x): return (x, x + 1)
+        def half(x): return x / 2
+    """
+    assert code_fn(py(solution), shadow) == 0.0
     # the verdict never runs inside: a test with a comparison inside a comprehension cannot be judged and fails
-    steps, _ = plan_test("assert add(1, 2) == 3", {"add"})
+    steps, _ = plan_test("assert add(1, 2) == 3")
     assert steps == [["eval", "add(1, 2)"]]  # the expected value does not enter the sandbox
     assert code_fn(py("def add(a, b): return a + b"), {"tests": ["assert all(add(x, 0) == x for x in [1])"]}) == 0
 

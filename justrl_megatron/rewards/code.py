@@ -66,7 +66,7 @@ def extract_code(response: str) -> str | None:
 
 
 def _bound_names(tree: ast.AST) -> set[str]:
-    """Every name a piece of code binds (over-approximated: locals too); ``import <stdlib module>`` excepted."""
+    """Every name a test statement binds (over-approximated: locals too); ``import <stdlib module>`` excepted."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
@@ -102,9 +102,11 @@ class _Splitter(ast.NodeTransformer):
         return ast.copy_location(ast.Name(id=f"{_PLACEHOLDER}{len(self.exprs) - 1}", ctx=ast.Load()), node)
 
 
-def plan_test(test: str, solution_names: set[str]) -> tuple[list, list]:
-    """(sandbox steps ``[kind, source]``, verifier-side program ``[(kind, code, first step, steps)]``) for a test."""
-    local = (set(dir(builtins)) | _MODULES) - solution_names
+def plan_test(test: str) -> tuple[list, list]:
+    """(sandbox steps ``[kind, source]``, verifier-side program ``[(kind, code, first step, steps)]``) for a test.
+    Builtins and the stdlib modules always mean the real ones here, even where the solution redefines them: else a
+    solution's own ``set`` or ``math`` would pull the whole comparison into the sandbox."""
+    local = set(dir(builtins)) | _MODULES
     steps, program = [], []
     for stmt in ast.parse(test).body:
         exprs: list[str] = []
@@ -144,13 +146,13 @@ def run_tests(code: str, tests: list[str], setup: str = "", *, timeout_s: float 
               cpu_s: int = 10, memory_mb: int = 512, file_mb: int = 16, sandbox_kind: str = "auto") -> tuple[int, int]:
     """(passed, total) of ``tests`` against ``code``; raises VerifierTimeout when the sandbox's deadline passed."""
     try:
-        names = _bound_names(ast.parse(setup + "\n" + code))
-    except Exception:  # noqa: BLE001 - SyntaxError, or the parser's own limits on hostile nesting
+        ast.parse(setup + "\n" + code)
+    except Exception:  # noqa: BLE001 - SyntaxError, or the parser's own limits on hostile nesting: no test can pass
         return 0, len(tests)
     plans = []
     for test in tests:
         try:
-            plans.append(plan_test(test, names))
+            plans.append(plan_test(test))
         except (_Unsplittable, SyntaxError, ValueError):
             plans.append(None)
     spec = {"code": code, "setup": setup, "per_test_s": per_test_s,
