@@ -34,10 +34,11 @@ torch_arch_list() {  # NVTE_CUDA_ARCHS style "80;90;100" -> TORCH_CUDA_ARCH_LIST
 pip_install() { run "$PYTHON" -m pip install --no-cache-dir --progress-bar off "$@"; }
 
 step_system() {  # compilers and headers for the builds; python 3.12 (megatron-core >= 0.17 needs >= 3.12)
+  # bubblewrap: the code reward's sandbox (rewards/sandbox.py)
   run apt-get update
   run env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
     python3.12 python3.12-venv python3.12-dev git build-essential ninja-build cmake ca-certificates \
-    libnccl2 libnccl-dev
+    libnccl2 libnccl-dev bubblewrap
   run bash -c 'rm -rf /var/lib/apt/lists/*'
 }
 

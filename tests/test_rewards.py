@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from justrl_megatron.rewards import (REWARD_NAMES, BatchScorer, CountdownReward, DapoReward, MathVerifyReward,
-                                     WeightedReward, get_reward_fn)
+                                     get_reward_fn)
 from justrl_megatron.rewards.countdown import evaluate
 from justrl_megatron.rewards.dapo import normalize_final_answer, strict_box_answer
 
@@ -215,8 +215,10 @@ def py(code):
     ("```\ndef add(a, b):\n    return a + b + (a == 0)\n```", 1.0),  # unlabelled fence
     ("<answer>def add(a, b):\n    return a + b + (a == 0)</answer>", 1.0),
     (py("def add(a, b) return"), 0.0),  # syntax error
-    (py("import socket\ndef add(a, b):\n    socket.socket()\n    return a + b"), 0.0),  # no network
-    (py("import subprocess\ndef add(a, b):\n    subprocess.run(['true'])\n    return a + b"), 0.0),
+    (py("import socket\ndef add(a, b):\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\n    return a + b"),
+     0.0),  # no network
+    (py("import subprocess\ndef add(a, b):\n    subprocess.run(['cat', '/etc/hostname'], check=True)\n"
+        "    return a + b"), 0.0),  # processes run, but see no host files
     (py("import os\nos._exit(0)"), 0.0),
     (py("x = bytearray(4 << 30)\ndef add(a, b):\n    return a + b"), 0.0),  # memory limit
     (py("def add(a, b):\n    return a + b + (a == 0)\nif __name__ == '__main__':\n    input()"), 1.0),

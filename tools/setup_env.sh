@@ -5,6 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
+# 0. bubblewrap: the code reward's sandbox (Linux namespaces). Installed only when missing, only as root.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+  else
+    echo "setup_env: bubblewrap (bwrap) is missing and this is not root: the code reward needs it, or unprivileged" \
+      "user namespaces for its unshare fallback (ask an admin: apt-get install -y bubblewrap)" >&2
+  fi
+fi
 stamp="$VENV/.justrl-setup-stamp"
 want=$(cat setup.py tools/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then

@@ -8,18 +8,19 @@ name                       what                                                 
 ``math_verify``            math-verify symbolic equivalence (run it through a BatchScorer)               1 / 0
 ``gsm8k``                  final number, numeric comparison                                              1 / 0
 ``countdown``              equation over the given numbers (safe parser)                                 1 / 0.1 / 0
-``code``                   MBPP tests in a sandboxed subprocess, grade = pass rate                       1 / 0
+``code``                   MBPP tests in a namespace sandbox, judged outside it; grade = pass rate     1 / 0
 ``weighted``               correctness + format components (see weighted.py)                             weights
 ``dapo_then_math_verify``  correct if either dapo (strict) or math_verify says so (eval)                 1 / 0
 =========================  ==========================================================================  ==========
 
 Every verifier takes ``correct=``, ``wrong=``, ``no_answer=`` (e.g. +1 / -1 / -0.5; no_answer defaults to wrong),
-and has ``is_correct(response, answer)`` for accuracy metrics. ``BatchScorer`` runs a verifier over a batch in worker
-processes with per-item timeouts.
+and has ``is_correct(response, answer)`` for accuracy metrics. ``BatchScorer`` runs a verifier over a batch (in worker
+processes with per-item timeouts, or in-process for pure verifiers of a capped tail), counts timeouts — its own and
+the verifier's (``VerifierTimeout``) — and clamps every reward into the verifier's ``reward_range``.
 """
 from __future__ import annotations
 
-from .base import Verifier
+from .base import Verifier, VerifierTimeout
 from .code import CodeReward
 from .countdown import CountdownReward
 from .dapo import DapoReward
@@ -69,5 +70,5 @@ def make_scorer(algo_cfg, *, enabled: bool) -> BatchScorer | None:
 
 __all__ = [
     "AnyCorrect", "BatchScorer", "CodeReward", "CountdownReward", "DEFAULT_WEIGHTS", "DapoReward", "Gsm8kReward",
-    "MathVerifyReward", "REWARD_NAMES", "Verifier", "WeightedReward", "get_reward_fn", "make_scorer",
+    "MathVerifyReward", "REWARD_NAMES", "Verifier", "VerifierTimeout", "WeightedReward", "get_reward_fn", "make_scorer",
 ]

@@ -4,11 +4,21 @@
 the response holds no parsable answer. ``__call__`` maps it to a reward: ``no_answer`` for None, else
 ``wrong + (correct - wrong) * grade``; so +1 / -1 / -0.5 (correct / wrong / no answer) is one keyword each.
 
+Every verifier declares ``reward_range`` (the lowest and highest reward it may give) and, where it keeps its own clock,
+``time_limit_s`` (how long one call may take before it gives up); BatchScorer clamps every reward into the range and
+sets its worker timeout above the time limit. A verifier whose own timeout fired raises ``VerifierTimeout``: the item
+scores ``failure_value`` and counts as a timeout, like one the scorer had to kill.
+
 Verifiers are plain objects with only plain attributes: picklable, stateless between calls, safe in worker processes.
 """
 from __future__ import annotations
 
 import json
+import math
+
+
+class VerifierTimeout(Exception):
+    """A verifier's own time limit fired (math-verify's alarm, the code sandbox's deadline)."""
 
 
 class Verifier:
@@ -17,6 +27,7 @@ class Verifier:
 
     in_process = False
     tail_chars: int | None = None  # the verifier reads only this many final characters (None: the whole response)
+    time_limit_s: float | None = None  # the longest one call takes when the verifier's own clock runs out
     default_correct = 1.0
     default_wrong = 0.0
 
@@ -33,7 +44,12 @@ class Verifier:
         return self.no_answer if grade is None else self.wrong + (self.correct - self.wrong) * grade
 
     def __call__(self, response: str, answer) -> float:
-        return self.value(self.grade(response, answer))
+        """The reward; a call whose own time limit fired gets ``failure_value`` (``evaluate`` raises instead, so a
+        BatchScorer can count it)."""
+        try:
+            return self.value(self.grade(response, answer))
+        except VerifierTimeout:
+            return self.failure_value
 
     def evaluate(self, response: str, answer) -> tuple[float, bool]:
         """(reward, fully correct) from one verification — what BatchScorer.evaluate runs in its workers."""
@@ -41,7 +57,16 @@ class Verifier:
         return self.value(g), g == 1.0
 
     def is_correct(self, response: str, answer) -> bool:
-        return self.grade(response, answer) == 1.0
+        try:
+            return self.grade(response, answer) == 1.0
+        except VerifierTimeout:
+            return False
+
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        """Every reward lies between the correct, wrong and no-answer values (a grade in [0, 1] interpolates)."""
+        values = (self.correct, self.wrong, self.no_answer)
+        return min(values), max(values)
 
     @property
     def failure_value(self) -> float:
@@ -60,6 +85,11 @@ def evaluate_with(fn, response: str, answer) -> tuple[float, bool]:
         return fn.evaluate(response, answer)
     reward = fn(response, answer)
     return reward, reward == getattr(fn, "correct", 1.0)
+
+
+def reward_range(fn) -> tuple[float, float]:
+    """The range ``fn`` declares; unbounded for a plain function that declares none."""
+    return getattr(fn, "reward_range", (-math.inf, math.inf))
 
 
 def structured_answer(answer) -> dict:

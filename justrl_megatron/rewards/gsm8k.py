@@ -4,7 +4,9 @@ Where the final answer is looked for, in order (``mode="flexible"``, the default
 ``#### N`` (GSM8K's own format), the last ``\\boxed{…}``, the last ``<answer>…</answer>``, the last "answer is N" /
 "Answer: N", and finally the last number anywhere. ``mode="strict"`` accepts only ``#### N`` (verl's gsm8k strict).
 Within the chosen span the last number counts; commas, ``$``, ``%``, and units around it are ignored.
-Only the response's last ``clip_chars`` characters are searched (the answer is at the end; bounded time on 1 MB).
+Only the response's last ``clip_chars`` characters are searched (the answer is at the end), and never more than
+``MAX_PARSE_CHARS`` (``clip_chars=None``): parsing is linear in what is searched (tags are found with ``rfind``, not
+lazy regexes, which go quadratic on many unclosed tags), so a 1 MB response costs what its tail costs.
 """
 from __future__ import annotations
 
@@ -14,11 +16,10 @@ from fractions import Fraction
 from ..boxed import BOXED_ONLY, last_boxed_content
 from .base import Verifier
 
+MAX_PARSE_CHARS = 50_000
 _NUM = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+"
 _NUM_RE = re.compile(_NUM)
 _FRAC = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}")
-_HASHES = re.compile(r"####\s*([^\n]*)")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _ANSWER_IS = re.compile(r"(?i)answer\s*(?:is\s*:?|:)\s*([^\n]*)")
 
 
@@ -39,19 +40,35 @@ def to_number(text: str) -> Fraction | None:
         return None
 
 
+def _last_hashes(text: str) -> str | None:
+    """The rest of the line after the last ``####`` (the whitespace after it may span lines, as in GSM8K)."""
+    at = text.rfind("####")
+    if at < 0:
+        return None
+    rest = text[at + 4:]
+    return rest[len(rest) - len(rest.lstrip()):].split("\n", 1)[0]
+
+
+def _last_answer_tag(text: str) -> str | None:
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, max(end, 0))
+    return None if end < 0 or start < 0 else text[start + len("<answer>"):end]
+
+
 def extract_final_number(response: str, mode: str = "flexible") -> Fraction | None:
-    hashes = _HASHES.findall(response)
-    if hashes:
-        return to_number(hashes[-1])
+    response = response[-MAX_PARSE_CHARS:]
+    hashes = _last_hashes(response)
+    if hashes is not None:
+        return to_number(hashes)
     if mode == "strict":
         return None
     spans = []
     boxed = last_boxed_content(response, BOXED_ONLY)
     if boxed is not None:
         spans.append(boxed)
-    tags = _ANSWER_TAG.findall(response)
-    if tags:
-        spans.append(tags[-1])
+    tag = _last_answer_tag(response)
+    if tag is not None:
+        spans.append(tag)
     said = _ANSWER_IS.findall(response)
     if said:
         spans.append(said[-1])
@@ -74,12 +91,12 @@ class Gsm8kReward(Verifier):
         if mode not in ("flexible", "strict"):
             raise ValueError(f"gsm8k mode must be 'flexible' or 'strict', got {mode!r}")
         self.mode = mode
-        self.clip_chars = self.tail_chars = clip_chars
+        self.clip_chars = clip_chars
+        self.tail_chars = min(clip_chars or MAX_PARSE_CHARS, MAX_PARSE_CHARS)
         self.rel_tol = float(rel_tol)
 
     def grade(self, response: str, answer) -> float | None:
-        if self.clip_chars is not None:
-            response = response[-self.clip_chars:]
+        response = response[-self.tail_chars:]
         pred = extract_final_number(response, self.mode)
         if pred is None:
             return None

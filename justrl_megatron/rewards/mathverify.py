@@ -3,15 +3,18 @@
 It can be slow or hang on adversarial LaTeX (sympy), and its own timeout uses ``signal.alarm`` — which only works in a
 process's main thread. So: run it through a BatchScorer (worker processes, which also enforce a hard per-item
 timeout by killing the worker); in a non-main thread its internal timeouts are switched off instead of raising.
+When its own timeout fires (parsing the response or the answer, or a comparison that found no match) the verifier
+raises ``VerifierTimeout``, so the scorer counts it with the timeouts instead of math-verify swallowing it.
 The ground truth is parsed as ``\\boxed{answer}`` (as verl's math_verify reward does), cached per process.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 
-from .base import Verifier
+from .base import Verifier, VerifierTimeout
 
 
 class _QuietTimeouts(logging.Filter):
@@ -35,15 +38,47 @@ def _timeout(seconds):
     return seconds if threading.current_thread() is threading.main_thread() else None
 
 
+def _parse(text: str, timeout, **options) -> list:
+    """math-verify's parse, errors as "nothing parsed" (as it does itself) but its timeout as VerifierTimeout."""
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    try:
+        return parse(text, parsing_timeout=timeout, raise_on_error=True, **options)
+    except TimeoutException:
+        raise VerifierTimeout("math-verify timed out while parsing") from None
+    except Exception:  # noqa: BLE001 - what parse(raise_on_error=False) returns [] for
+        return []
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(answer: str, timeout):
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
-    gold = parse("\\boxed{" + answer + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=timeout)
+    gold = _parse("\\boxed{" + answer + "}", timeout, extraction_config=[LatexExtractionConfig()])
     if not gold:  # plain-text answers ("7 days", "x=2") that are not valid LaTeX inside a box
-        gold = parse(answer, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                     parsing_timeout=timeout)
+        gold = _parse(answer, timeout, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
     return gold
+
+
+def _equivalent(gold: list, pred: list, timeout) -> bool:
+    """math-verify's verify over every (gold, pred) pair, as it does itself, but a timed-out pair is remembered:
+    no match after one is a VerifierTimeout, not a wrong answer."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    timed_out = False
+    for g, p in itertools.product(gold, pred):
+        try:
+            if verify(g, p, timeout_seconds=timeout, raise_on_error=True):
+                return True
+        except TimeoutException:
+            timed_out = True
+        except Exception:  # noqa: BLE001 - what verify(raise_on_error=False) counts as "not equal"
+            pass
+    if timed_out:
+        raise VerifierTimeout("math-verify timed out while comparing")
+    return False
 
 
 class MathVerifyReward(Verifier):
@@ -63,15 +98,13 @@ class MathVerifyReward(Verifier):
         self.clip_chars = self.tail_chars = clip_chars
 
     def grade(self, response: str, answer) -> float | None:
-        from math_verify import parse, verify
-
         timeout = _timeout(self.timeout_s)
         if self.clip_chars is not None:
             response = response[-self.clip_chars:]
         gold = _parse_gold(str(answer), timeout)
-        pred = parse(response, parsing_timeout=timeout)
+        pred = _parse(response, timeout)
         if not pred:
             return None
         if not gold:
             return 0.0
-        return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+        return 1.0 if _equivalent(gold, pred, timeout) else 0.0

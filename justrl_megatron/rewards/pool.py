@@ -9,14 +9,21 @@ which item is running and which results are already done:
   ``stats["timeouts"]`` grows, the finished items of that chunk are kept, the rest are re-queued;
 * a worker that dies (``os._exit``, segfault, OOM kill) is handled the same way, counted in ``stats["crashes"]``;
 * an exception inside the verifier (or a NaN reward) scores ``failure_value`` and counts in ``stats["errors"]``;
+  a ``VerifierTimeout`` (the verifier's own clock: math-verify's alarm, the code sandbox's deadline) scores the same
+  and counts in ``stats["timeouts"]``;
 * dead workers are replaced at once (``stats["restarts"]``); the batch always completes.
+
+The timeout is never below the verifier's own ``time_limit_s`` plus ``TIMEOUT_MARGIN_S``: the verifier's clock fires
+first and cleans up after itself (the code sandbox kills its namespace) before the scorer would kill the worker. Every
+reward is clamped into the verifier's ``reward_range`` here, the one place all of them pass
+(``stats["clamped"]`` counts the ones that were out of range).
 
 ``evaluate`` returns, with each reward, whether the verifier judged the response fully correct (for accuracy
 metrics) from the same verification — no second, unprotected pass in the caller.
 
-Pure, bounded-time verifiers (``fn.in_process``: dapo, gsm8k, countdown) are scored in the calling process: for them
-pickling and pipes would cost more than the verification. Verifiers that only read the response's tail
-(``fn.tail_chars``) get only that tail sent to the workers.
+Pure verifiers that parse a bounded tail in linear time (``fn.in_process``: dapo, gsm8k, countdown) are scored in the
+calling process: for them pickling and pipes would cost more than the verification. Verifiers that only read the
+response's tail (``fn.tail_chars``) get only that tail, in either place.
 
 Workers start with ``forkserver`` (never plain ``fork``: the trainer has threads, and forking a threaded process can
 deadlock the child), so ``fn`` must be picklable and importable by module path, and a script that uses a
@@ -32,10 +39,24 @@ import time
 from collections import Counter, deque
 from multiprocessing.connection import wait
 
-from .base import evaluate_with
+from .base import VerifierTimeout, evaluate_with, reward_range
 
 MAX_CHUNK = 512
+DEFAULT_TIMEOUT_S = 10.0
+TIMEOUT_MARGIN_S = 3.0
+_TIMED_OUT = -1.0  # in a correct[] slot: the verifier raised VerifierTimeout
 STARTUP_TIMEOUT_S = 120.0  # a worker imports the verifier's module; slow on a loaded machine, never minutes
+
+
+def _evaluate_one(fn, response, answer) -> tuple[float, float]:
+    """(reward, correct flag) as floats; (NaN, 0) when the verifier raised, (NaN, _TIMED_OUT) when it timed out."""
+    try:
+        reward, ok = evaluate_with(fn, response, answer)
+        return float(reward), float(bool(ok))
+    except VerifierTimeout:
+        return math.nan, _TIMED_OUT
+    except Exception:  # noqa: BLE001 - any verifier bug costs the item, never the batch
+        return math.nan, 0.0
 
 
 def _worker_main(conn, fn, progress, started, rewards, correct):
@@ -53,11 +74,7 @@ def _worker_main(conn, fn, progress, started, rewards, correct):
         for i, (response, answer) in enumerate(items):
             started.value = time.monotonic()
             progress.value = i
-            try:
-                reward, ok = evaluate_with(fn, response, answer)
-                rewards[i], correct[i] = float(reward), float(bool(ok))
-            except Exception:  # noqa: BLE001 - any verifier bug costs the item, never the batch
-                rewards[i], correct[i] = math.nan, 0.0
+            rewards[i], correct[i] = _evaluate_one(fn, response, answer)
         progress.value = len(items)
         conn.send(True)
 
@@ -118,15 +135,19 @@ class BatchScorer:
     """``with BatchScorer(fn, num_workers=2, timeout_s=10) as s: rewards = s.score(responses, answers)``.
 
     ``failure_value`` defaults to ``fn.failure_value`` (the verifier's wrong-answer reward). ``in_process`` overrides
-    the verifier's own flag (``num_workers=0`` also means in-process). ``stats`` counts items, timeouts, crashes,
-    errors and worker restarts over the scorer's life.
+    the verifier's own flag (``num_workers=0`` also means in-process). ``timeout_s`` (default 10 s) is raised to the
+    verifier's ``time_limit_s`` + ``TIMEOUT_MARGIN_S`` where that is longer. ``stats`` counts items, timeouts,
+    crashes, errors, worker restarts and clamped rewards over the scorer's life.
     """
 
-    def __init__(self, fn, num_workers: int = 2, timeout_s: float = 10.0, *, failure_value: float | None = None,
+    def __init__(self, fn, num_workers: int = 2, timeout_s: float | None = None, *, failure_value: float | None = None,
                  in_process: bool | None = None, chunk_size: int | None = None, start_method: str | None = None):
         self.fn = fn
         self.num_workers = int(num_workers)
-        self.timeout_s = float(timeout_s)
+        own = getattr(fn, "time_limit_s", None)
+        self.timeout_s = max(float(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s),
+                             0.0 if own is None else own + TIMEOUT_MARGIN_S)
+        self.reward_range = reward_range(fn)
         self.failure_value = float(getattr(fn, "failure_value", 0.0) if failure_value is None else failure_value)
         flag = getattr(fn, "in_process", False) if in_process is None else in_process
         self.in_process = bool(flag) or self.num_workers <= 0
@@ -136,7 +157,7 @@ class BatchScorer:
             start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         self._ctx = mp.get_context(start_method)
         self._workers: list[_Worker] = []
-        self.stats = Counter(items=0, timeouts=0, crashes=0, errors=0, restarts=0)
+        self.stats = Counter(items=0, timeouts=0, crashes=0, errors=0, restarts=0, clamped=0)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def __enter__(self):
@@ -183,24 +204,22 @@ class BatchScorer:
         self.stats["items"] += len(responses)
         if not responses:
             return [], []
+        if self.tail_chars is not None:
+            responses = [r[-self.tail_chars:] for r in responses]
         rewards, correct = (self._score_here if self.in_process else self._score_pool)(responses, answers)
-        bad = [i for i, r in enumerate(rewards) if r != r]  # NaN: the verifier raised (or returned NaN)
-        self.stats["errors"] += len(bad)
-        for i in bad:
-            rewards[i], correct[i] = self.failure_value, 0.0
-        return [float(r) for r in rewards], [bool(c) for c in correct]
+        lo, hi = self.reward_range
+        for i, r in enumerate(rewards):
+            if r != r:  # NaN: the verifier raised, timed out, or returned NaN
+                self.stats["timeouts" if correct[i] == _TIMED_OUT else "errors"] += 1
+                rewards[i], correct[i] = self.failure_value, 0.0
+            elif not lo <= r <= hi:
+                self.stats["clamped"] += 1
+                rewards[i] = min(max(r, lo), hi)
+        return [float(r) for r in rewards], [c == 1.0 for c in correct]
 
     def _score_here(self, responses, answers):
-        fn, rewards, correct = self.fn, [], []
-        for response, answer in zip(responses, answers):
-            try:
-                reward, ok = evaluate_with(fn, response, answer)
-                rewards.append(float(reward))
-                correct.append(float(bool(ok)))
-            except Exception:  # noqa: BLE001
-                rewards.append(math.nan)
-                correct.append(0.0)
-        return rewards, correct
+        scored = [_evaluate_one(self.fn, response, answer) for response, answer in zip(responses, answers)]
+        return [r for r, _ in scored], [c for _, c in scored]
 
     def _chunks(self, n: int) -> deque:
         size = self.chunk_size or math.ceil(n / (self.num_workers * 4))
@@ -209,8 +228,6 @@ class BatchScorer:
 
     def _score_pool(self, responses, answers):
         self._ensure_workers()
-        if self.tail_chars is not None:
-            responses = [r[-self.tail_chars:] for r in responses]
         rewards: list = [None] * len(responses)
         correct: list = [0.0] * len(responses)
         pending = self._chunks(len(responses))

@@ -13,7 +13,7 @@ Tag names are configurable; ``think_prefilled=True`` is for prompts that already
 """
 from __future__ import annotations
 
-from .base import Verifier, evaluate_with
+from .base import Verifier, evaluate_with, reward_range
 
 DEFAULT_WEIGHTS = {"correctness": 1.0, "strict_format": 0.2, "has_thinking": 0.1, "has_answer": 0.1,
                    "no_trailing_text": 0.1}
@@ -72,6 +72,17 @@ class WeightedReward:
     def failure_value(self) -> float:
         return self.weights["correctness"] * getattr(self.inner, "failure_value", 0.0)
 
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        """The sum of each component's range times its weight (format components are 0 or 1)."""
+        lo, hi = reward_range(self.inner)
+        ranges = [(w * lo, w * hi) if k == "correctness" else (0.0, w) for k, w in self.weights.items()]
+        return sum(min(r) for r in ranges), sum(max(r) for r in ranges)
+
+    @property
+    def time_limit_s(self) -> float | None:
+        return getattr(self.inner, "time_limit_s", None)
+
     def components(self, response: str, answer) -> dict[str, float]:
         return self._components(response, answer)[0]
 
@@ -122,6 +133,8 @@ class AnyCorrect(Verifier):
         self.in_process = all(v.in_process for v in self.verifiers)
         tails = [v.tail_chars for v in self.verifiers]
         self.tail_chars = None if None in tails else max(tails)
+        limits = [v.time_limit_s for v in self.verifiers if v.time_limit_s is not None]
+        self.time_limit_s = sum(limits) if limits else None
 
     def grade(self, response: str, answer) -> float | None:
         best = None
