@@ -197,6 +197,7 @@ def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_token
         "reward/worker_timeouts": reward_stats.get("timeouts", 0),
         "reward/worker_crashes": reward_stats.get("crashes", 0),
         "reward/verifier_errors": reward_stats.get("errors", 0),
+        "reward/clamped": reward_stats.get("clamped", 0),  # rewards outside the verifier's range, cut back into it
         "response/length_mean": sum(lengths) / len(lengths),
         "response/length_max": max(lengths),
         "response/truncated_ratio": sum(rollouts.truncated) / len(lengths),
