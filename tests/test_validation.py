@@ -11,8 +11,8 @@ import pytest
 
 from helpers import ENV, SHORT_TRAIN, run_ok
 from justrl_megatron.config import ConfigError, compose, validate
-from justrl_megatron.train.validation import (SEED_BLOCK, VAL_SEED_BASE, Validation, avg_pass_at_n, plan_calls,
-                                              preserved_rng, set_metrics, val_seed)
+from justrl_megatron.train.validation import (SEED_BLOCK, VAL_SEED_BASE, Validation, avg_pass_at_n, preserved_rng,
+                                              set_metrics, val_seed)
 
 
 def test_avg_and_pass_at_n_by_hand():
@@ -34,51 +34,6 @@ def test_validation_seeds_never_meet_training_seeds():
     # the largest training request seed of a JustRL-sized run: seed * 1_000_003 + step + prompts x n
     assert 10**6 * 1_000_003 + 10**5 + 256 * 8 < VAL_SEED_BASE
     assert val_seed(1, 50, "aime24") == val_seed(1, 50, "aime24") != val_seed(1, 100, "aime24")
-
-
-@pytest.mark.parametrize("lens,n,budget,expected", [
-    ([50, 50, 50], 32, None, [(0, 3, 0, 32)]),  # GPU: one call
-    ([50, 50, 50], 32, (4096, 256), [(0, 2, 0, 32), (2, 1, 0, 32)]),  # 2 x 1600 tokens fit a step, 3 do not
-    ([200], 32, (4096, 256), [(0, 1, 0, 20), (0, 1, 20, 12)]),  # 32 x 200 > 4096: the samples are split
-    ([10, 10], 300, (4096, 256), [(0, 1, 0, 256), (0, 1, 256, 44), (1, 1, 0, 256), (1, 1, 256, 44)]),  # > max seqs
-])
-def test_calls_fit_one_scheduler_step_and_cover_every_sample_once(lens, n, budget, expected):
-    calls = plan_calls(lens, n, budget)
-    assert calls == expected
-    order = [(first + i, k0 + k) for first, count, k0, m in calls for i in range(count) for k in range(m)]
-    assert order == [(i, k) for i in range(len(lens)) for k in range(n)]  # prompt-major, each sample once
-    if budget:
-        assert all(sum(lens[first:first + count]) * m <= budget[0] and count * m <= budget[1]
-                   for first, count, _, m in calls)
-
-
-SPLIT_VS_ONE_CALL = """
-import json, sys
-from justrl_megatron.rollout import SamplingConfig
-from justrl_megatron.rollout.vllm_engine import VLLMEngine
-from justrl_megatron.train.validation import sample_set
-
-if __name__ == "__main__":
-    engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True)
-    prompts, sampling = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11]], SamplingConfig(
-        max_tokens=6, temperature=0.7, top_p=0.9)
-    one = sample_set(engine, prompts, 4, sampling, seed=2**61, budget=None)
-    split = sample_set(engine, prompts, 4, sampling, seed=2**61, budget=(12, 3))  # a call per 1-3 samples
-    other = sample_set(engine, prompts, 4, sampling, seed=2**61 + 2**24, budget=None)
-    print(json.dumps({"one": one, "split": split, "other": other}))
-    engine.shutdown()
-"""
-
-
-@pytest.mark.slow
-def test_split_calls_sample_what_one_call_would(tmp_path, tiny_llama):
-    """Per-sample seeds follow the sample's place in the set, so cutting a set into calls (CPU) changes nothing."""
-    script = tmp_path / "split.py"
-    script.write_text(SPLIT_VS_ONE_CALL)
-    out = json.loads(run_ok([sys.executable, script, tiny_llama], timeout=600).stdout.strip().splitlines()[-1])
-    assert len(out["one"]) == 12 and all(len(t) == 6 for t in out["one"])
-    assert out["split"] == out["one"]
-    assert out["other"] != out["one"]  # another seed samples otherwise (the comparison can fail)
 
 
 def test_preserved_rng_leaves_the_global_streams_as_they_were():

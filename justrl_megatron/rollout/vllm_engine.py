@@ -144,6 +144,11 @@ class VLLMEngine:
         from vllm import LLM
 
         self.llm = LLM(**kwargs)
+        # (tokens, sequences) one scheduler step takes, where seeded calls must fit it (CPU only: see plan_calls)
+        self.step_budget = None
+        if not self.on_gpu:
+            scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+            self.step_budget = (int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs))
         self._version = 0
         self.llm.update_weight_version("0")  # the weights of model_dir are version 0
         self._asleep: set[str] = set()
@@ -185,11 +190,14 @@ class VLLMEngine:
 
     # -- generation --------------------------------------------------------------------------------------------------
 
-    def sampling_params(self, n: int, sampling: SamplingConfig, request_index: int = 0):
+    def sampling_params(self, n: int, sampling: SamplingConfig, request_index: int = 0, *, first_sample: int = 0,
+                        group: int | None = None):
+        """`n` samples of one prompt: samples first_sample .. first_sample + n - 1 of its `group` (default n)."""
         from vllm import SamplingParams
 
-        # vLLM gives the k-th sample of a request seed + k: space requests n apart so that no two samples share one
-        seed = None if sampling.seed is None else sampling.seed + request_index * n
+        # vLLM gives the k-th sample of a request seed + k: space requests a group apart so that no two samples share
+        # one, and a group cut into several requests (see plan_calls) keeps each sample's seed
+        seed = None if sampling.seed is None else sampling.seed + request_index * (group or n) + first_sample
         return SamplingParams(
             n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, logprobs=0, seed=seed, ignore_eos=sampling.ignore_eos,
@@ -215,11 +223,18 @@ class VLLMEngine:
         if not prompts:  # an engine with no share of a small batch
             return Rollouts(prompt_index=[], token_ids=[], logprobs=[], finish_reasons=[], weight_version=self._version)
         self.wake_up()
-        params = [self.sampling_params(n, sampling, i) for i in indices]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=self.progress)
+        budget = self.step_budget if sampling.seed is not None else None
+        completions: list[list] = [[] for _ in prompts]  # per prompt, in sample order
+        for first, count, k0, m in plan_calls([len(p) for p in prompts], n, budget):
+            params = [self.sampling_params(m, sampling, indices[first + j], first_sample=k0, group=n)
+                      for j in range(count)]
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts[first:first + count]], params,
+                                        use_tqdm=self.progress)
+            for j, out in enumerate(outputs):
+                completions[first + j] += sorted(out.outputs, key=lambda c: c.index)
         prompt_index, token_ids, logprobs, finish, versions = [], [], [], [], []
-        for i, out in enumerate(outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
+        for i, samples in enumerate(completions):
+            for c in samples:
                 toks = list(c.token_ids)
                 prompt_index.append(i)
                 token_ids.append(toks)
@@ -412,3 +427,29 @@ def send_weights(sender, stream: WeightStream, version: int, control_group, *, t
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
+
+
+def plan_calls(prompt_lens: Sequence[int], n: int, budget: tuple[int, int] | None) -> list[tuple[int, int, int, int]]:
+    """Split n samples of each prompt into generate calls (first prompt, prompts, first sample, samples per prompt)
+    whose prompts all fit one scheduler step, budget = (tokens, sequences); None: one call.
+
+    Why: vLLM rewinds a seeded request's generator after a partial (chunked) prefill, which a CPU generator cannot do
+    ("CPU Generator does not use offset"); a call whose prompts are all prefilled in its first step never chunks.
+    A validation set (32 problems x 32 samples) or a large training batch exceeds a CPU step (4,096 tokens)."""
+    if budget is None:
+        return [(0, len(prompt_lens), 0, n)]
+    max_tokens, max_seqs = budget
+    calls, i = [], 0
+    while i < len(prompt_lens):
+        if prompt_lens[i] * n > max_tokens or n > max_seqs:  # this prompt's samples alone overflow: split them
+            m = max(1, min(max_seqs, max_tokens // prompt_lens[i]))
+            calls += [(i, 1, k, min(m, n - k)) for k in range(0, n, m)]
+            i += 1
+            continue
+        j, tokens = i, 0
+        while j < len(prompt_lens) and tokens + prompt_lens[j] * n <= max_tokens and (j - i + 1) * n <= max_seqs:
+            tokens += prompt_lens[j] * n
+            j += 1
+        calls.append((i, j - i, 0, n))
+        i = j
+    return calls

@@ -205,8 +205,9 @@ class Validation:
         start, metrics = time.perf_counter(), {}
         with preserved_rng():
             for s in self.sets:
-                token_ids = sample_set(rollout, [p.ids for p in s.prompts], s.n, s.sampling,
-                                       seed=val_seed(self.seed, step, s.name))
+                # sample k of prompt i is seeded seed + i * n + k however the engine cuts the set into calls
+                token_ids = rollout.generate([p.ids for p in s.prompts], s.n, s.sampling,
+                                             seed=val_seed(self.seed, step, s.name)).token_ids
                 if not self.enabled:
                     continue
                 texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
@@ -231,55 +232,6 @@ class Validation:
         for scorer in self._scorers.values():
             scorer.close()
         self._scorers.clear()
-
-
-def plan_calls(prompt_lens: Sequence[int], n: int, budget: tuple[int, int] | None) -> list[tuple[int, int, int, int]]:
-    """Split n samples of each prompt into generate calls (first prompt, prompts, first sample, samples per prompt)
-    whose prompts all fit one scheduler step, budget = (tokens, sequences); None: one call.
-
-    Why: vLLM rewinds a seeded request's generator after a partial (chunked) prefill, which a CPU generator cannot do
-    ("CPU Generator does not use offset"); a call whose prompts are all prefilled in its first step never chunks. A
-    validation set (32 problems x 32 samples) is far larger than a step's budget on CPU (4,096 tokens)."""
-    if budget is None:
-        return [(0, len(prompt_lens), 0, n)]
-    max_tokens, max_seqs = budget
-    calls, i = [], 0
-    while i < len(prompt_lens):
-        if prompt_lens[i] * n > max_tokens or n > max_seqs:  # this prompt's samples alone overflow: split them
-            m = max(1, min(max_seqs, max_tokens // prompt_lens[i]))
-            calls += [(i, 1, k, min(m, n - k)) for k in range(0, n, m)]
-            i += 1
-            continue
-        j, tokens = i, 0
-        while j < len(prompt_lens) and tokens + prompt_lens[j] * n <= max_tokens and (j - i + 1) * n <= max_seqs:
-            tokens += prompt_lens[j] * n
-            j += 1
-        calls.append((i, j - i, 0, n))
-        i = j
-    return calls
-
-
-def sample_set(rollout, prompts: list[list[int]], n: int, sampling, *, seed: int,
-               budget: tuple[int, int] | None | str = "engine") -> list[list[int]]:
-    """n samples per prompt (token ids, prompt-major) through as many calls as `plan_calls` needs. Sample k of prompt
-    i is seeded seed + i * n + k however the calls are cut (vLLM seeds a request's k-th sample with its seed + k), so
-    the samples are those of one call over the whole set."""
-    if budget == "engine":
-        budget = _cpu_step_budget(rollout)
-    token_ids = []
-    for first, count, k0, m in plan_calls([len(p) for p in prompts], n, budget):
-        out = rollout.generate(prompts[first:first + count], m, sampling, seed=seed + first * n + k0)
-        token_ids += out.token_ids
-    return token_ids
-
-
-def _cpu_step_budget(rollout) -> tuple[int, int] | None:
-    """(tokens, sequences) the vLLM engine schedules per step, on CPU only (CUDA generators rewind: one call)."""
-    engine = getattr(rollout, "engine", None)
-    if getattr(engine, "on_gpu", True):
-        return None
-    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
-    return int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs)
 
 
 def _drop_prefix_cache(rollout) -> None:
