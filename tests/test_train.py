@@ -143,3 +143,83 @@ def test_eval_avg_at_n_on_an_hf_folder_and_a_megatron_checkpoint(tmp_path, tiny_
         assert (summary["temperature"], summary["top_p"]) == (0.7, 0.9)
         lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
         assert len(lines) == 6 and {line["sample"] for line in lines} == {0, 1}
+
+
+# --- helpers die with the trainer (kill -9 leaves no orphans) ---------------------------------------------------------
+
+HANGING_VERIFIER = '''
+import time
+
+
+class Hang:
+    """A verifier that never returns: its worker stays busy (an idle worker would leave on its pipe's EOF anyway)."""
+
+    def __call__(self, response, answer):
+        open(answer, "w").close()
+        time.sleep(600)
+        return 0.0
+'''
+
+SCORER_OWNER = '''
+import sys
+
+from hang import Hang
+from justrl_megatron.rewards.pool import BatchScorer
+
+if __name__ == "__main__":
+    BatchScorer(Hang(), num_workers=2, timeout_s=600).score(["a", "b"], [sys.argv[1] + "/0", sys.argv[1] + "/1"])
+'''
+
+ENGINE_OWNER = '''
+import sys
+import time
+
+from justrl_megatron.rollout.vllm_engine import VLLMEngine
+
+if __name__ == "__main__":
+    engine = VLLMEngine(sys.argv[1], dtype="fp32", max_model_len=128, enforce_eager=True, in_process=False)
+    print("ready", flush=True)
+    time.sleep(600)
+'''
+
+
+def _kill_owner_and_assert_no_orphans(proc, min_children: int):
+    """SIGKILL only the owner (not its group: that is what the OOM killer does); every process it started must be
+    gone within a few seconds (zombies count as gone: only init can reap them now)."""
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= min_children, children
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    alive = children
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    for c in alive:  # do not leave them behind for the next test
+        c.kill()
+    assert not alive, [(c.pid, c.cmdline()[:3]) for c in alive]
+
+
+def test_reward_workers_die_with_a_killed_owner(tmp_path):
+    (tmp_path / "hang.py").write_text(HANGING_VERIFIER)
+    (tmp_path / "owner.py").write_text(SCORER_OWNER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):  # both workers are inside an item
+        assert proc.poll() is None and time.time() < deadline, "the scorer did not start"
+        time.sleep(0.1)
+    _kill_owner_and_assert_no_orphans(proc, min_children=3)  # forkserver + 2 workers (+ resource tracker)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_split_placement_engine_process_dies_with_a_killed_owner(tmp_path, tiny_llama):
+    (tmp_path / "owner.py").write_text(ENGINE_OWNER)
+    env = {**ENV, "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tiny_llama)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline().strip() == "ready", "the engine did not start"
+    _kill_owner_and_assert_no_orphans(proc, min_children=1)  # vLLM's engine-core process

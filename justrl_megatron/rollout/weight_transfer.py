@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import multiprocessing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -37,6 +38,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from ..lifeline import die_with_parent
 from .base import NamedTensor, WeightStream
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -296,6 +298,8 @@ def register_backends() -> None:
 
 
 register_backends()
+if multiprocessing.parent_process() is not None:  # imported in a spawned vLLM engine process (split placement)
+    die_with_parent()
 
 
 class WorkerExtension:
