@@ -56,6 +56,7 @@ class MetricsLogger:
         self._progress = None
         if not enabled:
             return
+        drop_rows_after(self.path, start_step)  # a resumed run logs the steps after its checkpoint again
         if logging_cfg.wandb_mode != "disabled":
             import wandb
 
@@ -94,6 +95,26 @@ class MetricsLogger:
             self._progress.stop()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the rows of steps <= `step` in metrics.jsonl (and no torn last line from a killed run), so that every
+    step appears once however often a run resumes. Rewritten atomically; untouched when nothing is dropped."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # torn or foreign line
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def _wandb_id(run_dir) -> str:
@@ -139,7 +160,7 @@ def read_metrics(run_dir) -> list[dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            by_step[rec["step"]] = rec  # a resumed run rewrites the steps after its checkpoint: keep the last
+            by_step[rec["step"]] = rec  # (MetricsLogger drops replayed rows on resume; older run dirs may have them)
     return [by_step[s] for s in sorted(by_step)]
 
 
