@@ -151,6 +151,27 @@ def test_distributed_optimizer_exact_resume_and_reshard(resume):
         assert v["distopt_reshard_tp2_max_diff_w4"] <= 1.5 * v["layout_noise_w4"]
 
 
+def test_damaged_latest_checkpoint_falls_back_on_every_rank(resume):
+    """A truncated shard of step 3: auto resumes step 2 on both ranks (with a warning from rank 0 naming the file),
+    strict stops on both with the same message; a checkpoint without a manifest is caught by loading it."""
+    verdicts = resume[1]
+    shard = verdicts[0]["damaged_shard"]
+    for rank, v in enumerate(verdicts):
+        auto = v["damaged_auto"]
+        assert auto["step"] == 2 and auto["weights_equal_w2"], auto
+        assert (len(auto["warning"]) == 1) == (rank == 0), auto  # rank 0 speaks
+        strict = v["damaged_strict"]["error"]
+        assert "checkpoint step 3" in strict and f"step_00000003) is damaged: {shard}: 100 bytes" in strict, strict
+        assert "step 2" in strict and "trainer.resume=auto" in strict
+        legacy = v["damaged_no_manifest"]
+        assert legacy["step"] == 2 and legacy["weights_equal_w2"], legacy
+    warning = verdicts[0]["damaged_auto"]["warning"][0]
+    assert f"{shard}: 100 bytes, the manifest says" in warning and "resuming from step 2" in warning
+    legacy_warning = verdicts[0]["damaged_no_manifest"]["warning"][0]
+    assert "checkpoint step 3" in legacy_warning and "loading it failed" in legacy_warning
+    assert "Traceback" not in legacy_warning and len(legacy_warning) < 1000, legacy_warning
+
+
 def test_training_checkpoint_exports_to_hf(resume, tmp_path):
     """`justrl-convert mcore-to-hf --ckpt RUN_DIR` takes the latest step (the resumed run's step 4 == A's weights)."""
     out, _ = resume

@@ -131,9 +131,9 @@ class VLLMEngine:
             if tensor_parallel != 1:
                 raise ValueError("an engine in a child process (split placement) serves one rank's device: "
                                  "rollout tensor_parallel must be 1 there")
-            from justrl_megatron.lifeline import forked_children_die_with_us
+            from justrl_megatron.lifeline import mark_trainer
 
-            forked_children_die_with_us()  # vLLM forks its engine process on CPU: it must die with this rank
+            mark_trainer()  # vLLM's engine processes (spawned) must die with this rank, even a killed one
             if self.on_gpu:  # the child must use this rank's GPU (vLLM takes the first visible one)
                 os.environ["CUDA_VISIBLE_DEVICES"] = _physical_gpu(torch.cuda.current_device())
             if self.backend == "ipc":  # IPC handles are pickled into the request (vLLM's own HTTP client does too)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import multiprocessing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -38,7 +37,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from ..lifeline import die_with_parent
+from ..lifeline import exit_with_trainer
 from .base import NamedTensor, WeightStream
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -298,8 +297,7 @@ def register_backends() -> None:
 
 
 register_backends()
-if multiprocessing.parent_process() is not None:  # imported in a spawned vLLM engine process (split placement)
-    die_with_parent()
+exit_with_trainer()  # imported by vLLM's worker process (split placement): it must not outlive a killed trainer
 
 
 class WorkerExtension:
