@@ -5,11 +5,10 @@ A killed trainer cannot clean up, so the helpers must notice by themselves:
 - reward pool workers (`exit_with_starter`): multiprocessing's forkserver is their kernel parent and stays up as long
   as any of its children does, so PR_SET_PDEATHSIG would not fire; a daemon thread waits on the pipe that only the
   starting process holds open and SIGKILLs the worker when it closes.
-- vLLM's engine processes under split placement (`mark_trainer` in the trainer, `exit_with_trainer` in the helper):
-  vLLM spawns an engine-core process, which spawns a worker; only the worker runs our code (it imports
-  rollout/weight_transfer.py, vLLM's `worker_extension_cls`). The trainer's pid travels in the environment; a daemon
-  thread in the worker waits for that process to exit (a pidfd), then SIGKILLs the engine-core process between them
-  and itself.
+- vLLM's engine processes under split placement (`exit_with_trainer`): vLLM spawns an engine-core process, which
+  spawns a worker; the trainer asks the worker (a collective_rpc into rollout/weight_transfer.py's WorkerExtension,
+  right after start-up) to watch the trainer's pid through a pidfd; when it exits, the worker SIGKILLs the engine-core
+  process between them, then itself.
 A helper stuck in C code that holds the GIL is killed when it lets go of it.
 """
 
@@ -22,8 +21,6 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait
-
-TRAINER_PID_ENV = "JUSTRL_TRAINER_PID"
 
 
 def exit_with_starter() -> bool:
@@ -39,11 +36,6 @@ def exit_with_starter() -> bool:
 
     threading.Thread(target=watch, daemon=True, name="justrl-starter-watch").start()
     return True
-
-
-def mark_trainer() -> None:
-    """In the trainer, before it starts helpers that call `exit_with_trainer`: they inherit its pid."""
-    os.environ[TRAINER_PID_ENV] = str(os.getpid())
 
 
 def _wait_for_exit(pid: int) -> None:
@@ -63,12 +55,11 @@ def _wait_for_exit(pid: int) -> None:
     select.select([fd], [], [])  # a pidfd turns readable when its process exits
 
 
-def exit_with_trainer() -> bool:
-    """In a multiprocessing descendant of a `mark_trainer` process: when the trainer exits, SIGKILL this process'
-    parent unless that is the trainer (vLLM's engine-core process), then this process. Returns whether a watch was
-    started."""
-    trainer = int(os.environ.get(TRAINER_PID_ENV, "0") or 0)
-    if trainer in (0, os.getpid()) or multiprocessing.parent_process() is None:  # only in multiprocessing helpers
+def exit_with_trainer(trainer: int) -> bool:
+    """In a helper started (directly or through one process in between) by process `trainer`: when that exits,
+    SIGKILL this process' parent unless that is the trainer itself (vLLM's engine-core process), then this process.
+    Returns whether a watch was started (not in the trainer itself)."""
+    if trainer == os.getpid():
         return False
     parent = os.getppid()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -133,21 +134,24 @@ def _staging(out: str | os.PathLike) -> Path:
     return out.parent / f".{out.name}.justrl-convert-tmp"
 
 
-def _begin_output(out: str | os.PathLike) -> Path:
-    """All ranks: a fresh, empty staging folder (rank 0 makes it); returns it."""
-    tmp = _staging(out)
+@contextlib.contextmanager
+def _staged_output(out: str | os.PathLike):
+    """All ranks: yields a fresh, empty staging folder to write into; on success it replaces --out (an old output is
+    removed only after the rename). On failure --out is left as it was; a single process also removes the staging
+    folder (under torchrun the other ranks may still write into it: the next run removes it)."""
+    out, tmp = Path(out), _staging(out)
     if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died
         tmp.mkdir(parents=True)
     _barrier()
-    return tmp
-
-
-def _finish_output(out: str | os.PathLike) -> None:
-    """All ranks: the complete staging folder replaces --out (an old output is removed only after the rename)."""
+    try:
+        yield tmp
+    except BaseException:
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     if _rank0():
-        out, tmp = Path(out), _staging(out)
         old = out.parent / f".{out.name}.justrl-convert-old"
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():
@@ -238,15 +242,14 @@ def hf_to_mcore(args) -> int:
     chunks = _setup(shape, args.tp, args.pp, args.vpp, dtype, args.make_vocab_size_divisible_by)
     load_hf_weights(chunks, args.hf)
     out = Path(args.out)
-    tmp = _begin_output(out)
     _say(f"saving dist checkpoint to {out}")
-    save_model(chunks, tmp)
-    if _rank0():
-        meta = layout_meta(chunks, shape, kind="hf-to-mcore", source=str(Path(args.hf).resolve()),
-                           target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp,
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-        write_meta(tmp, meta, hf_source=args.hf)
-    _finish_output(out)
+    with _staged_output(out) as tmp:
+        save_model(chunks, tmp)
+        if _rank0():
+            meta = layout_meta(chunks, shape, kind="hf-to-mcore", source=str(Path(args.hf).resolve()),
+                               target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp,
+                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+            write_meta(tmp, meta, hf_source=args.hf)
     _say(f"done: {out} ({shape.family}, {shape.num_layers} layers, {str(dtype).removeprefix('torch.')}; "
          f"loads at any TP/PP, vocab padded for TP={args.tp})")
     return 0
@@ -269,9 +272,8 @@ def mcore_to_hf(args) -> int:
     chunks = _setup(shape, args.tp, args.pp, args.vpp, ckpt_dtype)
     _say(f"loading {ckpt}")
     load_model(chunks, ckpt)
-    tmp = _begin_output(args.out)
-    save_hf(chunks, shape, tmp, hf_dir, dtype=export_dtype, bucket_bytes=args.shard_size_mb << 20)
-    _finish_output(args.out)
+    with _staged_output(args.out) as tmp:
+        save_hf(chunks, shape, tmp, hf_dir, dtype=export_dtype, bucket_bytes=args.shard_size_mb << 20)
     _say(f"done: {args.out} (loadable by transformers and vLLM)")
     return 0
 

@@ -131,9 +131,6 @@ class VLLMEngine:
             if tensor_parallel != 1:
                 raise ValueError("an engine in a child process (split placement) serves one rank's device: "
                                  "rollout tensor_parallel must be 1 there")
-            from justrl_megatron.lifeline import mark_trainer
-
-            mark_trainer()  # vLLM's engine processes (spawned) must die with this rank, even a killed one
             if self.on_gpu:  # the child must use this rank's GPU (vLLM takes the first visible one)
                 os.environ["CUDA_VISIBLE_DEVICES"] = _physical_gpu(torch.cuda.current_device())
             if self.backend == "ipc":  # IPC handles are pickled into the request (vLLM's own HTTP client does too)
@@ -147,6 +144,8 @@ class VLLMEngine:
         from vllm import LLM
 
         self.llm = LLM(**kwargs)
+        if not in_process:  # vLLM's engine processes must die with this rank, even a killed one
+            self.llm.collective_rpc("justrl_exit_with_trainer", args=(os.getpid(),))
         self._version = 0
         self.llm.update_weight_version("0")  # the weights of model_dir are version 0
         self._asleep: set[str] = set()

@@ -297,11 +297,14 @@ def register_backends() -> None:
 
 
 register_backends()
-exit_with_trainer()  # imported by vLLM's worker process (split placement): it must not outlive a killed trainer
 
 
 class WorkerExtension:
     """Named as vLLM's `worker_extension_cls`: worker processes import this module, which registers the backends."""
+
+    def justrl_exit_with_trainer(self, trainer_pid: int) -> bool:
+        """Called by the trainer once the engine is up: this worker and its engine-core process die with it."""
+        return exit_with_trainer(trainer_pid)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
