@@ -51,6 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -209,7 +210,7 @@ def checkpoint_problem(folder: str | os.PathLike, *, training: bool = True) -> s
         if missing:
             return f"{', '.join(missing)} missing"
         empty = [rel for rel in _files(folder) if (folder / rel).stat().st_size == 0]
-        return f"{empty[0]}: empty file" if empty else None
+        return f"{empty[0]}: empty file" if empty else _shard_problem(folder)
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, TypeError) as exc:
@@ -223,6 +224,27 @@ def checkpoint_problem(folder: str | os.PathLike, *, training: bool = True) -> s
             return f"{rel}: {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
         if "crc32" in want and _crc32(path) != want["crc32"]:
             return f"{rel}: contents differ from the manifest's checksum (corrupted)"
+    return None
+
+
+def _shard_problem(folder: Path) -> str | None:
+    """Without a manifest: the dist checkpoint's own index (.metadata) says where each tensor lies in which shard
+    file; a shard shorter than that was cut short."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}
+    except Exception as exc:  # noqa: BLE001 - whatever makes the index unreadable
+        return f".metadata: unreadable ({_error_text(exc)})"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        if not (folder / rel).is_file():
+            return f"{rel}: missing"
+        size = (folder / rel).stat().st_size
+        if size < end:
+            return f"{rel}: {size} bytes, the checkpoint's index needs {end} (truncated)"
     return None
 
 
@@ -479,7 +501,8 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, schedu
         if problem is None:
             try:
                 extra = _load(path, chunks, optimizer, scheduler)
-            except Exception as exc:  # noqa: BLE001 - any failure to read a checkpoint means: try the previous one
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure to read it: try the previous
+                # (torch's CheckpointException, raised on every rank when any rank's read failed, is a BaseException)
                 extra, problem = None, f"loading it failed: {_error_text(exc)}"
             problem = _agreed(problem)
         if problem is None:
@@ -533,8 +556,8 @@ def _error_text(exc: BaseException, limit: int = 400) -> str:
     """One line: the root cause (torch's CheckpointException carries one exception per failed rank)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank, failure = next(iter(failures.items()))
-        exc = getattr(failure, "exception", failure)
+        failure = next(iter(failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
     while exc.__cause__ is not None:
         exc = exc.__cause__
     text = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -78,7 +78,7 @@ def test_checkpoint_problem_names_the_file_and_what_is_wrong(tmp_path):
 def test_checkpoints_without_a_manifest_are_checked_for_what_a_load_needs(tmp_path):
     """Written before manifests existed: still resumable; a missing or empty file is still caught."""
     folder = _fake_checkpoint(tmp_path / "old", manifest=False)
-    assert ckpt.checkpoint_problem(folder) is None
+    assert ckpt.checkpoint_problem(folder).startswith(".metadata: unreadable")  # its shard index (real ones: mp test)
     (folder / ".metadata").write_bytes(b"")
     assert ckpt.checkpoint_problem(folder) == ".metadata: empty file"
     (folder / ckpt.TRAINER_STATE).unlink()
@@ -163,13 +163,16 @@ def test_damaged_latest_checkpoint_falls_back_on_every_rank(resume):
         strict = v["damaged_strict"]["error"]
         assert "checkpoint step 3" in strict and f"step_00000003) is damaged: {shard}: 100 bytes" in strict, strict
         assert "step 2" in strict and "trainer.resume=auto" in strict
-        legacy = v["damaged_no_manifest"]
-        assert legacy["step"] == 2 and legacy["weights_equal_w2"], legacy
+        for damage in ("truncated", "zeroed"):
+            legacy = v[f"damaged_no_manifest_{damage}"]
+            assert legacy["step"] == 2 and legacy["weights_equal_w2"], legacy
     warning = verdicts[0]["damaged_auto"]["warning"][0]
     assert f"{shard}: 100 bytes, the manifest says" in warning and "resuming from step 2" in warning
-    legacy_warning = verdicts[0]["damaged_no_manifest"]["warning"][0]
-    assert "checkpoint step 3" in legacy_warning and "loading it failed" in legacy_warning
-    assert "Traceback" not in legacy_warning and len(legacy_warning) < 1000, legacy_warning
+    truncated = verdicts[0]["damaged_no_manifest_truncated"]["warning"][0]
+    assert f"{shard}: 100 bytes, the checkpoint's index needs" in truncated
+    zeroed = verdicts[0]["damaged_no_manifest_zeroed"]["warning"][0]
+    assert "checkpoint step 3" in zeroed and "loading it failed" in zeroed and "resuming from step 2" in zeroed
+    assert "Traceback" not in zeroed and len(zeroed) < 1000, zeroed
 
 
 def test_training_checkpoint_exports_to_hf(resume, tmp_path):

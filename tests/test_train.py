@@ -109,6 +109,36 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama)
     assert_same_weights(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
 
 
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_llama):
+    """A truncated shard in the latest checkpoint: the rerun names it and resumes the step before (metrics.jsonl
+    keeps each step once, heldout_accuracy.json stays valid JSON with eval_samples=0); trainer.resume=strict stops
+    with the same message instead (exit code 2, no traceback)."""
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_llama}", *SHORT, "trainer.eval_samples=0", f"trainer.run_dir={run_dir}"]
+    train([*args, "trainer.total_steps=3"])
+    shard = sorted((run_dir / "checkpoints" / "step_00000003").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+
+    resumed = train([*args, "trainer.total_steps=4"])
+    said = resumed.stderr + resumed.stdout
+    assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in said, said[-3000:]
+    assert "resuming from step 2" in said and "at step 2" in said
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]  # step 3 logged again, once
+    assert json.loads((run_dir / "heldout_accuracy.json").read_text())["problems"] == 0
+
+    shard = sorted((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    proc = subprocess.run(train_cmd([*args, "trainer.total_steps=5", "trainer.resume=strict"]), capture_output=True,
+                          text=True, timeout=600, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
+    assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
 def test_missing_model_path_is_one_clear_message(tmp_path):
     proc = subprocess.run(train_cmd([f"model.path={tmp_path / 'nope'}", f"trainer.run_dir={tmp_path / 'r'}"]),
                           capture_output=True, text=True, timeout=300, env=ENV)
