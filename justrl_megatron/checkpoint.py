@@ -560,5 +560,9 @@ def _error_text(exc: BaseException, limit: int = 400) -> str:
         exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # torch.load's advice about weights_only hides what is wrong: the bytes
+        detail = text.split("WeightsUnpickler error:")[1].split("Check the")[0].strip()
+        text = f"not a torch-saved tensor ({detail})"
+    text = " ".join(f"{type(exc).__name__}: {text}".split())
     return text if len(text) <= limit else text[:limit] + " ..."
