@@ -175,7 +175,7 @@ def test_eval_avg_at_n_on_an_hf_folder_and_a_megatron_checkpoint(tmp_path, tiny_
         assert len(lines) == 6 and {line["sample"] for line in lines} == {0, 1}
 
 
-# --- helpers die with the trainer (kill -9 leaves no orphans) ---------------------------------------------------------
+# --- helpers die with the trainer (kill -9 leaves no orphans) -------------------------------------------------------
 
 HANGING_VERIFIER = '''
 import time
@@ -229,7 +229,7 @@ def _kill_owner_and_assert_no_orphans(proc, min_children: int):
 
     proc.kill()
     proc.wait()
-    deadline = time.time() + 20  # multiprocessing's resource tracker leaves last, after its clients; a loaded machine
+    deadline = time.time() + 20  # the resource tracker leaves last, after its clients (slow on a loaded machine)
     alive = children
     while alive and time.time() < deadline:
         time.sleep(0.2)
