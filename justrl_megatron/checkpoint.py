@@ -25,7 +25,7 @@ Damage after the fact (a truncated or deleted file, a bad disk, a copy cut short
 checked against its manifest (cheap: sizes, and checksums of the small files), then loaded; a problem on any rank
 counts for all (a collective), so every rank resumes the same step. `load_latest_checkpoint` names the damaged
 checkpoint (step, file, what is wrong) and falls back to the newest intact one, or stops (strict). Checkpoints from
-before manifests are checked for their required files and by loading them.
+before manifests are checked for their required files, against their own shard index (.metadata), and by loading.
 Retention: after each save only the newest `keep_last` step folders are kept.
 
 Resharding: model weights and the optimizer state (megatron's reshardable formats) load at any TP / PP. RNG states are
@@ -50,8 +50,8 @@ import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before meg
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
+from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -198,7 +198,8 @@ def write_manifest(folder: str | os.PathLike) -> None:
 
 def checkpoint_problem(folder: str | os.PathLike, *, training: bool = True) -> str | None:
     """What is wrong with a checkpoint folder ("<file>: <what>"), or None when it looks intact. Cheap: the manifest's
-    sizes and checksums; without a manifest (written before manifests existed), the files a load needs.
+    sizes and checksums; without a manifest (written before manifests existed), the files a load needs and the shard
+    sizes the checkpoint's own index implies.
     `training=False` for model checkpoints (converter outputs: no trainer state)."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -248,7 +249,7 @@ def _shard_problem(folder: Path) -> str | None:
     return None
 
 
-def intact_steps(run_dir: str | os.PathLike) -> list[int]:
+def resume_candidates(run_dir: str | os.PathLike) -> list[int]:
     """The steps to try on resume, best first: what `latest` points to, then the older step folders, newest first."""
     latest = latest_step(run_dir)
     if latest is None:
@@ -259,7 +260,7 @@ def intact_steps(run_dir: str | os.PathLike) -> list[int]:
 
 def newest_intact_step(run_dir: str | os.PathLike, below: int | None = None) -> int | None:
     """The newest step (below `below`) whose folder passes `checkpoint_problem` (not loaded: a hint, not a promise)."""
-    for step in intact_steps(run_dir):
+    for step in resume_candidates(run_dir):
         if (below is None or step < below) and checkpoint_problem(step_dir(run_dir, step)) is None:
             return step
     return None
@@ -491,7 +492,7 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, schedu
     next older one is tried; all ranks agree on each verdict, so they resume the same step. `strict`: raise
     CheckpointError at the first damaged one instead. CheckpointError too when none is intact.
     """
-    steps = intact_steps(run_dir)
+    steps = resume_candidates(run_dir)
     if not steps:
         return None
     damaged = []

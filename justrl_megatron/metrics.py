@@ -98,19 +98,23 @@ class MetricsLogger:
 
 
 def drop_rows_after(path: Path, step: int) -> None:
-    """Keep only the rows of steps <= `step` in metrics.jsonl (and no torn last line from a killed run), so that every
-    step appears once however often a run resumes. Rewritten atomically; untouched when nothing is dropped."""
+    """Keep only the rows of steps <= `step` in metrics.jsonl, one per step (and no torn last line from a killed run),
+    so that every step appears once however often a run resumes. Rewritten atomically; untouched when nothing
+    changes."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
-    keep = []
+    text = path.read_text()
+    lines = text.splitlines()
+    by_step = {}
     for line in lines:
         try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
+            row_step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
-            pass  # torn or foreign line
-    if len(keep) == len(lines):
+            continue  # torn or foreign line
+        if row_step <= step:
+            by_step[row_step] = line  # a run dir from before this rule may repeat a step: its last row counts
+    keep = [by_step[s] for s in sorted(by_step)]
+    if keep == lines and text.endswith("\n"):  # (a last line without one would glue to the next row)
         return
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in keep))

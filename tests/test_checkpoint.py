@@ -90,7 +90,7 @@ def test_newest_intact_step_walks_back_from_latest(tmp_path):
     for step in (1, 2, 3):
         _fake_checkpoint(ckpt.step_dir(tmp_path, step))
     (ckpt.checkpoint_root(tmp_path) / "latest").write_text("step_00000003\n")
-    assert ckpt.intact_steps(tmp_path) == [3, 2, 1]
+    assert ckpt.resume_candidates(tmp_path) == [3, 2, 1]
     assert ckpt.newest_intact_step(tmp_path) == 3
     (ckpt.step_dir(tmp_path, 3) / ".metadata").write_bytes(b"")
     (ckpt.step_dir(tmp_path, 2) / "__0_0.distcp").unlink()
