@@ -126,7 +126,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, t
     assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in said, said[-3000:]
     assert "resuming from step 2" in said and "at step 2" in said
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]  # step 3 logged again, once
-    assert json.loads((run_dir / "heldout_accuracy.json").read_text())["problems"] == 0
+    assert json.loads((run_dir / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
 
     shard = sorted((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
@@ -137,6 +137,15 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, t
     assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
     assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_heldout_accuracy_json_is_valid_json_without_numbers(tmp_path):
+    from justrl_megatron.train.loop import _write_heldout
+
+    _write_heldout(tmp_path, None, None)  # trainer.eval_samples=0
+    assert json.loads((tmp_path / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
+    _write_heldout(tmp_path, float("nan"), 0.5)  # NaN is not JSON: null
+    assert json.loads((tmp_path / "heldout_accuracy.json").read_text()) == {"start": None, "end": 0.5}
 
 
 def test_missing_model_path_is_one_clear_message(tmp_path):

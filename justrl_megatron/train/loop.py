@@ -161,7 +161,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if start_accuracy is not None:
             logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
                          f"end {end_accuracy:.3f}")
-        _write_heldout(run_dir, start_accuracy, end_accuracy, len(heldout))
+        _write_heldout(run_dir, start_accuracy, end_accuracy)
         logger.print(f"curves: {plot_curves(run_dir)}")
     logger.close()
     if scorer is not None:
@@ -220,17 +220,14 @@ def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str =
     return int(resumed["step"])
 
 
-def _write_heldout(run_dir, start, end, problems: int) -> None:
+def _write_heldout(run_dir, start, end) -> None:
     """heldout_accuracy.json, valid JSON in every case: null where there is no number (no held-out set with
     trainer.eval_samples=0, no start after a resume); written atomically."""
     def number(x):
         return None if x is None or not math.isfinite(x) else float(x)
 
-    record = {"start": number(start), "end": number(end), "problems": problems}
-    if problems == 0:
-        record["note"] = "no held-out evaluation (trainer.eval_samples=0)"
     tmp = run_dir / ".heldout_accuracy.json.tmp"
-    tmp.write_text(json.dumps(record, allow_nan=False) + "\n")
+    tmp.write_text(json.dumps({"start": number(start), "end": number(end)}, allow_nan=False) + "\n")
     os.replace(tmp, run_dir / "heldout_accuracy.json")
 
 
