@@ -18,8 +18,14 @@ Layout (all under `run_dir/checkpoints/`):
   latest                   "step_00000020": written last, by atomic replace
   .tmp_step_00000030/      a save in progress (or one that died): never read; the next save removes it
 
-Atomicity: every rank writes into the temp folder and fsyncs; after a barrier rank 0 renames it to step_N, fsyncs the
-folder, then replaces `latest`. A crash at any point leaves `latest` on the previous complete checkpoint.
+Atomicity: every rank writes into the temp folder and fsyncs; after a barrier rank 0 writes manifest.json (every file
+with its size, and a CRC32 of the small ones), renames the folder to step_N, fsyncs, then replaces `latest`. A crash
+at any point leaves `latest` on the previous complete checkpoint.
+Damage after the fact (a truncated or deleted file, a bad disk, a copy cut short): on resume every candidate is first
+checked against its manifest (cheap: sizes, and checksums of the small files), then loaded; a problem on any rank
+counts for all (a collective), so every rank resumes the same step. `load_latest_checkpoint` names the damaged
+checkpoint (step, file, what is wrong) and falls back to the newest intact one, or stops (strict). Checkpoints from
+before manifests are checked for their required files, against their own shard index (.metadata), and by loading.
 Retention: after each save only the newest `keep_last` step folders are kept.
 
 Resharding: model weights and the optimizer state (megatron's reshardable formats) load at any TP / PP. RNG states are
@@ -35,13 +41,16 @@ import os
 import random
 import shutil
 import warnings
+import zlib
 from pathlib import Path
+from typing import Callable
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -129,6 +138,8 @@ LATEST = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 TRAINER_STATE = "trainer_state.pt"
+MANIFEST = "manifest.json"  # written last into a complete checkpoint: its files, sizes and small files' CRC32
+CRC_MAX_BYTES = 16 << 20  # checksum files up to this size (metadata, common state, RNG); the big shards: size only
 # megatron's reshardable optimizer formats (DistributedOptimizer: gathers per-parameter state; plain optimizers are
 # always per-parameter); the same metadata must be used to save and to load.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -153,6 +164,106 @@ def latest_step(run_dir: str | os.PathLike) -> int | None:
     # no (readable) pointer: a crash between the rename and the pointer update; renamed folders are complete
     steps = sorted(int(p.name[len(STEP_PREFIX):]) for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir())
     return steps[-1] if steps else None
+
+
+class CheckpointError(Exception):
+    """No checkpoint can be resumed (damaged, with trainer.resume=strict, or all of them): the message says which file
+    and what to do."""
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: str | os.PathLike) -> None:
+    """Rank 0, after every rank's files are written: manifest.json lists them (durably; call it last)."""
+    folder = Path(folder)
+    files = {}
+    for rel in _files(folder):
+        size = (folder / rel).stat().st_size
+        files[rel] = {"bytes": size, **({"crc32": _crc32(folder / rel)} if size <= CRC_MAX_BYTES else {})}
+    with open(folder / MANIFEST, "w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def checkpoint_problem(folder: str | os.PathLike, *, training: bool = True) -> str | None:
+    """What is wrong with a checkpoint folder ("<file>: <what>"), or None when it looks intact. Cheap: the manifest's
+    sizes and checksums; without a manifest (written before manifests existed), the files a load needs and the shard
+    sizes the checkpoint's own index implies.
+    `training=False` for model checkpoints (converter outputs: no trainer state)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "the folder is missing"
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        needed = ["metadata.json", ".metadata", *([TRAINER_STATE] if training else [])]
+        missing = [n for n in needed if not (folder / n).is_file()]
+        if missing:
+            return f"{', '.join(missing)} missing"
+        empty = [rel for rel in _files(folder) if (folder / rel).stat().st_size == 0]
+        return f"{empty[0]}: empty file" if empty else _shard_problem(folder)
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST}: unreadable ({exc})"
+    for rel, want in files.items():
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel}: missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{rel}: {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
+        if "crc32" in want and _crc32(path) != want["crc32"]:
+            return f"{rel}: contents differ from the manifest's checksum (corrupted)"
+    return None
+
+
+def _shard_problem(folder: Path) -> str | None:
+    """Without a manifest: the dist checkpoint's own index (.metadata) says where each tensor lies in which shard
+    file; a shard shorter than that was cut short."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}
+    except Exception as exc:  # noqa: BLE001 - whatever makes the index unreadable
+        return f".metadata: unreadable ({_error_text(exc)})"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(ends.items()):
+        if not (folder / rel).is_file():
+            return f"{rel}: missing"
+        size = (folder / rel).stat().st_size
+        if size < end:
+            return f"{rel}: {size} bytes, the checkpoint's index needs {end} (truncated)"
+    return None
+
+
+def resume_candidates(run_dir: str | os.PathLike) -> list[int]:
+    """The steps to try on resume, best first: what `latest` points to, then the older step folders, newest first."""
+    latest = latest_step(run_dir)
+    if latest is None:
+        return []
+    older = [int(p.name[len(STEP_PREFIX):]) for p in checkpoint_root(run_dir).glob(f"{STEP_PREFIX}*") if p.is_dir()]
+    return [latest, *sorted((s for s in older if s < latest), reverse=True)]
+
+
+def newest_intact_step(run_dir: str | os.PathLike, below: int | None = None) -> int | None:
+    """The newest step (below `below`) whose folder passes `checkpoint_problem` (not loaded: a hint, not a promise)."""
+    for step in resume_candidates(run_dir):
+        if (below is None or step < below) and checkpoint_problem(step_dir(run_dir, step)) is None:
+            return step
+    return None
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
@@ -326,6 +437,7 @@ def _commit(run_dir, step: int, tmp: Path, keep_last: int | None) -> Path:
     final = step_dir(run_dir, step)
     _barrier()  # every rank's files are written and fsynced
     if _rank() == 0:
+        write_manifest(tmp)
         for dirpath, _, _ in os.walk(tmp):
             _fsync_dir(Path(dirpath))
         old = None
@@ -370,16 +482,48 @@ def save_checkpoint(
     return _commit(run_dir, step, tmp, keep_last)
 
 
-def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, scheduler) -> dict | None:
-    """Restore the latest complete checkpoint into chunks / optimizer / scheduler and this rank's RNG states.
+def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, scheduler, *, strict: bool = False,
+                           warn: Callable[[str], None] | None = None) -> dict | None:
+    """Restore the latest intact checkpoint into chunks / optimizer / scheduler and this rank's RNG states.
 
-    Returns the caller's extra state with "step" added, or None when there is no checkpoint (a fresh start).
-    The optimizer may be None (weights only).
+    Returns the caller's extra state with "step" added, or None when there is no checkpoint (a fresh start). The
+    optimizer may be None (weights only). A damaged latest checkpoint (see `checkpoint_problem`, or one that fails to
+    load on any rank) is skipped with a message through `warn` (rank 0; default: warnings.warn) naming it, and the
+    next older one is tried; all ranks agree on each verdict, so they resume the same step. `strict`: raise
+    CheckpointError at the first damaged one instead. CheckpointError too when none is intact.
     """
-    step = latest_step(run_dir)
-    if step is None:
+    steps = resume_candidates(run_dir)
+    if not steps:
         return None
-    path = step_dir(run_dir, step)
+    damaged = []
+    for step in steps:
+        path = step_dir(run_dir, step)
+        problem = _agreed(checkpoint_problem(path))
+        if problem is None:
+            try:
+                extra = _load(path, chunks, optimizer, scheduler)
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure to read it: try the previous
+                # (torch's CheckpointException, raised on every rank when any rank's read failed, is a BaseException)
+                extra, problem = None, f"loading it failed: {_error_text(exc)}"
+            problem = _agreed(problem)
+        if problem is None:
+            if damaged and _rank() == 0:
+                (warn or (lambda m: warnings.warn(m, stacklevel=3)))(
+                    "; ".join(damaged) + f"; resuming from step {step} ({path}), the newest intact checkpoint "
+                    f"(trainer.resume=auto; `strict` stops instead)")
+            return extra
+        damaged.append(f"checkpoint step {step} ({path}) is damaged: {problem}")
+        if strict:
+            previous = newest_intact_step(run_dir, below=step)
+            hint = (f"step {previous} ({step_dir(run_dir, previous)}) looks intact: set trainer.resume=auto to resume "
+                    f"from it, or remove {path}" if previous is not None else
+                    f"no older checkpoint is intact: remove {checkpoint_root(run_dir)} to start over")
+            raise CheckpointError(f"{damaged[-1]}; {hint}")
+    raise CheckpointError("; ".join(damaged) + f"; no intact checkpoint is left: remove {checkpoint_root(run_dir)} to "
+                          f"start over from the model's weights")
+
+
+def _load(path: Path, chunks, optimizer, scheduler) -> dict:
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
     with torch.no_grad():
         load_model_state(chunks, loaded)
@@ -395,6 +539,31 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, schedu
         set_rng_state(saved["rng"])
     elif _rank() == 0:
         warnings.warn(f"{path}: saved at layout {saved['layout'] if saved else 'unknown'}, resumed at {_layout()}: "
-                      f"weights and optimizer state are resharded, RNG states are not restored", stacklevel=2)
+                      f"weights and optimizer state are resharded, RNG states are not restored", stacklevel=3)
     _barrier()
     return {**trainer["extra"], "step": trainer["step"]}
+
+
+def _agreed(problem: str | None) -> str | None:
+    """The first rank's problem, on every rank (None when no rank has one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p + (f" (on rank {r})" if r else "") for r, p in enumerate(problems) if p), None)
+
+
+def _error_text(exc: BaseException, limit: int = 400) -> str:
+    """One line: the root cause (torch's CheckpointException carries one exception per failed rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:  # torch.load's advice about weights_only hides what is wrong: the bytes
+        detail = text.split("WeightsUnpickler error:")[1].split("Check the")[0].strip()
+        text = f"not a torch-saved tensor ({detail})"
+    text = " ".join(f"{type(exc).__name__}: {text}".split())
+    return text if len(text) <= limit else text[:limit] + " ..."

@@ -139,6 +139,7 @@ class TrainerConfig:
     run_dir: str = "runs/${recipe_name}"
     save_every: int = 50
     keep_last: int = 2
+    resume: str = "auto"  # a damaged latest checkpoint: auto = say so and resume the newest intact one | strict = stop
     eval_every: int = 0  # validate on data.val every K steps and at the last one (0: off)
     eval_before_train: bool = True  # with eval_every > 0: validate the initial weights too (logged as step 0)
     eval_samples: int = 64
@@ -206,6 +207,8 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"rollout.placement must be colocated or split, got {ro.placement!r}")
     if ro.n < 1:
         problems.append(f"rollout.n must be >= 1, got {ro.n}")
+    if tr.resume not in ("auto", "strict"):
+        problems.append(f"trainer.resume must be auto or strict, got {tr.resume!r}")
     if tr.mini_batch_size < 1 or tr.prompts_per_step % tr.mini_batch_size:
         problems.append(
             f"trainer.prompts_per_step x rollout.n ({tr.prompts_per_step} x {ro.n}) is not divisible by the mini-batch "

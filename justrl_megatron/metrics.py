@@ -56,6 +56,7 @@ class MetricsLogger:
         self._progress = None
         if not enabled:
             return
+        drop_rows_after(self.path, start_step)  # a resumed run logs the steps after its checkpoint again
         if logging_cfg.wandb_mode != "disabled":
             import wandb
 
@@ -94,6 +95,30 @@ class MetricsLogger:
             self._progress.stop()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the rows of steps <= `step` in metrics.jsonl, one per step (and no torn last line from a killed run),
+    so that every step appears once however often a run resumes. Rewritten atomically; untouched when nothing
+    changes."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    lines = text.splitlines()
+    by_step = {}
+    for line in lines:
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue  # torn or foreign line
+        if row_step <= step:
+            by_step[row_step] = line  # a run dir from before this rule may repeat a step: its last row counts
+    keep = [by_step[s] for s in sorted(by_step)]
+    if keep == lines and text.endswith("\n"):  # (a last line without one would glue to the next row)
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def _wandb_id(run_dir) -> str:
@@ -144,7 +169,7 @@ def read_metrics(run_dir) -> list[dict]:
     for line in path.read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            by_step[rec["step"]] = rec  # a resumed run rewrites the steps after its checkpoint: keep the last
+            by_step[rec["step"]] = rec  # (MetricsLogger drops replayed rows on resume; older run dirs may have them)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -47,6 +47,56 @@ def test_keep_last_must_be_positive(tmp_path):
         ckpt.save_checkpoint(tmp_path, 1, [], None, None, {}, keep_last=0)
 
 
+def _fake_checkpoint(folder, manifest=True):
+    folder.mkdir(parents=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (folder / ".metadata").write_bytes(b"m" * 100)
+    (folder / "__0_0.distcp").write_bytes(b"w" * (ckpt.CRC_MAX_BYTES + 1))  # big: checked by size only
+    (folder / ckpt.TRAINER_STATE).write_bytes(b"t" * 50)
+    if manifest:
+        ckpt.write_manifest(folder)
+    return folder
+
+
+def test_checkpoint_problem_names_the_file_and_what_is_wrong(tmp_path):
+    folder = _fake_checkpoint(tmp_path / "step_00000003")
+    assert ckpt.checkpoint_problem(folder) is None
+    with open(folder / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    assert ckpt.checkpoint_problem(folder) == (f"__0_0.distcp: 1000 bytes, the manifest says {ckpt.CRC_MAX_BYTES + 1} "
+                                               f"(truncated or overwritten)")
+    folder = _fake_checkpoint(tmp_path / "b")
+    (folder / ".metadata").write_bytes(b"x" * 100)  # same size, other bytes
+    assert ckpt.checkpoint_problem(folder) == ".metadata: contents differ from the manifest's checksum (corrupted)"
+    folder = _fake_checkpoint(tmp_path / "c")
+    (folder / ckpt.TRAINER_STATE).unlink()
+    assert ckpt.checkpoint_problem(folder) == "trainer_state.pt: missing"
+    (folder / ckpt.MANIFEST).write_text('{"files": ')
+    assert ckpt.checkpoint_problem(folder).startswith("manifest.json: unreadable")
+
+
+def test_checkpoints_without_a_manifest_are_checked_for_what_a_load_needs(tmp_path):
+    """Written before manifests existed: still resumable; a missing or empty file is still caught."""
+    folder = _fake_checkpoint(tmp_path / "old", manifest=False)
+    assert ckpt.checkpoint_problem(folder).startswith(".metadata: unreadable")  # its shard index (real ones: mp test)
+    (folder / ".metadata").write_bytes(b"")
+    assert ckpt.checkpoint_problem(folder) == ".metadata: empty file"
+    (folder / ckpt.TRAINER_STATE).unlink()
+    assert ckpt.checkpoint_problem(folder) == "trainer_state.pt missing"
+    assert ckpt.checkpoint_problem(folder, training=False) == ".metadata: empty file"  # converter outputs have none
+
+
+def test_newest_intact_step_walks_back_from_latest(tmp_path):
+    for step in (1, 2, 3):
+        _fake_checkpoint(ckpt.step_dir(tmp_path, step))
+    (ckpt.checkpoint_root(tmp_path) / "latest").write_text("step_00000003\n")
+    assert ckpt.resume_candidates(tmp_path) == [3, 2, 1]
+    assert ckpt.newest_intact_step(tmp_path) == 3
+    (ckpt.step_dir(tmp_path, 3) / ".metadata").write_bytes(b"")
+    (ckpt.step_dir(tmp_path, 2) / "__0_0.distcp").unlink()
+    assert ckpt.newest_intact_step(tmp_path) == 1
+
+
 # --- real megatron: exact resume, resharding (one 2-process job) --------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -99,6 +149,30 @@ def test_distributed_optimizer_exact_resume_and_reshard(resume):
         assert v["distopt_resume_max_diff"] == 0.0
         assert v["distopt_reshard_tp2_weights_equal_w2"]
         assert v["distopt_reshard_tp2_max_diff_w4"] <= 1.5 * v["layout_noise_w4"]
+
+
+def test_damaged_latest_checkpoint_falls_back_on_every_rank(resume):
+    """A truncated shard of step 3: auto resumes step 2 on both ranks (with a warning from rank 0 naming the file),
+    strict stops on both with the same message; a checkpoint without a manifest is caught by loading it."""
+    verdicts = resume[1]
+    shard = verdicts[0]["damaged_shard"]
+    for rank, v in enumerate(verdicts):
+        auto = v["damaged_auto"]
+        assert auto["step"] == 2 and auto["weights_equal_w2"], auto
+        assert (len(auto["warning"]) == 1) == (rank == 0), auto  # rank 0 speaks
+        strict = v["damaged_strict"]["error"]
+        assert "checkpoint step 3" in strict and f"step_00000003) is damaged: {shard}: 100 bytes" in strict, strict
+        assert "step 2" in strict and "trainer.resume=auto" in strict
+        for damage in ("truncated", "zeroed"):
+            legacy = v[f"damaged_no_manifest_{damage}"]
+            assert legacy["step"] == 2 and legacy["weights_equal_w2"], legacy
+    warning = verdicts[0]["damaged_auto"]["warning"][0]
+    assert f"{shard}: 100 bytes, the manifest says" in warning and "resuming from step 2" in warning
+    truncated = verdicts[0]["damaged_no_manifest_truncated"]["warning"][0]
+    assert f"{shard}: 100 bytes, the checkpoint's index needs" in truncated
+    zeroed = verdicts[0]["damaged_no_manifest_zeroed"]["warning"][0]
+    assert "checkpoint step 3" in zeroed and "loading it failed" in zeroed and "resuming from step 2" in zeroed
+    assert "Traceback" not in zeroed and len(zeroed) < 1000, zeroed
 
 
 def test_training_checkpoint_exports_to_hf(resume, tmp_path):

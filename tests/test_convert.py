@@ -261,6 +261,87 @@ def test_cli_verify_refuses_different_architectures(layouts, models, capsys):
     assert "architectures differ" in err and "tie_word_embeddings" in err
 
 
+# --- --out never touches an input; a failed run leaves the old output --------------------------------------------
+
+def _snapshot(folder) -> dict:
+    """Every file under `folder` with its bytes: equal snapshots mean untouched contents."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def mcore_qwen2(models, tmp_path_factory):
+    """A converter output, and a training-run-like folder holding a copy of it as its latest step."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("mcore")
+    run(CLI + ["hf-to-mcore", "--hf", str(models["qwen2"]), "--out", str(root / "ckpt")])
+    run_dir = root / "run"
+    shutil.copytree(root / "ckpt", run_dir / "checkpoints" / "step_00000001")
+    (run_dir / "checkpoints" / "latest").write_text("step_00000001\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    return root / "ckpt", run_dir
+
+
+def test_out_overlapping_an_input_is_refused_even_with_force(models, mcore_qwen2, tmp_path, capsys):
+    """--out equal to, holding, or inside an input (also through a symlink): exit 2, one message, the input intact."""
+    import shutil
+
+    from justrl_megatron.convert.cli import main
+
+    hf = tmp_path / "hf"  # a copy: the refusals below must not even touch it
+    shutil.copytree(models["qwen2"], hf)
+    ckpt, run_dir = mcore_qwen2
+    (tmp_path / "link").symlink_to(hf)
+    cases = [
+        (["hf-to-mcore", "--hf", str(hf)], hf, [hf, tmp_path, hf / "sub", tmp_path / "link"]),
+        (["mcore-to-hf", "--ckpt", str(ckpt)], ckpt, [ckpt, ckpt.parent, ckpt / "hf"]),
+        (["mcore-to-hf", "--ckpt", str(run_dir)], run_dir,  # a run folder: its checkpoints, metrics, ...
+         [run_dir, run_dir / "export", run_dir / "checkpoints" / "step_00000001", run_dir.parent]),
+        (["mcore-to-hf", "--ckpt", str(ckpt), "--hf-config", str(hf)], hf, [hf, hf / "sub"]),
+    ]
+    for argv, source, outs in cases:
+        before = _snapshot(source)
+        for out in outs:
+            assert main([*argv, "--out", str(out), "--force"]) == 2, (argv, out)
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "write the output somewhere else" in err, err
+            assert _snapshot(source) == before, (argv, out)
+    assert not (hf / "sub").exists() and not (run_dir / "export").exists()
+
+
+def _fail_writes_above(limit_bytes):
+    """preexec_fn: writing a file past `limit_bytes` fails (EFBIG, "File too large"): a run that fails half-way
+    through writing its output (as on a full disk)."""
+    import resource
+
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+@pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
+def test_a_conversion_that_dies_writing_leaves_the_old_output(models, mcore_qwen2, tmp_path, direction):
+    """--force onto an existing output, killed while writing the new one: the old output is still there, unchanged;
+    the next run completes and replaces it."""
+    ckpt, _ = mcore_qwen2
+    out = tmp_path / "out"
+    if direction == "hf-to-mcore":
+        argv = CLI + ["hf-to-mcore", "--hf", str(models["qwen2"]), "--out", str(out), "--force"]
+        run(CLI + ["hf-to-mcore", "--hf", str(models["llama"]), "--out", str(out)])  # the old output: another model
+    else:
+        argv = CLI + ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--force"]
+        run(CLI + ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--dtype", "bf16"])  # old: bf16
+    before = _snapshot(out)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=ENV,
+                          preexec_fn=_fail_writes_above(256 << 10))  # the tiny models' shards are ~1 MB
+    assert proc.returncode == 1, proc.stderr[-2000:]  # an error while writing (not refused: that would be 2)
+    assert _snapshot(out) == before
+    assert not list(tmp_path.glob(".out.*"))  # a single process removes its staging folder
+    run(argv)
+    assert _snapshot(out) != before
+    assert not list(tmp_path.glob(".out.*"))
+
+
 # --- the real model -----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -109,6 +109,45 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama)
     assert_same_weights(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
 
 
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_llama):
+    """A truncated shard in the latest checkpoint: the rerun names it and resumes the step before (metrics.jsonl
+    keeps each step once, heldout_accuracy.json stays valid JSON with eval_samples=0); trainer.resume=strict stops
+    with the same message instead (exit code 2, no traceback)."""
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_llama}", *SHORT, "trainer.eval_samples=0", f"trainer.run_dir={run_dir}"]
+    train([*args, "trainer.total_steps=3"])
+    shard = sorted((run_dir / "checkpoints" / "step_00000003").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+
+    resumed = train([*args, "trainer.total_steps=4"])
+    said = resumed.stderr + resumed.stdout
+    assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in said, said[-3000:]
+    assert "resuming from step 2" in said and "at step 2" in said
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]  # step 3 logged again, once
+    assert json.loads((run_dir / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
+
+    shard = sorted((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    proc = subprocess.run(train_cmd([*args, "trainer.total_steps=5", "trainer.resume=strict"]), capture_output=True,
+                          text=True, timeout=600, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
+    assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_heldout_accuracy_json_is_valid_json_without_numbers(tmp_path):
+    from justrl_megatron.train.loop import _write_heldout
+
+    _write_heldout(tmp_path, None, None)  # trainer.eval_samples=0
+    assert json.loads((tmp_path / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
+    _write_heldout(tmp_path, float("nan"), 0.5)  # NaN is not JSON: null
+    assert json.loads((tmp_path / "heldout_accuracy.json").read_text()) == {"start": None, "end": 0.5}
+
+
 def test_missing_model_path_is_one_clear_message(tmp_path):
     proc = subprocess.run(train_cmd([f"model.path={tmp_path / 'nope'}", f"trainer.run_dir={tmp_path / 'r'}"]),
                           capture_output=True, text=True, timeout=300, env=ENV)
@@ -242,3 +281,89 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
     assert "trainer.seed changed since the last launch (1 -> 5)" in proc.stderr
     assert time.monotonic() - start < 90
     assert latest_step(run_dir) == 3 and len(list((run_dir / "config_history").glob("*.yaml"))) == 2
+# --- helpers die with the trainer (kill -9 leaves no orphans) -------------------------------------------------------
+
+HANGING_VERIFIER = '''
+import time
+
+
+class Hang:
+    """A verifier that never returns: its worker stays busy (an idle worker would leave on its pipe's EOF anyway)."""
+
+    def __call__(self, response, answer):
+        open(answer, "w").close()
+        time.sleep(600)
+        return 0.0
+'''
+
+SCORER_OWNER = '''
+import sys
+
+from hang import Hang
+from justrl_megatron.rewards.pool import BatchScorer
+
+if __name__ == "__main__":
+    BatchScorer(Hang(), num_workers=2, timeout_s=600).score(["a", "b"], [sys.argv[1] + "/0", sys.argv[1] + "/1"])
+'''
+
+ENGINE_OWNER = '''
+import sys
+import time
+
+from justrl_megatron.rollout.vllm_engine import VLLMEngine
+
+if __name__ == "__main__":
+    engine = VLLMEngine(sys.argv[1], dtype="fp32", max_model_len=128, enforce_eager=True, in_process=False)
+    print("ready", flush=True)
+    time.sleep(600)
+'''
+
+
+def _kill_owner_and_assert_no_orphans(proc, min_children: int):
+    """SIGKILL only the owner (not its group: that is what the OOM killer does); every process it started must be
+    gone within a few seconds (zombies count as gone: only init can reap them now)."""
+    import psutil
+
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= min_children, children
+    names = {c.pid: " ".join(c.cmdline())[:100] for c in children}
+    def running(c):
+        try:
+            return c.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 20  # the resource tracker leaves last, after its clients (slow on a loaded machine)
+    alive = children
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [c for c in alive if running(c)]
+    for c in alive:  # do not leave them behind for the next test
+        c.kill()
+    assert not alive, [names[c.pid] for c in alive]
+
+
+def test_reward_workers_die_with_a_killed_owner(tmp_path):
+    (tmp_path / "hang.py").write_text(HANGING_VERIFIER)
+    (tmp_path / "owner.py").write_text(SCORER_OWNER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tmp_path)], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):  # both workers are inside an item
+        assert proc.poll() is None and time.time() < deadline, "the scorer did not start"
+        time.sleep(0.1)
+    _kill_owner_and_assert_no_orphans(proc, min_children=3)  # forkserver + 2 workers (+ resource tracker)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_split_placement_engine_process_dies_with_a_killed_owner(tmp_path, tiny_llama):
+    (tmp_path / "owner.py").write_text(ENGINE_OWNER)
+    env = {**ENV, "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache")}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "owner.py"), str(tiny_llama)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = iter(proc.stdout.readline, "")  # vLLM logs to stdout too
+    assert any(line.strip() == "ready" for line in lines), "the engine did not start"
+    _kill_owner_and_assert_no_orphans(proc, min_children=1)  # vLLM's engine-core process

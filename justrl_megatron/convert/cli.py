@@ -9,6 +9,10 @@ only its own slices of the HF files and writes only its own shards. A dist check
 written at any layout loads at any other; `--tp` also sets the vocab padding (a multiple of
 make_vocab_size_divisible_by x TP) and is checked against the heads / query groups before any work starts.
 `--ckpt` takes a converter output, a training checkpoint step folder, or a training run folder (its latest step).
+
+`--out` is never an input, inside one, or a folder holding one (symlinks resolved), with or without `--force`. The
+output is written into a temporary sibling (`.NAME.justrl-convert-tmp`) and renamed into place when complete, so a
+failed run leaves an existing output as it was, and `--force` replaces it only with a finished one.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +30,8 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state as ps
 
-from ..checkpoint import HF_SUBDIR, find_checkpoint, layout_meta, load_model, read_meta, save_model, write_meta
+from ..checkpoint import (HF_SUBDIR, STEP_PREFIX, checkpoint_problem, find_checkpoint, layout_meta, load_model,
+                          newest_intact_step, read_meta, save_model, write_meta)
 from ..dtypes import DTYPES
 from ..model.hf_config import check_parallel_layout
 
@@ -101,10 +107,58 @@ def _check_layout(shape, tp: int, pp: int, vpp: int | None) -> None:
         raise UsageError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}")
 
 
-def _check_out(out: str, force: bool) -> None:
+def _check_out(out: str, force: bool, inputs: dict[str, str | os.PathLike | None]) -> None:
+    """--out must not overlap any input (`inputs`: option name -> path), whatever --force says."""
     path = Path(out)
+    target = path.resolve()
+    for name, value in inputs.items():
+        if value is None:
+            continue
+        source = Path(value).resolve()
+        if target == source:
+            raise UsageError(f"--out {out} is the {name} input itself; write the output somewhere else")
+        if target in source.parents:
+            raise UsageError(f"--out {out} contains the {name} input {value}; replacing it would delete the input; "
+                             f"write the output somewhere else")
+        if source in target.parents:
+            raise UsageError(f"--out {out} lies inside the {name} input {value}; write the output somewhere else")
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out} exists and is not a folder")
     if path.exists() and any(path.iterdir()) and not force:
         raise UsageError(f"--out {out} is not empty (pass --force to overwrite)")
+
+
+def _staging(out: str | os.PathLike) -> Path:
+    """The temporary sibling the output is written into (the same on every rank)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.justrl-convert-tmp"
+
+
+@contextlib.contextmanager
+def _staged_output(out: str | os.PathLike):
+    """All ranks: yields a fresh, empty staging folder to write into; on success it replaces --out (an old output is
+    removed only after the rename). On failure --out is left as it was; a single process also removes the staging
+    folder (under torchrun the other ranks may still write into it: the next run removes it)."""
+    out, tmp = Path(out), _staging(out)
+    if _rank0():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died
+        tmp.mkdir(parents=True)
+    _barrier()
+    try:
+        yield tmp
+    except BaseException:
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier()
+    if _rank0():
+        old = out.parent / f".{out.name}.justrl-convert-old"
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -113,6 +167,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if found is None:
         raise UsageError(f"--ckpt {path}: not a megatron dist checkpoint (no metadata.json) nor a training run folder "
                          f"with a complete checkpoint")
+    problem = checkpoint_problem(found, training=False)
+    if problem is not None:
+        hint = ""
+        if found.name.startswith(STEP_PREFIX) and found.parent.name == "checkpoints":
+            older = newest_intact_step(found.parent.parent, below=int(found.name[len(STEP_PREFIX):]))
+            if older is not None:
+                hint = f"; the newest intact one is {found.parent / f'{STEP_PREFIX}{older:08d}'}: pass it as --ckpt"
+        raise UsageError(f"--ckpt {path}: {found} is damaged: {problem}{hint}")
     return found
 
 
@@ -170,7 +232,7 @@ def hf_to_mcore(args) -> int:
 
     shape, config = _hf_shape(args.hf)
     _check_layout(shape, args.tp, args.pp, args.vpp)
-    _check_out(args.out, args.force)
+    _check_out(args.out, args.force, {"--hf": args.hf})
     try:
         SafetensorsFolder(args.hf)
     except FileNotFoundError as exc:
@@ -180,19 +242,14 @@ def hf_to_mcore(args) -> int:
     chunks = _setup(shape, args.tp, args.pp, args.vpp, dtype, args.make_vocab_size_divisible_by)
     load_hf_weights(chunks, args.hf)
     out = Path(args.out)
-    if _rank0():
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-    _barrier()
     _say(f"saving dist checkpoint to {out}")
-    save_model(chunks, out)
-    if _rank0():
-        meta = layout_meta(chunks, shape, kind="hf-to-mcore", source=str(Path(args.hf).resolve()),
-                           target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp,
-                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-        write_meta(out, meta, hf_source=args.hf)
-    _barrier()
+    with _staged_output(out) as tmp:
+        save_model(chunks, tmp)
+        if _rank0():
+            meta = layout_meta(chunks, shape, kind="hf-to-mcore", source=str(Path(args.hf).resolve()),
+                               target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp,
+                               make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+            write_meta(tmp, meta, hf_source=args.hf)
     _say(f"done: {out} ({shape.family}, {shape.num_layers} layers, {str(dtype).removeprefix('torch.')}; "
          f"loads at any TP/PP, vocab padded for TP={args.tp})")
     return 0
@@ -208,18 +265,15 @@ def mcore_to_hf(args) -> int:
     if meta.get("shape") and meta["shape"]["family"] != shape.family:
         raise UsageError(f"{ckpt} holds a {meta['shape']['family']} model but {hf_dir} is {shape.family}")
     _check_layout(shape, args.tp, args.pp, args.vpp)
-    _check_out(args.out, args.force)
+    _check_out(args.out, args.force, {"--ckpt": args.ckpt, "checkpoint": ckpt, "--hf-config": args.hf_config})
     ckpt_dtype = DTYPES.get(meta.get("dtype", ""), _hf_dtype(config))
     export_dtype = DTYPES[args.dtype] if args.dtype else ckpt_dtype
 
     chunks = _setup(shape, args.tp, args.pp, args.vpp, ckpt_dtype)
     _say(f"loading {ckpt}")
     load_model(chunks, ckpt)
-    if _rank0() and Path(args.out).exists():
-        shutil.rmtree(args.out)
-    _barrier()
-    save_hf(chunks, shape, args.out, hf_dir, dtype=export_dtype, bucket_bytes=args.shard_size_mb << 20)
-    _barrier()
+    with _staged_output(args.out) as tmp:
+        save_hf(chunks, shape, tmp, hf_dir, dtype=export_dtype, bucket_bytes=args.shard_size_mb << 20)
     _say(f"done: {args.out} (loadable by transformers and vLLM)")
     return 0
 

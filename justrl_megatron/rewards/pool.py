@@ -39,6 +39,7 @@ import time
 from collections import Counter, deque
 from multiprocessing.connection import wait
 
+from ..lifeline import exit_with_starter
 from .base import VerifierTimeout, evaluate_with, reward_range
 
 MAX_CHUNK = 512
@@ -63,6 +64,7 @@ def _worker_main(conn, fn, progress, started, rewards, correct):
     """Score chunks until told to stop. Item i of a chunk: set progress/started, then write rewards[i] (NaN: it
     raised) and correct[i]."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    exit_with_starter()  # a busy worker must not outlive a killed trainer (an idle one leaves on the pipe's EOF)
     conn.send("ready")  # fn is unpickled (its module imported): item timeouts may start counting
     while True:
         try:

@@ -149,6 +149,8 @@ class VLLMEngine:
         if not self.on_gpu:
             scheduler = self.llm.llm_engine.vllm_config.scheduler_config
             self.step_budget = (int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs))
+        if not in_process:  # vLLM's engine processes must die with this rank, even a killed one
+            self.llm.collective_rpc("justrl_exit_with_trainer", args=(os.getpid(),))
         self._version = 0
         self.llm.update_weight_version("0")  # the weights of model_dir are version 0
         self._asleep: set[str] = set()

@@ -37,6 +37,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from ..lifeline import exit_with_trainer
 from .base import NamedTensor, WeightStream
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -300,6 +301,10 @@ register_backends()
 
 class WorkerExtension:
     """Named as vLLM's `worker_extension_cls`: worker processes import this module, which registers the backends."""
+
+    def justrl_exit_with_trainer(self, trainer_pid: int) -> bool:
+        """Called by the trainer once the engine is up: this worker and its engine-core process die with it."""
+        return exit_with_trainer(trainer_pid)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from ..algo.grpo import group_advantages
-from ..checkpoint import load_latest_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
@@ -58,7 +61,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     validation = Validation(cfg, tokenizer, enabled=is_leader)  # data.val, every trainer.eval_every steps
 
     policy = Policy.from_config(cfg, shape)
-    start_step = _restore(policy, sampler, run_dir, model_dir, progress=is_leader)
+    start_step = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
 
     rollout = ColocatedRollout(
         engine or make_engine(cfg, model_dir, seed=tr.seed),
@@ -170,8 +173,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if start_accuracy is not None:
             logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
                          f"end {end_accuracy:.3f}")
-        accuracy = {"start": start_accuracy, "end": end_accuracy}
-        (run_dir / "heldout_accuracy.json").write_text(json.dumps(accuracy) + "\n")
+        _write_heldout(run_dir, start_accuracy, end_accuracy)
         logger.print(f"curves: {plot_curves(run_dir)}")
     logger.close()
     validation.close()
@@ -211,16 +213,37 @@ def _broadcast(obj):
     return box[0]
 
 
-def _restore(policy, sampler, run_dir, model_dir, *, progress: bool) -> int:
-    """Resume from the run dir's latest checkpoint (weights, optimizer, LR schedule, sampler), or start from the HF
-    weights; returns the step to continue after."""
-    resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler)
+def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> int:
+    """Resume from the run dir's latest intact checkpoint (weights, optimizer, LR schedule, sampler), or start from
+    the HF weights; returns the step to continue after. A damaged checkpoint is named; trainer.resume=auto falls back
+    to the newest intact one, strict stops (exit code 2, no traceback: every rank agrees on the verdict)."""
+    def warn(message):
+        print(f"justrl-train: warning: {message}", file=sys.stderr, flush=True)
+
+    try:
+        resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler,
+                                         strict=mode == "strict", warn=warn)
+    except CheckpointError as exc:
+        if progress:  # rank 0 speaks for all
+            print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     if resumed is None:
         load_hf_weights(policy.chunks, model_dir, progress=progress)
         policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
         return 0
     sampler.load_state_dict(resumed["sampler"])
     return int(resumed["step"])
+
+
+def _write_heldout(run_dir, start, end) -> None:
+    """heldout_accuracy.json, valid JSON in every case: null where there is no number (no held-out set with
+    trainer.eval_samples=0, no start after a resume); written atomically."""
+    def number(x):
+        return None if x is None or not math.isfinite(x) else float(x)
+
+    tmp = run_dir / ".heldout_accuracy.json.tmp"
+    tmp.write_text(json.dumps({"start": number(start), "end": number(end)}, allow_nan=False) + "\n")
+    os.replace(tmp, run_dir / "heldout_accuracy.json")
 
 
 def _heldout_prompts(cfg, tokenizer):

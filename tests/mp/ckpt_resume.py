@@ -14,6 +14,10 @@ Scenarios (weights compared through `export_hf_stream`, i.e. as full HF tensors,
      step 2; then 2 more steps, compared to A with a tolerance (grads differ ~1e-8 across layouts).
   D  distributed optimizer (TP1, DP2): exact resume at the same layout; reshard to TP2.
   E  retention: keep_last=2 after saving steps 2, 3, 4.
+  F  damage: steps 2 and 3 saved, one shard of step 3 truncated: auto resumes step 2 on both ranks (w2), with a
+     warning naming the file; strict raises CheckpointError naming it on every rank. Without a manifest (a checkpoint
+     from before them) the truncation is found through the checkpoint's own index; a shard overwritten with zeros
+     (same size) only by loading it, which fails on the rank that reads it: both ranks still fall back together.
 Each rank writes OUT/rank{r}.json; rank 0 writes OUT/w4.safetensors (A's final weights) for the CLI test.
 """
 
@@ -274,6 +278,47 @@ def main(out, hf_dir):
     f.step(), f.step()
     v["distopt_reshard_tp2_max_diff_w4"] = max_diff(f.weights(), dw4)
     v["adam_update_scale"] = max_diff(dw4, dw2)  # how far two steps move the weights, for scale
+
+    # F: a damaged latest checkpoint
+    run_f = os.path.join(out, "run_f")
+    g = Trainer(hf_dir, shape, 2, 1, from_hf=True)
+    g.seed_everything(5)
+    g.step(), g.step()
+    g.save(run_f, 2, keep_last=None)
+    g.step()
+    g.save(run_f, 3, keep_last=None)
+    shard = sorted(p for p in os.listdir(ckpt.step_dir(run_f, 3)) if p.endswith(".distcp"))[-1]
+    shard_size = os.path.getsize(ckpt.step_dir(run_f, 3) / shard)
+    dist.barrier()
+    if rank == 0:
+        with open(ckpt.step_dir(run_f, 3) / shard, "r+b") as fh:
+            fh.truncate(100)
+    dist.barrier()
+    v["damaged_shard"] = shard
+    for mode in ("strict", "auto"):
+        h = Trainer(hf_dir, shape, 2, 1, from_hf=False, init_seed=77)
+        said = []
+        try:
+            extra = ckpt.load_latest_checkpoint(run_f, h.chunks, h.opt, h.sched, strict=mode == "strict",
+                                                warn=said.append)
+            v[f"damaged_{mode}"] = {"step": extra["step"], "weights_equal_w2": bitwise(h.weights(), w2),
+                                    "warning": said}
+        except ckpt.CheckpointError as exc:
+            v[f"damaged_{mode}"] = {"error": str(exc)}
+    dist.barrier()
+    if rank == 0:
+        os.remove(ckpt.step_dir(run_f, 3) / ckpt.MANIFEST)
+    dist.barrier()
+    for damage in ("truncated", "zeroed"):
+        if damage == "zeroed" and rank == 0:
+            with open(ckpt.step_dir(run_f, 3) / shard, "wb") as fh:
+                fh.write(bytes(shard_size))
+        dist.barrier()
+        h = Trainer(hf_dir, shape, 2, 1, from_hf=False, init_seed=77)
+        said = []
+        extra = ckpt.load_latest_checkpoint(run_f, h.chunks, h.opt, h.sched, warn=said.append)
+        v[f"damaged_no_manifest_{damage}"] = {"step": extra["step"], "weights_equal_w2": bitwise(h.weights(), w2),
+                                             "warning": said}
 
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(v, fh, indent=1)

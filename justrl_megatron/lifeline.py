@@ -1,0 +1,76 @@
+"""Helper processes die with the trainer, even when it is killed with SIGKILL (OOM killer, `kill -9`, a lost node).
+
+A killed trainer cannot clean up, so the helpers must notice by themselves:
+
+- reward pool workers (`exit_with_starter`): multiprocessing's forkserver is their kernel parent and stays up as long
+  as any of its children does, so PR_SET_PDEATHSIG would not fire; a daemon thread waits on the pipe that only the
+  starting process holds open and SIGKILLs the worker when it closes.
+- vLLM's engine processes under split placement (`exit_with_trainer`): vLLM spawns an engine-core process, which
+  spawns a worker; the trainer asks the worker (a collective_rpc into rollout/weight_transfer.py's WorkerExtension,
+  right after start-up) to watch the trainer's pid through a pidfd; when it exits, the worker SIGKILLs the engine-core
+  process between them, then itself.
+A helper stuck in C code that holds the GIL is killed when it lets go of it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+
+
+def exit_with_starter() -> bool:
+    """In a multiprocessing child: SIGKILL this process when the process that started it exits. Returns whether a
+    watch was started (False outside a multiprocessing child)."""
+    starter = multiprocessing.parent_process()
+    if starter is None or starter.sentinel is None:
+        return False
+
+    def watch():
+        wait([starter.sentinel])  # readable (EOF) once the starter's end of the pipe is closed: it exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="justrl-starter-watch").start()
+    return True
+
+
+def _wait_for_exit(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3, macOS): poll
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass
+            time.sleep(1.0)
+    select.select([fd], [], [])  # a pidfd turns readable when its process exits
+
+
+def exit_with_trainer(trainer: int) -> bool:
+    """In a helper started (directly or through one process in between) by process `trainer`: when that exits,
+    SIGKILL this process' parent unless that is the trainer itself (vLLM's engine-core process), then this process.
+    Returns whether a watch was started (not in the trainer itself)."""
+    if trainer == os.getpid():
+        return False
+    parent = os.getppid()
+
+    def watch():
+        _wait_for_exit(trainer)
+        if parent not in (trainer, 1):
+            try:
+                os.kill(parent, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="justrl-trainer-watch").start()
+    return True
