@@ -52,7 +52,9 @@ def _wait_for_exit(pid: int) -> None:
             except PermissionError:
                 pass
             time.sleep(1.0)
-    select.select([fd], [], [])  # a pidfd turns readable when its process exits
+    poller = select.poll()  # not select(): a trainer's fds may pass select's 1024 limit
+    poller.register(fd, select.POLLIN)
+    poller.poll()  # a pidfd turns readable when its process exits
 
 
 def exit_with_trainer(trainer: int) -> bool:

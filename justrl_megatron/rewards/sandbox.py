@@ -211,12 +211,20 @@ def _launch(backend: str, program: str, stdin: bytes, *, deadline_s: float, tmpf
     return Result(bytes(out), timed_out, truncated, proc.returncode)
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Wait up to timeout_s for fd to be readable. poll, not select: a process with many files open (a trainer, a
+    test session) hands out fds above select()'s 1024 limit ("filedescriptor out of range in select()")."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout_s) * 1000))
+
+
 def _init_pidfd(info_r: int, deadline: float) -> int | None:
     """A pidfd of the init bwrap reports on its info fd (None: it is gone already, or never reported)."""
     data = b""
     try:
         while time.monotonic() < deadline:
-            if not select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            if not _readable(info_r, deadline - time.monotonic()):
                 break
             chunk = os.read(info_r, 4096)
             if not chunk:
@@ -243,7 +251,7 @@ def _kill_namespace(proc: subprocess.Popen, init: int | None):
             signal.pidfd_send_signal(init, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        select.select([init], [], [], TEARDOWN_S / 2)  # readable once the init has exited
+        _readable(init, TEARDOWN_S / 2)  # readable once the init has exited
         os.close(init)
     elif proc.poll() is None:
         try:
