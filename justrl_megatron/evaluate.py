@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     from .rewards import BatchScorer, get_reward_fn
     from .rollout import SamplingConfig, VLLMEngine
     from .train.sampler import load_training_rows, tokenize_prompts
+    from .train.validation import avg_pass_at_n
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     plan = eval_plan(args)
@@ -107,10 +108,9 @@ def main(argv=None) -> int:
             f.write(json.dumps({"id": prompts[i // n].id, "sample": i % n, "response": text,
                                 "answer": str(answers[i]), "reward": rewards[i], "correct": correct[i],
                                 "truncated": bool(rollouts.truncated[i])}) + "\n")
-    per_problem = [sum(correct[i * n:(i + 1) * n]) / n for i in range(len(prompts))]
+    avg, passed = avg_pass_at_n(correct, n)  # the in-training validation's own computation
     summary = {"model": str(args.model), "data": args.data, "problems": len(prompts), "n": n,
-               f"avg@{n}": sum(per_problem) / len(per_problem),
-               f"pass@{n}": sum(1 for a in per_problem if a > 0) / len(per_problem),
+               f"avg@{n}": avg, f"pass@{n}": passed,
                "mean_response_tokens": sum(len(t) for t in rollouts.token_ids) / len(texts),
                "truncated_ratio": sum(rollouts.truncated) / len(texts),
                "protocol": args.protocol, "benchmark": plan.benchmark, "max_tokens": max_tokens,
