@@ -114,6 +114,9 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    # importance correction of stale / mismatched rollouts: none | tis | mis | seq-tis | seq-mis (needed by
+    # rollout.max_staleness > 1)
+    rollout_correction: str = "none"
 
 
 @dataclass
@@ -195,14 +198,15 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     problems: list[str] = [*also, *unknown_keys(cfg), *value_problems(cfg, world_size)]
     par, ro, tr, algo = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algo
     tp, pp = par.tensor, par.pipeline
+    train_world = world_size - (ro.num_rollout_ranks if ro.placement == "split" else 0)
+    trainers = "world size" if train_world == world_size else "trainer ranks (world - rollout.num_rollout_ranks)"
     if tp < 1 or pp < 1:
         problems.append(f"parallel.tensor ({tp}) and parallel.pipeline ({pp}) must be >= 1")
-    elif world_size % (tp * pp):
+    elif train_world > 0 and train_world % (tp * pp):
         problems.append(
-            f"world size {world_size} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
+            f"{trainers} {train_world} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
             f"launch a multiple of {tp * pp} processes or change the parallel sizes"
         )
-    train_world = world_size - (ro.num_rollout_ranks if ro.placement == "split" else 0)
     if ro.placement not in ("colocated", "split"):
         problems.append(f"rollout.placement must be colocated or split, got {ro.placement!r}")
     if ro.n < 1:
@@ -378,6 +382,7 @@ RANGES = {
 CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "rollout.weight_sync_backend": ("auto", "local", "cpu", "gloo", "nccl", "ipc"),
+    "algo.rollout_correction": ("none", "tis", "mis", "seq-tis", "seq-mis"),
 }
 
 
@@ -398,12 +403,34 @@ def value_problems(cfg, world_size: int) -> list[str]:
         problems.append(f"rollout.weight_sync_backend={ro.weight_sync_backend} is for rollout.placement=split; a "
                         f"colocated engine takes the weights by reference (auto or local)")
     if ro.placement == "split" and not 1 <= ro.num_rollout_ranks < world_size:
-        problems.append(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size {world_size}, "
-                        f"got {ro.num_rollout_ranks}")
+        problems.append(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size {world_size} "
+                        f"(the last N ranks host vLLM engines, the others train), got {ro.num_rollout_ranks}")
     if ro.placement == "split" and backend == "local":
         problems.append("rollout.weight_sync_backend=local needs rollout.placement=colocated (the engine in the "
                         "trainer's process); use auto")
-    return problems + reward_problems(cfg.algo) + data_name_problems(cfg.data)
+    return problems + _split_problems(cfg) + reward_problems(cfg.algo) + data_name_problems(cfg.data)
+
+
+def _split_problems(cfg) -> list[str]:
+    """Split placement's rollout ranks and one-step-off training (rollout.max_staleness)."""
+    ro, problems = cfg.rollout, []
+    tp = ro.tensor_parallel
+    if ro.placement == "split" and ro.num_rollout_ranks >= 1 and tp >= 1:
+        if ro.num_rollout_ranks % tp:
+            problems.append(f"rollout.num_rollout_ranks={ro.num_rollout_ranks} is not divisible by "
+                            f"rollout.tensor_parallel={tp}: every engine needs {tp} whole ranks")
+        elif tp > 1:
+            problems.append(f"rollout.placement=split runs one engine per rollout rank (vLLM in a child process): "
+                            f"rollout.tensor_parallel must be 1 there, got {tp}; add rollout ranks instead")
+    if ro.max_staleness >= 1 and ro.placement != "split":
+        problems.append(f"rollout.max_staleness={ro.max_staleness} (asynchronous rollouts) needs "
+                        f"rollout.placement=split with rollout.num_rollout_ranks >= 1: a colocated engine shares the "
+                        f"trainer's devices, so nothing overlaps; use max_staleness=0")
+    if ro.max_staleness > 1 and cfg.algo.rollout_correction == "none":
+        problems.append(f"rollout.max_staleness={ro.max_staleness} trains on samples up to {ro.max_staleness} "
+                        f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, or "
+                        f"use max_staleness=1 (one-step-off)")
+    return problems
 
 
 def reward_problems(algo) -> list[str]:

@@ -1,9 +1,24 @@
-"""Process-group set-up for one SPMD job: torchrun (or srun + torchrun) env -> torch.distributed -> megatron groups."""
+"""Process-group set-up for one SPMD job: torchrun (or srun + torchrun) env -> torch.distributed -> megatron groups.
+
+Split placement (rollout.placement=split, `init_split`): the first `world - num_rollout_ranks` ranks train, the rest
+host vLLM engines. Megatron's `initialize_model_parallel` (0.16.1) builds its TP/PP/DP groups over the whole default
+group and has no rank-subset option (its `order` / sizes all multiply up to `get_world_size()`), and so do our own
+collectives (checkpoint barriers, the loop's broadcasts). So the job rendezvouses ONCE through the usual env://
+store (torchrun's agent store, the same under the Slurm scripts) and builds three groups on prefixes of that store:
+
+    default group  the trainer ranks only (on a trainer) / the rollout ranks only (on a rollout rank)
+    control        a gloo `ObjectChannel`: trainer rank 0 (channel rank 0) + every rollout rank (1 ..), for prompts,
+                   rollouts, weight-sync metadata and stop; the other trainer ranks are not in it and never wait on it
+
+Everything that calls `init_distributed()` afterwards (the policy, checkpoints, metrics) sees its own side only.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +43,95 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
     return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class SplitRoles:
+    """Where this process stands in a split job (global ranks: 0 .. train_world - 1 train, the rest roll out)."""
+
+    global_rank: int
+    world: int
+    train_world: int
+    control: "ObjectChannel | None"  # None on trainer ranks other than 0
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.global_rank < self.train_world
+
+    @property
+    def num_rollout_ranks(self) -> int:
+        return self.world - self.train_world
+
+    @property
+    def engine_index(self) -> int:
+        """This rollout rank's engine (0 .. num_rollout_ranks - 1); its control-channel rank is engine_index + 1."""
+        return self.global_rank - self.train_world
+
+
+def init_split(num_rollout_ranks: int, timeout_minutes: int = 30) -> SplitRoles:
+    """Split placement's groups (see the module doc). Call before anything else touches torch.distributed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("init_split must run before torch.distributed is initialised (it builds the default group)")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if not 1 <= num_rollout_ranks < world:
+        raise ValueError(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < world size {world}, "
+                         f"got {num_rollout_ranks}")
+    train_world = world - num_rollout_ranks
+    trainer = rank < train_world
+    if compat.cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    side = "trainer" if trainer else "rollout"
+    dist.init_process_group(backend() if trainer else "gloo", store=dist.PrefixStore(f"justrl-{side}", store),
+                            rank=rank if trainer else rank - train_world,
+                            world_size=train_world if trainer else num_rollout_ranks, timeout=timeout)
+    control = None
+    if rank == 0 or not trainer:
+        control = ObjectChannel(dist.PrefixStore("justrl-control", store), 0 if trainer else rank - train_world + 1,
+                                num_rollout_ranks + 1, timeout)
+    return SplitRoles(rank, world, train_world, control)
+
+
+class ObjectChannel:
+    """Python objects over a gloo group of its own (outside the default group): broadcast, send, receive."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
+        from torch.distributed import ProcessGroupGloo
+
+        self.rank, self.size = rank, size
+        self.group = ProcessGroupGloo(store, rank, size, timeout)
+
+    def broadcast_object(self, obj, src: int = 0):
+        """`src`'s object on every member (the others pass anything)."""
+        from torch.distributed import BroadcastOptions
+
+        data = _to_bytes(obj) if self.rank == src else None
+        length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        self.group.broadcast([length], opts).wait()
+        if data is None:
+            data = torch.empty(int(length), dtype=torch.uint8)
+        self.group.broadcast([data], opts).wait()
+        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+
+    def send_object(self, obj, dst: int) -> None:
+        data = _to_bytes(obj)
+        self.group.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+        self.group.send([data], dst, 1).wait()
+
+    def recv_object(self, src: int):
+        length = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([length], src, 0).wait()
+        data = torch.empty(int(length), dtype=torch.uint8)
+        self.group.recv([data], src, 1).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+
+def _to_bytes(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:

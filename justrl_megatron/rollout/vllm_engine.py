@@ -315,22 +315,20 @@ class VLLMEngine:
     def receive_weights(self, control_group, version: int | None = None, sender_rank: int = 0) -> dict:
         """Split placement, on a rollout rank: receive one broadcast sync driven by `send_weights` on the trainer.
 
-        `control_group` is a torch.distributed (gloo) group holding the trainer sender and every rollout rank; the
-        per-bucket metadata travels on it, the tensors on the backend's own transfer group. Returns the sync figures
+        `control_group` is a torch.distributed (gloo) group, or a distributed.ObjectChannel, holding the trainer
+        sender and every rollout rank; the per-bucket metadata travels on it, the tensors on the backend's own transfer group. Returns the sync figures
         with the version the trainer stamped.
         """
-        import torch.distributed as dist
-
         done = {}
 
         def payloads():
             while True:
-                msg = [None]
-                dist.broadcast_object_list(msg, src=sender_rank, group=control_group)
-                kind, payload = msg[0]
+                kind, payload = broadcast_object(None, sender_rank, control_group)
                 if kind == "done":
                     done["version"] = payload
                     return
+                if kind == "abort":  # the trainer found the stream incomplete (send_weights' expected_names)
+                    raise RuntimeError(payload)
                 nbytes = sum(torch.Size(s).numel() * getattr(torch, d).itemsize
                              for d, s in zip(payload["dtype_names"], payload["shapes"]))
                 yield payload["names"], nbytes, payload
@@ -407,28 +405,52 @@ class VLLMEngine:
 
 
 def send_weights(sender, stream: WeightStream, version: int, control_group, *, tied: bool,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True) -> dict:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True,
+                 expected_names: set[str] | None = None) -> dict:
     """Split placement, on the trainer: drive one sync into every rollout rank's `receive_weights`.
 
     Every trainer rank iterates the stream (the export's gathers are collectives); only the sender (trainer rank 0,
-    holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors.
+    holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors. With `expected_names` (the HF
+    checkpoint's tensors) a stream that missed some is refused on both ends instead of leaving mixed weights.
     """
     import torch.distributed as dist
 
+    src = 0 if hasattr(control_group, "broadcast_object") else dist.get_rank()
     start = time.perf_counter()
     nbytes = nbuckets = 0
+    sent: set[str] = set()
     for bucket in tie_lm_head(iter_buckets(stream, bucket_bytes), tied):
         if not is_sender:
             continue
-        dist.broadcast_object_list([("bucket", bucket_metadata(bucket))], src=dist.get_rank(), group=control_group)
+        broadcast_object(("bucket", bucket_metadata(bucket)), src, control_group)
         sender.send_bucket(bucket)
+        sent.update(n for n, _ in bucket)
         nbytes += bucket_nbytes(bucket)
         nbuckets += 1
+    missing = sorted(set(expected_names or ()) - sent) if is_sender else []
+    if missing:
+        message = (f"weight sync of version {version} missed {len(missing)} of the model's {len(expected_names)} "
+                   f"tensors, e.g. {missing[:4]}: the trainer's export does not cover the rollout model (a "
+                   f"different model.path, or a converter mapping gap)")
+        broadcast_object(("abort", message), src, control_group)
+        raise RuntimeError(message)
     if is_sender:
-        dist.broadcast_object_list([("done", int(version))], src=dist.get_rank(), group=control_group)
+        broadcast_object(("done", int(version)), src, control_group)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
+
+
+def broadcast_object(obj, src: int, group):
+    """`src`'s object on every member of a torch.distributed group or of a distributed.ObjectChannel (split
+    placement's control channel, outside the default group)."""
+    if hasattr(group, "broadcast_object"):
+        return group.broadcast_object(obj, src)
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def plan_calls(prompt_lens: Sequence[int], n: int, budget: tuple[int, int] | None) -> list[tuple[int, int, int, int]]:

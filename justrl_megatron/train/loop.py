@@ -4,10 +4,14 @@
     (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics (+ avg@n on
     data.val every trainer.eval_every steps, train/validation.py) -> checkpoint
 
-Every rank runs this same program (SPMD). Each rank hosts a vLLM engine (colocated, one per rollout-TP group) that
-samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while the policy
-trains and wakes after the weight sync (train/placement.py). The reward pool lives on rank 0 and its
-results are broadcast, so all ranks see the same batch and split it by data parallelism themselves.
+Every rank runs this same program (SPMD). Colocated (the default), each rank hosts a vLLM engine (one per rollout-TP
+group) that samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while
+the policy trains and wakes after the weight sync (train/placement.py). Split (rollout.placement=split), the last
+rollout.num_rollout_ranks ranks run train/split_rollout.serve instead of this loop and the trainer ranks reach them
+through the same small interface. The reward pool lives on rank 0 and its results are broadcast, so all trainer
+ranks see the same batch and split it by data parallelism themselves. Phases 1-3 are one unit
+(train/async_rollout.py) so that one-step-off training (rollout.max_staleness=1) can start the next step's before
+this step's update.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from ..algo.grpo import group_advantages
@@ -29,14 +32,16 @@ from ..checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoin
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
-from ..distributed import init_distributed
+from ..distributed import init_distributed, init_split
 from ..metrics import MetricsLogger, plot_curves, step_metrics
 from ..model.policy import Policy
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap, make_engine
 from ..slurm import StopSignal, current_job, describe, requeue_message
+from .async_rollout import RolloutPipeline
 from .batching import Sample
 from .placement import ColocatedRollout
+from .split_rollout import SplitRollout, serve
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
@@ -47,6 +52,10 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     """Train; returns the last completed step. `engine` replaces the vLLM engine the config asks for (tests)."""
     tr, ro, algo = cfg.trainer, cfg.rollout, cfg.algo
     quiet_console(verbose=cfg.logging.verbose)
+    roles = init_split(ro.num_rollout_ranks) if ro.placement == "split" else None
+    if roles is not None and not roles.is_trainer:
+        serve(cfg, model_dir, roles)  # a rollout rank: generate and take weights until the trainer says stop
+        return 0
     rank, _ = init_distributed()
     is_leader = rank == 0
     run_dir = Path(tr.run_dir)
@@ -61,15 +70,21 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     validation = Validation(cfg, tokenizer, enabled=is_leader)  # data.val, every trainer.eval_every steps
 
     policy = Policy.from_config(cfg, shape)
-    start_step = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
+    start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
 
-    rollout = ColocatedRollout(
-        engine or make_engine(cfg, model_dir, seed=tr.seed),
-        lambda bucket_bytes: export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes,
-                                              include_tied_lm_head=True),
-        bucket_mb=ro.weight_sync_bucket_mb)
+    def export(bucket_bytes):
+        return export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes, include_tied_lm_head=True)
+
+    if roles is not None:
+        rollout = SplitRollout(roles, export, model_dir=model_dir, bucket_mb=ro.weight_sync_bucket_mb)
+    else:
+        rollout = ColocatedRollout(engine or make_engine(cfg, model_dir, seed=tr.seed), export,
+                                   bucket_mb=ro.weight_sync_bucket_mb)
     scorer = make_scorer(algo, enabled=is_leader)
     sampling = SamplingConfig.from_rollout_config(ro)
+    pipeline = RolloutPipeline(rollout, sampler, scorer, tokenizer, n=ro.n, sampling=sampling, seed=tr.seed,
+                               leader=is_leader, max_staleness=ro.max_staleness)
+    inflight = pipeline.restore(inflight_state)  # a batch that was in flight at the checkpoint (one-step-off)
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
     if start_step > 0:
@@ -92,24 +107,19 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         profiler.step_started(step)
         timer = _PhaseTimer()
 
-        # 1. sample prompts
-        batch = sampler.next_batch()
-
-        # 2. rollout with the current weights (version = number of updates so far); seeded per step, so a resumed
-        #    run samples what an uninterrupted one would have
-        with timer("rollout"):
-            rollouts = rollout.generate([p.ids for p in batch], ro.n, sampling, seed=tr.seed * 1_000_003 + step)
-        check_staleness(rollouts.weight_version, version, ro.max_staleness)
-
-        # 3. rewards
-        with timer("reward"):
-            responses = None
-            if is_leader:
-                texts = tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
-                answers = [batch[i // ro.n].answer for i in range(len(texts))]
-                rewards, correct = scorer.evaluate(texts, answers)
-                responses = (rewards, correct, dict(scorer.stats))
-            rewards, correct, reward_stats = _broadcast(responses)
+        # 1-3. sample prompts -> rollout (version = number of updates so far; seeded per step) -> rewards, one unit
+        #      (train/async_rollout.py). On-policy it runs now. One-step-off, this step's unit was started before the
+        #      previous step's update, and the next one starts now, generating with the current weights while this
+        #      step updates; the trainer waits only for what is not done yet (time/wait_rollout_s).
+        if inflight is None:
+            inflight = pipeline.start(step)
+        with timer("wait_rollout"):
+            got = pipeline.collect(inflight)
+        timer.seconds |= got.seconds
+        batch, rollouts, rewards, correct, reward_stats = (got.prompts, got.rollouts, got.rewards, got.correct,
+                                                           got.reward_stats)
+        staleness = check_staleness(rollouts.weight_version, version, ro.max_staleness)
+        inflight = pipeline.start(step + 1) if pipeline.ahead and step < tr.total_steps else None
 
         # 4. group advantages
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), ro.n,
@@ -148,6 +158,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             prompt_tokens=sum(len(s.prompt_ids) for s in samples),
             logprob_gap=logprob_gap(rollouts.logprobs, old_logprobs), update=update,
             phase_seconds=timer.seconds, step_seconds=timer.elapsed())
+        metrics["rollout/staleness"] = staleness
         if validation.due(step):
             metrics |= validation.run(rollout, step)
         logger.log(step, metrics)
@@ -158,8 +169,8 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         stopping = stop.agreed() or diverged is not None
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
-                            {"step": step, "sampler": sampler.state_dict()}, keep_last=tr.keep_last, shape=shape,
-                            hf_source=model_dir)
+                            {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state(inflight)},
+                            keep_last=tr.keep_last, shape=shape, hf_source=model_dir)
         trace = profiler.step_finished(step, stopping)
         if trace is not None:
             logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")
@@ -204,18 +215,9 @@ class _PhaseTimer:
         return time.perf_counter() - self._t0
 
 
-def _broadcast(obj):
-    """Rank 0's object on every rank."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> int:
+def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> tuple[int, dict | None]:
     """Resume from the run dir's latest intact checkpoint (weights, optimizer, LR schedule, sampler), or start from
-    the HF weights; returns the step to continue after. A damaged checkpoint is named; trainer.resume=auto falls back
+    the HF weights; returns the step to continue after and the batch that was in flight then (one-step-off). A damaged checkpoint is named; trainer.resume=auto falls back
     to the newest intact one, strict stops (exit code 2, no traceback: every rank agrees on the verdict)."""
     def warn(message):
         print(f"justrl-train: warning: {message}", file=sys.stderr, flush=True)
@@ -230,9 +232,9 @@ def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str =
     if resumed is None:
         load_hf_weights(policy.chunks, model_dir, progress=progress)
         policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
-        return 0
+        return 0, None
     sampler.load_state_dict(resumed["sampler"])
-    return int(resumed["step"])
+    return int(resumed["step"]), resumed.get("inflight")
 
 
 def _write_heldout(run_dir, start, end) -> None:

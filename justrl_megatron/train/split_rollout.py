@@ -1,0 +1,194 @@
+"""Split placement (rollout.placement=split): the last `rollout.num_rollout_ranks` ranks only roll out.
+
+Trainer side, `SplitRollout` (the same small interface as placement.ColocatedRollout: generate / training /
+publish / shutdown, plus submit / receive so that a batch can be in flight while the trainer updates). Rollout
+side, `serve`: the loop a rollout rank runs instead of the training loop. The two talk over the control channel
+(distributed.init_split: trainer rank 0 + every rollout rank), one conversation at a time:
+
+    trainer rank 0                                   rollout rank e (engine e of R, vLLM in a child process)
+    ("init", receiver info); sender.open()     ->    engine.init_receiver (joins the weight-transfer group)
+    ("generate", prompts, n, sampling, seed)   ->    prompts e, e+R, ... (seeded by their place in the batch)
+    recv part from each engine                 <-    (prompt indices, Rollouts, timings)
+    ("weights",); send_weights(...)            ->    engine.receive_weights (gloo on CPU, vLLM's nccl on GPU)
+    ("stop",)                                  ->    engine shut down, the rank exits 0
+
+A rollout rank does one thing at a time, so a weight sync sent while it generates lands right after that batch:
+generation never stops for longer than the copy. The other trainer ranks take part in the weight export only
+(its gathers are collectives) and get each batch from trainer rank 0 over the trainer group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import deque
+from typing import Sequence
+
+import torch.distributed as dist
+
+from ..rollout import Rollouts, SamplingConfig
+
+
+class _Request:
+    """One submitted batch; its rollouts are filled in by `SplitRollout.receive` on trainer rank 0."""
+
+    def __init__(self, num_prompts: int):
+        self.num_prompts = num_prompts
+        self.rollouts: Rollouts | None = None
+        self.stats: dict = {}
+
+
+class SplitRollout:
+    """The trainer's handle on the rollout ranks (every trainer rank builds one; rank 0 holds the channel)."""
+
+    overlaps = True  # a submitted batch generates on other ranks while the trainer works
+
+    def __init__(self, roles, export_weights, *, model_dir, bucket_mb: int):
+        from ..distributed import _free_port, backend
+        from ..rollout.vllm_engine import _tied_embeddings
+        from ..rollout.weight_transfer import BroadcastSender, checkpoint_tensors
+
+        self.roles = roles
+        self.leader = roles.control is not None
+        self._channel = roles.control
+        self._export_weights = export_weights
+        self._bucket_bytes = int(bucket_mb) << 20
+        self._tied = _tied_embeddings(model_dir)
+        self._expected = set(checkpoint_tensors(model_dir))  # a sync must cover all of them
+        self._lock = threading.Lock()  # the channel carries one conversation at a time (a receiver thread, publish)
+        self._pending: deque[_Request] = deque()
+        self.sender = None
+        if self.leader:
+            # the weight-transfer group's store lives on this rank's host: MASTER_ADDR under torchrun and the Slurm
+            # scripts (rank 0 runs on the rendezvous node)
+            self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port(),
+                                          world_size=1 + roles.num_rollout_ranks, bucket_bytes=self._bucket_bytes)
+            self._channel.broadcast_object(("init", self.sender.receiver_init_info(rank_offset=1)), 0)
+            self.sender.open()  # rendezvous with every engine's worker
+
+    # -- generation -------------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+               seed: int | None = None) -> _Request:
+        """Start generating a batch on the rollout ranks and return at once (every trainer rank calls it)."""
+        request = _Request(len(prompt_ids))
+        if self.leader:
+            with self._lock:
+                self._channel.broadcast_object(("generate", ([list(map(int, p)) for p in prompt_ids], n, sampling,
+                                                             seed)), 0)
+                self._pending.append(request)
+        return request
+
+    def receive(self, request: _Request) -> tuple[Rollouts, dict] | None:
+        """Trainer rank 0: block until `request`'s rollouts are in (batches arrive in submission order); returns
+        (rollouts, the rollout ranks' timings). None on the other trainer ranks. Safe from a second thread."""
+        if not self.leader:
+            return None
+        with self._lock:
+            while request.rollouts is None:
+                self._receive_next()
+        return request.rollouts, request.stats
+
+    def _receive_next(self) -> None:
+        head = self._pending.popleft()
+        parts = [self._channel.recv_object(src=1 + e) for e in range(self.roles.num_rollout_ranks)]
+        head.rollouts = merge_parts(parts, head.num_prompts)
+        # the slowest engine decides when the batch is complete
+        head.stats = {k: max(p[2][k] for p in parts) for k in parts[0][2]}
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+                 seed: int | None = None) -> Rollouts:
+        """`n` samples per prompt, the whole batch on every trainer rank."""
+        request = self.submit(prompt_ids, n, sampling, seed=seed)
+        got = self.receive(request)
+        return trainer_broadcast(None if got is None else got[0])
+
+    # -- the trainer's turn, weights, the end -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def training(self):
+        """The engines run on their own devices: nothing to free."""
+        yield
+
+    def publish(self, version: int) -> dict:
+        """Stream the policy's weights to every engine as `version` (every trainer rank iterates the export). The
+        engines take it after the batch they are generating, whose rollouts are received first."""
+        from ..rollout.vllm_engine import send_weights
+
+        if self.leader:
+            with self._lock:
+                while self._pending:
+                    self._receive_next()
+                self._channel.broadcast_object(("weights", None), 0)
+                return send_weights(self.sender, self._export_weights(self._bucket_bytes), version, self._channel,
+                                    tied=self._tied, bucket_bytes=self._bucket_bytes, expected_names=self._expected)
+        return send_weights(None, self._export_weights(self._bucket_bytes), version, None, tied=self._tied,
+                            bucket_bytes=self._bucket_bytes, is_sender=False)
+
+    def shutdown(self) -> None:
+        if self.leader:
+            with self._lock:
+                while self._pending:
+                    self._receive_next()
+                self._channel.broadcast_object(("stop", None), 0)
+            self.sender.close()
+
+
+def merge_parts(parts, num_prompts: int) -> Rollouts:
+    """The engines' parts [(prompt indices, Rollouts, timings)] as one batch in prompt order."""
+    samples: dict[int, list[tuple[Rollouts, int]]] = {}
+    for indices, r, _ in parts:
+        for k, local in enumerate(r.prompt_index):
+            samples.setdefault(indices[local], []).append((r, k))
+    order = [(r, k, g) for g in range(num_prompts) for r, k in samples.get(g, [])]
+    return Rollouts(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
+                    logprobs=[r.logprobs[k] for r, k, _ in order],
+                    finish_reasons=[r.finish_reasons[k] for r, k, _ in order],
+                    weight_version=min(r.weight_version for _, r, _ in parts))  # the oldest weights count
+
+
+def trainer_broadcast(obj):
+    """Trainer rank 0's object on every trainer rank (the default group is the trainers' in a split job)."""
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def serve(cfg, model_dir, roles) -> None:
+    """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
+    from ..rollout import make_engine
+    from ..slurm import StopSignal
+
+    StopSignal().install()  # SIGUSR1 / SIGTERM: the trainer checkpoints and sends stop; this rank must not die first
+    engine = make_engine(cfg, model_dir, seed=cfg.trainer.seed)
+    channel, e, engines = roles.control, roles.engine_index, roles.num_rollout_ranks
+    # idle time since this engine's previous batch: waiting for weights, and for the next prompts
+    waits = {"wait_weights_s": 0.0, "wait_prompts_s": 0.0, "sync_s": 0.0}
+    try:
+        while True:
+            t = time.perf_counter()
+            kind, payload = channel.broadcast_object(None, 0)
+            idle = time.perf_counter() - t
+            if kind == "init":
+                engine.init_receiver({**payload, "rank_offset": payload["rank_offset"] + e})
+            elif kind == "weights":
+                waits["wait_weights_s"] += idle
+                waits["sync_s"] += engine.receive_weights(channel)["seconds"]
+            elif kind == "generate":
+                waits["wait_prompts_s"] += idle
+                prompts, n, sampling, seed = payload
+                mine = list(range(e, len(prompts), engines))  # as generate_all: seeds follow the place in the batch
+                t = time.perf_counter()
+                part = engine.generate([prompts[i] for i in mine], n, sampling, seed=seed, request_indices=mine)
+                channel.send_object((mine, part, {**waits, "generate_s": time.perf_counter() - t}), dst=0)
+                waits = dict.fromkeys(waits, 0.0)
+            elif kind == "stop":
+                return
+            else:
+                raise RuntimeError(f"rollout rank: unknown request {kind!r} from the trainer")
+    finally:
+        engine.shutdown()
