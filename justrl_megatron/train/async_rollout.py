@@ -21,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..rollout import Rollouts
 from .sampler import Prompt
 from .split_rollout import trainer_broadcast
@@ -94,7 +96,8 @@ class RolloutPipeline:
         if self.overlaps:
             payload = None
             if self.leader:
-                inflight.thread.join()
+                with torch.profiler.record_function("rollout"):  # a named range in a profiler trace, as colocated
+                    inflight.thread.join()
                 if isinstance(inflight.leader_result, BaseException):
                     raise inflight.leader_result
                 rollouts, stats, scored, reward_s = inflight.leader_result
@@ -104,10 +107,12 @@ class RolloutPipeline:
             rollouts, scored, seconds = trainer_broadcast(payload)
         else:  # colocated: every rank's engine generates its share now (SPMD); rank 0 scores
             t = time.perf_counter()
-            rollouts = self.rollout.generate([p.ids for p in prompts], self.n, self.sampling,
-                                             seed=self.step_seed(inflight.step))
+            with torch.profiler.record_function("rollout"):  # named ranges in a profiler trace (train/profiling.py)
+                rollouts = self.rollout.generate([p.ids for p in prompts], self.n, self.sampling,
+                                                 seed=self.step_seed(inflight.step))
             t_reward = time.perf_counter()
-            scored = trainer_broadcast(self._score(prompts, rollouts) if self.leader else None)
+            with torch.profiler.record_function("reward"):
+                scored = trainer_broadcast(self._score(prompts, rollouts) if self.leader else None)
             seconds = {"rollout": t_reward - t, "reward": time.perf_counter() - t_reward}
         rewards, correct, reward_stats = scored
         inflight.result = StepBatch(prompts, rollouts, list(rewards), list(correct), reward_stats, seconds)
