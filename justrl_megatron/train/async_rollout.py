@@ -63,13 +63,15 @@ class RolloutPipeline:
         return self.seed * 1_000_003 + step
 
     def start(self, step: int) -> InFlight:
-        inflight = InFlight(step, self.sampler.next_batch())
+        return self._launch(InFlight(step, self.sampler.next_batch()))
+
+    def _launch(self, inflight: InFlight) -> InFlight:
         if self.overlaps:
             inflight.request = self.rollout.submit([p.ids for p in inflight.prompts], self.n, self.sampling,
-                                                   seed=self.step_seed(step))
+                                                   seed=self.step_seed(inflight.step))
             if self.leader:
                 inflight.thread = threading.Thread(target=self._receive_and_score, args=(inflight,), daemon=True,
-                                                   name=f"rollout-step-{step}")
+                                                   name=f"rollout-step-{inflight.step}")
                 inflight.thread.start()
         return inflight
 
@@ -94,6 +96,8 @@ class RolloutPipeline:
             return inflight.result
         prompts = inflight.prompts
         if self.overlaps:
+            if inflight.request is None:
+                self._launch(inflight)
             payload = None
             if self.leader:
                 with torch.profiler.record_function("rollout"):  # a named range in a profiler trace, as colocated
@@ -130,9 +134,13 @@ class RolloutPipeline:
                 "reward_stats": b.reward_stats}
 
     def restore(self, state: dict | None) -> InFlight | None:
+        """The saved unit; on-policy now (a run resumed with max_staleness=0), its prompts are generated again with
+        the current weights."""
         if not state:
             return None
         prompts = [Prompt(**p) for p in state["prompts"]]
+        if not self.ahead:
+            return InFlight(state["step"], prompts)  # launched by collect, after the engines got the weights
         batch = StepBatch(prompts, Rollouts(**state["rollouts"]), state["rewards"], state["correct"],
                           state["reward_stats"])
         return InFlight(state["step"], prompts, result=batch)

@@ -41,9 +41,9 @@ from ..slurm import StopSignal, current_job, describe, requeue_message
 from .async_rollout import RolloutPipeline
 from .batching import Sample
 from .placement import ColocatedRollout
-from .split_rollout import SplitRollout, serve
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
+from .split_rollout import SplitRollout, serve
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
 from .validation import Validation
 
