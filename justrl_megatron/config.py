@@ -428,8 +428,8 @@ def _split_problems(cfg) -> list[str]:
                         f"trainer's devices, so nothing overlaps; use max_staleness=0")
     if ro.max_staleness > 1 and cfg.algo.rollout_correction == "none":
         problems.append(f"rollout.max_staleness={ro.max_staleness} trains on samples up to {ro.max_staleness} "
-                        f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, or "
-                        f"use max_staleness=1 (one-step-off)")
+                        f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, "
+                        f"or use max_staleness=1 (one-step-off)")
     return problems
 
 

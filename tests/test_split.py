@@ -17,8 +17,8 @@ SPLIT = ["rollout.placement=split", "rollout.num_rollout_ranks=1"]
 # the entropy bonus gives every batch a gradient (the tiny model's rewards are all 0), so the weights, and the
 # later rollouts, depend on what was sampled: a resume that trained on another batch would show
 LEARN = ["algo.entropy_coef=0.05", "trainer.lr=1e-3", "trainer.warmup_steps=0"]
-DETERMINISTIC = ("reward/mean", "response/length_mean", "actor/entropy", "actor/grad_norm", "actor/loss", "actor/logprob_mean",
-                 "rollout/logprob_diff_mean", "rollout/weight_version", "rollout/staleness")
+DETERMINISTIC = ("reward/mean", "response/length_mean", "actor/entropy", "actor/grad_norm", "actor/loss",
+                 "actor/logprob_mean", "rollout/logprob_diff_mean", "rollout/weight_version", "rollout/staleness")
 
 
 def train(run_dir, model, *args):

@@ -316,8 +316,8 @@ class VLLMEngine:
         """Split placement, on a rollout rank: receive one broadcast sync driven by `send_weights` on the trainer.
 
         `control_group` is a torch.distributed (gloo) group, or a distributed.ObjectChannel, holding the trainer
-        sender and every rollout rank; the per-bucket metadata travels on it, the tensors on the backend's own transfer group. Returns the sync figures
-        with the version the trainer stamped.
+        sender and every rollout rank; the per-bucket metadata travels on it, the tensors on the backend's own
+        transfer group. Returns the sync figures with the version the trainer stamped.
         """
         done = {}
 

@@ -217,8 +217,9 @@ class _PhaseTimer:
 
 def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> tuple[int, dict | None]:
     """Resume from the run dir's latest intact checkpoint (weights, optimizer, LR schedule, sampler), or start from
-    the HF weights; returns the step to continue after and the batch that was in flight then (one-step-off). A damaged checkpoint is named; trainer.resume=auto falls back
-    to the newest intact one, strict stops (exit code 2, no traceback: every rank agrees on the verdict)."""
+    the HF weights; returns the step to continue after and the batch that was in flight then (one-step-off). A
+    damaged checkpoint is named; trainer.resume=auto falls back to the newest intact one, strict stops (exit code 2,
+    no traceback: every rank agrees on the verdict)."""
     def warn(message):
         print(f"justrl-train: warning: {message}", file=sys.stderr, flush=True)
 
