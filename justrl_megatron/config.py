@@ -125,7 +125,8 @@ class AlgoConfig:
     overlong_penalty_factor: float = 1.0
     mask_truncated: bool = False  # overlong filtering: truncated responses leave the loss and its denominator
     # none | tis | mis | seq-tis | seq-mis: weights pi_trainer_old / pi_vllm on the policy loss, capped (tis) or
-    # masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (geometric mean of its tokens)
+    # masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the geometric mean of
+    # its tokens' ratios)
     rollout_correction: str = "none"
     tis_cap: float = 2.0  # ms-swift's default threshold; slime's MIS example keeps ratios in [0.5, 2]
 
@@ -434,7 +435,8 @@ def algo_extra_problems(algo, ro) -> list[str]:
 
     problems = []
     if algo.rollout_correction not in MODES:
-        problems.append(f"algo.rollout_correction must be one of {', '.join(MODES)}; got {algo.rollout_correction!r}")
+        problems.append(f"algo.rollout_correction must be one of {', '.join(MODES)}; "
+                        f"got {algo.rollout_correction!r}")
     if algo.overlong_buffer > 0 and algo.overlong_buffer >= ro.max_response_length:
         problems.append(f"algo.overlong_buffer ({algo.overlong_buffer}) must be shorter than "
                         f"rollout.max_response_length ({ro.max_response_length}): the penalty starts at "
