@@ -424,8 +424,9 @@ def test_cpu_demo_dapo_shows_every_feature_and_resumes_exactly(tmp_path):
         assert (r["reward/overlong_penalty_mean"] < 0) == (r["response/length_max"] > 16), r
         # overlong filtering: the truncated responses of the batch trained on are the masked ones
         assert r["response/masked_truncated"] == pytest.approx(r["response/truncated_ratio"])
-        # TIS: vLLM holds the trainer's weights, so the ratios are near 1; the mean never exceeds the max
-        assert 0.5 < r["rollout_correction/ratio_mean"] <= r["rollout_correction/ratio_max"] < 50
+        # TIS: vLLM holds the trainer's weights, so the ratios are near 1 (the mean at most the max, up to fp32 sums)
+        assert 0.5 < r["rollout_correction/ratio_mean"] <= r["rollout_correction/ratio_max"] * (1 + 1e-5)
+        assert r["rollout_correction/ratio_max"] < 50
         assert 0.0 <= r["rollout_correction/clipped_frac"] < 0.5
         assert "actor/rollout_correction/ratio_mean" not in r
     assert sum(r["batch/sampling_rounds"] for r in records) > 3 or all(r["batch/kept_groups"] == 2 for r in records)
