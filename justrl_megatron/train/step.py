@@ -240,7 +240,9 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             if kl_coef:
                 mb.extras["ref"] = gather_per_target(ref_logprobs, mb)
             if mask_truncated:
-                mb.extras["keep"] = torch.tensor([float(not samples[i].truncated) for i in mb.sample_ids])[mb.row]
+                kept = [not samples[i].truncated for i in mb.sample_ids]
+                mb.extras["keep"] = torch.tensor(kept, dtype=torch.float32)[mb.row]
+                mb.extras["kept_rows"] = torch.tensor(sum(kept))  # verl04-dynbsz: this micro-batch's sequences
             if rollout_correction != "none":
                 mb.extras["rollout"] = gather_per_target([s.rollout_logprobs for s in samples], mb)
         micro_batch_counts.append(len(micro_batches))
@@ -332,7 +334,7 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
     # the response tokens in the loss: all of them, or (algo.mask_truncated) those of untruncated responses
     keep = mb.extras.get("keep")
     mask = _padded(torch.ones_like(logp) if keep is None else keep, mb)
-    num_rows = None if keep is None else int((mask.sum(dim=-1) > 0).sum())  # verl04-dynbsz's share of sequences
+    num_rows = int(mb.extras["kept_rows"]) if "kept_rows" in mb.extras else None
     # rollout correction: weights pi_old / pi_vllm (both paths: `old` is recomputed or this forward's, detached)
     weights, rc = correction_weights(_padded(old, mb), _padded(mb.extras["rollout"], mb), mask,
                                      loss_kw["rollout_correction"], loss_kw["tis_cap"]) \
