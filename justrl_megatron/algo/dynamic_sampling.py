@@ -80,7 +80,7 @@ class ScoredBatch:
         merged = {}
         for f in dataclasses.fields(first):
             values = [getattr(b.rollouts, f.name) for b in batches]
-            if isinstance(values[0], list):
+            if all(_per_sample(b.rollouts, v) for b, v in zip(batches, values)):
                 merged[f.name] = [v for part in values for v in part]
             elif any(v != values[0] for v in values):
                 raise ValueError(f"rounds disagree on rollouts.{f.name}: {values}")
@@ -91,10 +91,14 @@ class ScoredBatch:
                            dict(batches[-1].reward_stats))
 
 
+def _per_sample(rollouts, value) -> bool:
+    """A field with one entry per sample (token ids, logprobs, finish reasons, truncated, ...)."""
+    return isinstance(value, list) and len(value) == len(rollouts.token_ids)
+
+
 def _take_samples(rollouts, ids: list[int], group_size: int):
-    n = len(rollouts.token_ids)
     picked = {f.name: [getattr(rollouts, f.name)[i] for i in ids] for f in dataclasses.fields(rollouts)
-              if isinstance(getattr(rollouts, f.name), list) and len(getattr(rollouts, f.name)) == n}
+              if _per_sample(rollouts, getattr(rollouts, f.name))}
     if "prompt_index" in picked:
         picked["prompt_index"] = [k // group_size for k in range(len(ids))]
     return dataclasses.replace(rollouts, **picked)
