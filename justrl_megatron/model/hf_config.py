@@ -145,11 +145,8 @@ def _family(hf_config) -> str:
 def _rope(fields: dict) -> dict:
     """RoPE base and scaling from either spelling: transformers 5's `rope_parameters` (theta inside) or
     transformers 4's `rope_theta` + `rope_scaling` (key `type` or `rope_type`)."""
-    params = fields.get("rope_parameters")
-    name = "rope_parameters"
-    if not params:
-        params, name = fields.get("rope_scaling"), "rope_scaling"
-    params = dict(params or {})
+    params = dict(fields.get("rope_parameters") or fields.get("rope_scaling") or {})
+    name = "rope_scaling/rope_parameters"  # transformers 5 reads a file's rope_scaling into rope_parameters
     theta = params.pop("rope_theta", None)
     if theta is None:
         theta = fields.get("rope_theta", 10000.0)
