@@ -2,8 +2,8 @@
 
 All families share HF names (`model.layers.{i}.self_attn.q_proj.weight`, ...); they differ in the QKV bias, Qwen3's
 q/k norms (`self_attn.q_norm.weight`, one [head_dim] weight shared by all heads) and tied embeddings, which the
-`ModelShape` says. head_dim comes from the shape, never from hidden/heads. One `Entry` is one Megatron weight (global layer index) and the HF
-tensors it is made of. Its `kind` says how it is laid out and split over TP:
+`ModelShape` says; head_dim comes from the shape, never from hidden/heads. One `Entry` is one Megatron weight (global
+layer index) and the HF tensors it is made of. Its `kind` says how it is laid out and split over TP:
 
   replicated  RMSNorm weights (also the q/k norms): the same on every TP rank.
   row         linear_proj / linear_fc2 (RowParallelLinear): split along the input dim (1).
@@ -132,7 +132,8 @@ def entry_for(name: str, by_mcore: dict[str, Entry], shape: ModelShape) -> Entry
         return by_mcore["embedding.word_embeddings.weight"]  # last stage's copy of the tied embeddings
     if name not in by_mcore:
         raise KeyError(f"Megatron parameter {name!r} has no HF counterpart for {shape.family} "
-                       f"(qkv_bias={shape.qkv_bias}, qk_norm={shape.qk_norm}); is the model built with a different config than the HF one?")
+                       f"(qkv_bias={shape.qkv_bias}, qk_norm={shape.qk_norm}); is the model built with a different "
+                       f"config than the HF one?")
     return by_mcore[name]
 
 

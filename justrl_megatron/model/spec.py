@@ -1,8 +1,9 @@
 """The layer spec: TransformerEngine modules on GPU when TE is importable, megatron's local modules otherwise.
 
 This is the one place that chooses (`model.transformer_impl: auto|te|local`). The local spec swaps in two modules:
-an RMSNorm that works with sequence parallelism (`norm.py`; also Qwen3's q/k norms when `config.qk_layernorm`) and a torch-SDPA core attention that never materialises
-the S x S scores and understands packed (THD) rows (`attention.py`). Both pick their fused CUDA kernels themselves
+an RMSNorm that works with sequence parallelism (`norm.py`; also Qwen3's q/k norms when `config.qk_layernorm`) and
+a torch-SDPA core attention that never materialises the S x S scores and understands packed (THD) rows
+(`attention.py`). Both pick their fused CUDA kernels themselves
 (varlen flash attention, fused rms_norm); the fusions that are TransformerConfig flags are set in `policy._gpu_fusions`.
 """
 
