@@ -5,8 +5,9 @@ Checks: the field table against transformers' own config classes and the publish
 pick; refusals (unknown rope type, sliding windows, o_proj/MLP biases, unknown fields) as ValueErrors naming the
 field and as exit code 2 with one line at the CLI; RoPE inverse frequencies bitwise equal to transformers'; HF vs
 Megatron logits (fp32, <= 1e-5) per family in one process. The TP=2 / PP=2 / VPP round trips of these families run
-in tests/test_convert.py's one torchrun launch (its `models` fixture takes `NEW_FAMILIES`); trainer vs vLLM logprobs
-after a sync (Qwen3, scaled Llama-3) are the slow tests at the end.
+in tests/test_convert.py's one torchrun launch (its `models` fixture takes `NEW_FAMILIES`). Slow: trainer vs vLLM
+logprobs after a sync (Qwen3, scaled Llama-3; tests/mp/models_vllm.py) and Qwen3's q/k-norm gradients at TP1 / TP2 /
+TP2+SP (tests/mp/models_tp_grads.py).
 """
 
 import dataclasses
@@ -292,3 +293,20 @@ def test_trainer_and_vllm_logprobs_agree_after_a_sync(family, kw, tmp_path):
         assert v[key]["logprob_diff_mean"] <= 1e-4 and v[key]["logprob_diff_max"] <= 1e-3, (key, v)
     assert v["gap_stale"]["logprob_diff_mean"] > 1e-2, v  # the trainer moved: without the sync vLLM is off
     assert v["sync"]["bytes"] > 0 and v["sync"]["buckets"] > 1, v["sync"]  # every tensor arrived (else it raises)
+
+
+# --- Qwen3's q/k norms under tensor parallelism (training) ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_qk_norm_gradients_equal_across_tp_layouts(new_models, tmp_path):
+    """TP splits the heads, so each rank sees part of the q/k norms' gradient; megatron must sum it over TP (also
+    with SP): after one GRPO backward the reduced gradients at TP2 and TP2+SP equal TP1's (x DP2)."""
+    from helpers import rank_verdicts, run_mp
+
+    run_mp("models_tp_grads.py", new_models["qwen3"], tmp_path, nproc=2, timeout=900)
+    for v in rank_verdicts(tmp_path, 2):
+        for layout in ("tp2", "tp2sp"):
+            for name, ref in v["tp1"].items():
+                ref, got = torch.tensor(ref), torch.tensor(v[layout][name])
+                assert ref.abs().max() > 1e-4, name  # a gradient that is there
+                assert (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item()), (layout, name)
