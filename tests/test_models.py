@@ -86,8 +86,18 @@ MISTRAL_7B_V0P3 = {
     "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0",
     "use_cache": True, "vocab_size": 32768}
+SMOLLM2_135M_FROM_GGUF = {  # what assets.smollm2_135m_instruct() writes (transformers 5, from the GGUF)
+    "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2", "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "dtype": "bfloat16", "eos_token_id": 2,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.02, "intermediate_size": 1536,
+    "max_position_embeddings": 8192, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9,
+    "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1,
+    "rms_norm_eps": 9.999999747378752e-06, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "tie_word_embeddings": True, "transformers_version": "5.19.0", "unk_token_id": 0, "use_cache": True,
+    "vocab_size": 49152}
 PUBLISHED = {"qwen2.5-math-1.5b": QWEN2P5_MATH_1P5B, "qwen3-1.7b": QWEN3_1P7B,
-             "llama-3.2-1b-instruct": LLAMA3P2_1B_INSTRUCT, "mistral-7b-v0.3": MISTRAL_7B_V0P3}
+             "llama-3.2-1b-instruct": LLAMA3P2_1B_INSTRUCT, "mistral-7b-v0.3": MISTRAL_7B_V0P3,
+             "smollm2-135m-instruct": SMOLLM2_135M_FROM_GGUF}
 
 
 def test_field_table_covers_every_field_transformers_writes():
@@ -118,13 +128,14 @@ def test_published_configs_map_and_count_parameters_as_transformers(name, tmp_pa
     expected = {"qwen2.5-math-1.5b": ("qwen2", True, False, True, "default", 128),
                 "qwen3-1.7b": ("qwen3", False, True, True, "default", 128),
                 "llama-3.2-1b-instruct": ("llama", False, False, True, "llama3", 64),
-                "mistral-7b-v0.3": ("mistral", False, False, False, "default", 128)}[name]
+                "mistral-7b-v0.3": ("mistral", False, False, False, "default", 128),
+                "smollm2-135m-instruct": ("llama", False, False, True, "default", 64)}[name]
     assert (shape.family, shape.qkv_bias, shape.qk_norm, shape.tie_word_embeddings, shape.rope_type,
             shape.head_dim) == expected
     if name == "llama-3.2-1b-instruct":
         assert (shape.rope_factor, shape.rope_low_freq_factor, shape.rope_high_freq_factor,
                 shape.rope_original_max_positions, shape.rope_theta) == (32.0, 1.0, 4.0, 8192, 500000.0)
-    if name != "mistral-7b-v0.3":  # justrl-bench's built-in shapes for the models users pick
+    if name in ("qwen2.5-math-1.5b", "qwen3-1.7b", "llama-3.2-1b-instruct"):  # justrl-bench's built-in shapes
         assert BUILTIN_SHAPES[name] == shape
 
 
