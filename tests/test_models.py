@@ -198,6 +198,17 @@ def test_harmless_forms_are_accepted(base, change, tmp_path):
     model_shape(cfg)
 
 
+def test_a_field_missing_from_the_table_passes_only_at_its_class_default(tmp_path, monkeypatch):
+    """A newer transformers may add a field (here: pretraining_tp, as if the table lacked it): at the config class's
+    default it is today's architecture; any other value is refused by name."""
+    from justrl_megatron.model import hf_config
+
+    monkeypatch.delitem(hf_config.HF_FIELDS, "pretraining_tp")
+    model_shape(hf_config_from(tmp_path, LLAMA3P2_1B_INSTRUCT)[0])  # pretraining_tp=1, LlamaConfig's default
+    with pytest.raises(ValueError, match="pretraining_tp=2 is unknown"):
+        model_shape(hf_config_from(tmp_path, {**LLAMA3P2_1B_INSTRUCT, "pretraining_tp": 2})[0])
+
+
 def test_cli_unknown_rope_type_exits_2_with_one_line(tmp_path):
     """justrl-convert on a Llama config with an unknown rope_scaling type: rc 2, one line naming it, no traceback."""
     _, folder = hf_config_from(tmp_path, {**LLAMA3P2_1B_INSTRUCT, "rope_scaling": {"rope_type": "foo", "factor": 2}})

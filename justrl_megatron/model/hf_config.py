@@ -6,7 +6,7 @@ All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query atten
 scaling (Llama 3.x: `llama3`), and whether the embeddings are tied. A field that changes the math is never ignored:
 `HF_FIELDS` lists every field these configs carry and how it is handled (mapped into `ModelShape`, refused with a
 message naming it when its value asks for math we do not implement, or irrelevant to the forward pass); a field
-that is not in the table is refused too.
+that is not in the table is refused too, unless it has its config class's default value.
 """
 
 from __future__ import annotations
@@ -177,9 +177,11 @@ def _rope(fields: dict) -> dict:
                 if kind == "llama3" else None)
 
 
-def _check_fields(fields: dict, family: str) -> None:
-    """Refuse the fields (and values) whose math is not implemented; see HF_FIELDS."""
-    unknown = sorted(k for k in fields if k not in HF_FIELDS and k not in _GENERATION_FIELDS)
+def _check_fields(fields: dict, family: str, class_defaults: dict) -> None:
+    """Refuse the fields (and values) whose math is not implemented; see HF_FIELDS. A field the table lacks passes
+    only at its config class's default (a newer transformers may add fields whose default is today's architecture)."""
+    unknown = sorted(k for k in fields if k not in HF_FIELDS and k not in _GENERATION_FIELDS
+                     and not (k in class_defaults and class_defaults[k] == fields[k]))
     if unknown:
         raise UnsupportedConfig(
             f"config.json field {unknown[0]}={fields[unknown[0]]!r} is unknown to justrl-megatron's {family} mapping "
@@ -220,7 +222,11 @@ def model_shape(hf_config) -> ModelShape:
     when the config asks for math that is not implemented."""
     family = _family(hf_config)
     fields = hf_config.to_dict()
-    _check_fields(fields, family)
+    try:
+        class_defaults = type(hf_config)().to_dict()
+    except Exception:  # noqa: BLE001  (a config class that needs arguments: every unknown field is refused)
+        class_defaults = {}
+    _check_fields(fields, family, class_defaults)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     qkv_bias = True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
