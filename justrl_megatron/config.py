@@ -114,9 +114,21 @@ class AlgoConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    # importance correction of stale / mismatched rollouts: none | tis | mis | seq-tis | seq-mis (needed by
-    # rollout.max_staleness > 1)
+    # The DAPO / off-policy extras (docs/algorithm.md; all off by default: the JustRL recipes use none of them).
+    # dynamic sampling: drop groups whose rewards are all equal, draw and sample more prompt batches (at most
+    # max_sampling_rounds per step, the first included) until trainer.prompts_per_step groups have reward variance
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    # overlong shaping: a penalty growing linearly from 0 at max_response_length - overlong_buffer tokens to
+    # -overlong_penalty_factor at the limit, added to the reward (0: off; DAPO: 4096 of 20480, factor 1.0)
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    mask_truncated: bool = False  # overlong filtering: truncated responses leave the loss and its denominator
+    # none | tis | mis | seq-tis | seq-mis: weights pi_trainer_old / pi_vllm on the policy loss, capped (tis) or
+    # masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the geometric mean of
+    # its tokens' ratios)
     rollout_correction: str = "none"
+    tis_cap: float = 2.0  # ms-swift's default threshold; slime's MIS example keeps ratios in [0.5, 2]
 
 
 @dataclass
@@ -245,6 +257,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 (got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
         problems.append(f"algo.dual_clip_c must be > 1 (or null to disable), got {algo.dual_clip_c}")
+    problems += algo_extra_problems(algo, ro)
     steps = tr.profile_steps
     if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         problems.append(f"trainer.profile_steps must be [first, last] with 1 <= first <= last, got {list(steps)}")
@@ -372,6 +385,13 @@ RANGES = {
     "rollout.weight_sync_bucket_mb": (_AT_LEAST_1, ">= 1"),
     "algo.reward_workers": (_AT_LEAST_0, ">= 0 (0: score in the trainer's process)"),
     "algo.kl_coef": (_AT_LEAST_0, ">= 0"),
+    "algo.max_sampling_rounds": (_AT_LEAST_1, ">= 1 (prompt batches sampled per step with algo.dynamic_sampling, "
+                                 "the first included)"),
+    "algo.overlong_buffer": (_AT_LEAST_0, ">= 0 (tokens before rollout.max_response_length where the length "
+                             "penalty starts; 0: off)"),
+    "algo.overlong_penalty_factor": (_AT_LEAST_0, ">= 0 (the penalty at the length limit)"),
+    "algo.tis_cap": (_between(1, None, low_open=True), "> 1 (the largest importance weight kept; mis masks tokens "
+                     "whose ratio is outside [1/tis_cap, tis_cap]; 2.0 is the usual value)"),
     "data.num_generated": (_AT_LEAST_1, ">= 1"),
     "data.max_prompt_length": (_AT_LEAST_1, ">= 1"),
     "logging.console_every": (_AT_LEAST_1, ">= 1"),
@@ -382,7 +402,6 @@ RANGES = {
 CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "rollout.weight_sync_backend": ("auto", "local", "cpu", "gloo", "nccl", "ipc"),
-    "algo.rollout_correction": ("none", "tis", "mis", "seq-tis", "seq-mis"),
 }
 
 
@@ -430,6 +449,24 @@ def _split_problems(cfg) -> list[str]:
         problems.append(f"rollout.max_staleness={ro.max_staleness} trains on samples up to {ro.max_staleness} "
                         f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, "
                         f"or use max_staleness=1 (one-step-off)")
+    return problems
+
+
+def algo_extra_problems(algo, ro) -> list[str]:
+    """Dynamic sampling, overlong shaping and rollout correction settings that cannot work together."""
+    from .algo.rollout_correction import MODES  # torch-only module; config.py stays import-light
+
+    problems = []
+    if algo.rollout_correction not in MODES:
+        problems.append(f"algo.rollout_correction must be one of {', '.join(MODES)}; "
+                        f"got {algo.rollout_correction!r}")
+    if algo.overlong_buffer > 0 and algo.overlong_buffer >= ro.max_response_length:
+        problems.append(f"algo.overlong_buffer ({algo.overlong_buffer}) must be shorter than "
+                        f"rollout.max_response_length ({ro.max_response_length}): the penalty starts at "
+                        f"max_response_length - overlong_buffer tokens; lower it (DAPO: 4096 of 20480) or set 0")
+    if algo.dynamic_sampling and ro.n < 2:
+        problems.append("algo.dynamic_sampling needs rollout.n >= 2: a group of one response never has reward "
+                        "variance, so every group would be dropped")
     return problems
 
 

@@ -140,7 +140,10 @@ def _plain(value):
 
 CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "response/truncated_ratio", "actor/entropy",
                 "actor/grad_norm", "actor/skipped_steps", "actor/clip_frac_low", "actor/clip_frac_high",
-                "rollout/logprob_diff_mean", "rollout/weight_version", "time/step_s", "throughput/tokens_per_s")
+                "rollout/logprob_diff_mean", "rollout/weight_version", "time/step_s", "throughput/tokens_per_s",
+                # with algo.dynamic_sampling / overlong_buffer / mask_truncated / rollout_correction
+                "batch/kept_groups", "batch/sampling_rounds", "reward/overlong_penalty_mean",
+                "response/masked_truncated", "rollout_correction/ratio_max")
 
 
 def _table(step: int, record: dict) -> Table:
@@ -228,7 +231,8 @@ def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_token
         "response/truncated_ratio": sum(rollouts.truncated) / len(lengths),
         **{f"rollout/{k}": v for k, v in logprob_gap.items()},
         "rollout/weight_version": rollouts.weight_version,
-        **{f"actor/{k}": v for k, v in update.items()},
+        # the update's own figures under actor/, except those that name their section (rollout_correction/...)
+        **{k if "/" in k else f"actor/{k}": v for k, v in update.items()},
         **{f"time/{k}_s": v for k, v in phase_seconds.items()},
         "time/step_s": step_seconds,
         "throughput/tokens_per_s": tokens / step_seconds,

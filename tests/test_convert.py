@@ -1,7 +1,9 @@
 """The HF <-> Megatron converter: TP shard rules, live-model load + streaming export at every layout, the CLI.
 
 Models: tiny Qwen2 (untied, GQA 4/2, QKV bias, vocab 1100: not a multiple of 128, and padded differently at TP1
-(1152) and TP2 (1280)) and tiny Llama (tied embeddings, vocab 1000, head_dim 16); slow: the real SmolLM2-135M-Instruct.
+(1152) and TP2 (1280)) and tiny Llama (tied embeddings, vocab 1000, head_dim 16); the new families of
+tests/test_models.py (Qwen2.5, Qwen3 with q/k norms and head_dim 48, Llama-3 with llama3 RoPE scaling, Mistral) in the
+same torchrun launch; slow: the real SmolLM2-135M-Instruct.
 """
 
 import functools
@@ -15,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import ENV, HERE, TORCHRUN, VLLM_TINY, rank_verdicts, run_mp, run_ok
+from test_models import NEW_FAMILIES, build_new_family  # Qwen2.5, Qwen3, Llama-3 (rope scaling), Mistral
 from justrl_megatron.assets import tiny_model
 from justrl_megatron.convert import mapping
 from justrl_megatron.model.hf_config import ModelShape, require_parallel_layout
@@ -103,7 +106,8 @@ def models(tmp_path_factory):
     qwen2 = tiny_model(root / "qwen2", "qwen2", vocab_size=1100, **VLLM_TINY)  # the export is also run in vLLM
     for name in ("tokenizer.json", "tokenizer_config.json"):  # side files that must travel with exports
         shutil.copyfile(qwen2_tokenizer() / name, qwen2 / name)
-    return {"qwen2": qwen2, "llama": tiny_model(root / "llama", "llama", vocab_size=1000)}
+    return {"qwen2": qwen2, "llama": tiny_model(root / "llama", "llama", vocab_size=1000),
+            **{name: build_new_family(root, name) for name in NEW_FAMILIES}}  # in the same torchrun launch
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +118,10 @@ def layouts(models, tmp_path_factory):
 
 
 LAYOUT_NAMES = ["tp1", "tp2", "pp2", "tp2pp2", "pp2vpp2"]
+FAMILIES = ["qwen2", "llama", *NEW_FAMILIES]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_streaming_export_of_live_model_equals_hf(layouts, family, layout):
     """load_hf_weights into TP/PP shards, then export_hf_stream: every rank receives the original tensors, bitwise."""
@@ -133,7 +138,7 @@ def test_streaming_export_of_live_model_equals_hf(layouts, family, layout):
         assert any(n_weights > 1 for _, n_weights in v["buckets"])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_megatron_logits_match_transformers(layouts, family, layout):
     _, verdicts = layouts
@@ -144,10 +149,11 @@ def test_megatron_logits_match_transformers(layouts, family, layout):
         assert v["logit_diff"] <= 1e-5, v
 
 
-def test_tp2pp2_dist_checkpoint_back_to_hf_bitwise(layouts, models, tmp_path):
-    """Live TP2xPP2 Qwen2 -> dist checkpoint -> `mcore-to-hf` in one process (TP1: vocab re-padded 1280 -> 1152)."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
+def test_tp2pp2_dist_checkpoint_back_to_hf_bitwise(layouts, models, tmp_path, family):
+    """Live TP2xPP2 model -> dist checkpoint -> `mcore-to-hf` in one process (TP1: vocab re-padded, e.g. Qwen2's
+    1280 -> 1152); Qwen3's q/k norms and the scaled Llama-3 come back bitwise too."""
     out, _ = layouts
-    family = "qwen2"
     run(CLI + ["mcore-to-hf", "--ckpt", str(out / f"mcore_{family}"), "--out", str(tmp_path / "hf")])
     assert_bitwise_equal(tensors(tmp_path / "hf"), tensors(models[family]))
 
@@ -206,6 +212,16 @@ def test_exported_folder_runs_in_vllm(layouts, models, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = json.loads((tmp_path / "vllm.json").read_text())
     assert result["vllm"] == result["transformers"] and len(result["vllm"][0]) == 8, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(NEW_FAMILIES))
+def test_cli_verify_passes_for_each_new_family(layouts, models, family):
+    """`justrl-convert verify` of the TP2xPP2 checkpoint against its HF folder, in one process: fp32 logits agree."""
+    proc = run(CLI + ["verify", "--hf", str(models[family]), "--ckpt", str(layouts[0] / f"mcore_{family}"),
+                      "--tol", "1e-5", "--seq-len", "80"])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["max_abs_logit_diff"] <= 1e-5, result
 
 
 def test_cli_verify_fails_on_wrong_weights(layouts, models, tmp_path):

@@ -58,7 +58,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {KL_ESTIMATORS}")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=None, num_sequences=None):
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=None, num_sequences=None,
+              num_rows=None):
     """Reduce per-token ``values`` [B, T] (B rows = the sequences of one micro-batch) to a scalar.
 
     token-mean:            sum(values * mask) / denominator   (default: this batch's token count)
@@ -76,7 +77,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
 
     verl04-dynbsz is verl 0.4.0's "token-mean" with dynamic batch size: a token mean inside each micro-batch, weighted
     by the micro-batch's share of the mini-batch's sequences (all of them: ``num_sequences`` counts empty responses
-    too). Unlike the others it depends on how the mini-batch was packed into micro-batches.
+    too). Unlike the others it depends on how the mini-batch was packed into micro-batches. ``num_rows``: the
+    micro-batch's share counts this many sequences instead of B (rows taken out of the loss entirely, such as masked
+    truncated responses, leave the share as they leave ``num_sequences``).
     """
     mask = mask.to(values.dtype)
     if agg == "token-mean":
@@ -85,7 +88,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; known: {AGG_MODES}")
     if agg == "verl04-dynbsz":
-        rows = values.shape[0]
+        rows = values.shape[0] if num_rows is None else num_rows
         share = rows / (rows if num_sequences is None else max(float(num_sequences), 1.0))
         return (values * mask).sum() / mask.sum().clamp(min=1) * share
     tokens = mask.sum(dim=-1)
@@ -98,13 +101,16 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.28, dual_clip_c: float | None = 10.0,
-                agg: str = "token-mean", denominator=None, num_sequences=None, ref_logprobs=None,
-                kl_coef: float = 0.0, kl_estimator: str = "k3", entropy=None, entropy_coef: float = 0.0):
+                agg: str = "token-mean", denominator=None, num_sequences=None, num_rows=None, ref_logprobs=None,
+                kl_coef: float = 0.0, kl_estimator: str = "k3", entropy=None, entropy_coef: float = 0.0,
+                weights=None):
     """Clipped GRPO/PPO loss over response tokens; returns ``(loss, metrics)``.
 
     Shapes: logprobs, old_logprobs, mask (and ref_logprobs, entropy) [B, T]; advantages [B] or [B, T]. ``mask`` marks
     response tokens. ``denominator`` / ``num_sequences``: see :func:`aggregate`. The KL penalty (``kl_coef`` > 0 with
     ``ref_logprobs``) and the entropy bonus (``entropy_coef`` > 0 with ``entropy``) use the same aggregation.
+    ``weights`` [B, T] (detached): a per-token factor on the policy-gradient term only, e.g. the rollout correction's
+    importance weights (algo/rollout_correction.py); the clip statistics are those of the unweighted tokens.
 
     Metrics (all detached). To all-reduce with SUM: ``num_tokens``, ``clip_low_count``, ``clip_high_count``,
     ``clip_dual_count``, ``approx_kl_sum`` (sum of old_logp - logp), ``ref_kl_sum``, ``entropy_sum``; with MIN / MAX:
@@ -133,7 +139,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if dual_clip_c is not None:
         # For A < 0 the loss -A r grows without bound in r; dual-clip caps it at -A c (again a constant).
         pg = torch.where(negative, torch.minimum(pg, -adv * dual_clip_c), pg)
-    agg_kw = dict(agg=agg, denominator=denominator, num_sequences=num_sequences)
+    if weights is not None:
+        pg = pg * weights.detach().float()
+    agg_kw = dict(agg=agg, denominator=denominator, num_sequences=num_sequences, num_rows=num_rows)
     pg_loss = aggregate(pg, mask_f, **agg_kw)
     loss = pg_loss
 

@@ -131,20 +131,26 @@ def model_folder(model: str, *, tokenizer: bool = False) -> Path:
     if model not in BUILTIN_SHAPES:
         return assets.resolve_model_path(model)
     s = BUILTIN_SHAPES[model]
-    if s.head_dim * s.num_attention_heads != s.hidden_size:
-        raise ValueError(f"built-in shape {model} has head_dim != hidden/heads; give an HF folder instead")
+    if s.family == "qwen2" and s.head_dim * s.num_attention_heads != s.hidden_size:
+        raise ValueError(f"built-in shape {model} has head_dim != hidden/heads, which Qwen2 cannot express")
+    rope = None if s.rope_type == "default" else {"rope_type": s.rope_type, "factor": s.rope_factor}
+    if s.rope_type == "llama3":
+        rope.update(low_freq_factor=s.rope_low_freq_factor, high_freq_factor=s.rope_high_freq_factor,
+                    original_max_position_embeddings=s.rope_original_max_positions)
     kw = dict(num_layers=s.num_layers, hidden_size=s.hidden_size, num_heads=s.num_attention_heads,
               num_kv_heads=s.num_query_groups, intermediate_size=s.ffn_hidden_size,
-              tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings)
+              tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=s.max_position_embeddings,
+              head_dim=None if s.head_dim * s.num_attention_heads == s.hidden_size else s.head_dim,
+              rope_theta=s.rope_theta, rope_scaling=rope)
     if not tokenizer:
         return assets._build_once(f"bench-random-{model}", lambda out: assets.tiny_model(
             out, s.family, vocab_size=s.vocab_size, **kw))
     if model == "tiny":  # the tiny shape's vocabulary holds no real tokenizer: a Llama of its size with SmolLM2's
         return assets._build_once("bench-random-tiny-llama-tok", lambda out: assets.tiny_model(
             out, "llama", tokenizer=assets.smollm2_135m_instruct(), **kw))
-    if s.family == "qwen2":
+    if s.family in ("qwen2", "qwen3"):  # the Qwen2 tokenizer (151,665 tokens) fits Qwen3's vocabulary too
         return assets._build_once(f"bench-random-{model}-tok", lambda out: assets.tiny_model(
-            out, "qwen2", vocab_size=s.vocab_size, with_tokenizer=True, **kw))
+            out, s.family, vocab_size=s.vocab_size, with_tokenizer=True, **kw))
     return assets._build_once(f"bench-random-{model}-tok", lambda out: assets.tiny_model(
         out, s.family, tokenizer=assets.smollm2_135m_instruct(), **kw))
 

@@ -46,6 +46,20 @@ BUILTIN_SHAPES = {
         family="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
         num_query_groups=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
         rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True, init_std=0.041666666666666664),
+    # the published configs of these models map to exactly these shapes (tests/test_models.py)
+    "qwen2.5-math-1.5b": ModelShape(
+        family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
+        num_query_groups=2, head_dim=128, vocab_size=151936, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=True, init_std=0.02),
+    "qwen3-1.7b": ModelShape(
+        family="qwen3", num_layers=28, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=16,
+        num_query_groups=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, qkv_bias=False, tie_word_embeddings=True, init_std=0.02, qk_norm=True),
+    "llama-3.2-1b-instruct": ModelShape(
+        family="llama", num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+        num_query_groups=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True, init_std=0.02, rope_type="llama3",
+        rope_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_positions=8192),
 }
 
 

@@ -285,7 +285,11 @@ def verify(args) -> int:
     ckpt = resolve_checkpoint(args.ckpt)
     meta = read_meta(ckpt)
     if meta.get("shape"):
-        theirs = {k: v for k, v in meta["shape"].items() if k != "init_std"}
+        import dataclasses
+
+        # a field a checkpoint's metadata lacks was written before it existed: it had the default (plain RoPE, ...)
+        defaults = {f.name: f.default for f in dataclasses.fields(shape) if f.default is not dataclasses.MISSING}
+        theirs = {**defaults, **{k: v for k, v in meta["shape"].items() if k != "init_std"}}
         ours = {k: v for k, v in shape.__dict__.items() if k != "init_std"}
         diff = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
         if diff:

@@ -76,7 +76,8 @@ def check_model_matches(shape: ModelShape, config) -> None:
              ("intermediate_size", shape.ffn_hidden_size, config.ffn_hidden_size),
              ("num_attention_heads", shape.num_attention_heads, config.num_attention_heads),
              ("num_key_value_heads", shape.num_query_groups, config.num_query_groups or config.num_attention_heads),
-             ("head_dim", shape.head_dim, config.kv_channels)]
+             ("head_dim", shape.head_dim, config.kv_channels),
+             ("q/k norm (Qwen3)", shape.qk_norm, bool(config.qk_layernorm))]
     bad = [f"{name}: HF {a} vs Megatron {b}" for name, a, b in pairs if a != b]
     if bad:
         raise ValueError("the HF checkpoint does not match the Megatron model: " + "; ".join(bad))

@@ -1,10 +1,11 @@
-"""HF <-> Megatron weight mapping for Qwen2 and Llama, and how each weight is split over tensor-parallel ranks.
+"""HF <-> Megatron weight mapping for Qwen2/2.5, Qwen3, Llama and Mistral, and how each weight is split over TP ranks.
 
-Both families share HF names (`model.layers.{i}.self_attn.q_proj.weight`, ...); they differ only in the QKV bias and in
-tied embeddings, which the `ModelShape` says. One `Entry` is one Megatron weight (global layer index) and the HF
-tensors it is made of. Its `kind` says how it is laid out and split over TP:
+All families share HF names (`model.layers.{i}.self_attn.q_proj.weight`, ...); they differ in the QKV bias, Qwen3's
+q/k norms (`self_attn.q_norm.weight`, one [head_dim] weight shared by all heads) and tied embeddings, which the
+`ModelShape` says; head_dim comes from the shape, never from hidden/heads. One `Entry` is one Megatron weight (global
+layer index) and the HF tensors it is made of. Its `kind` says how it is laid out and split over TP:
 
-  replicated  RMSNorm weights: the same on every TP rank.
+  replicated  RMSNorm weights (also the q/k norms): the same on every TP rank.
   row         linear_proj / linear_fc2 (RowParallelLinear): split along the input dim (1).
   vocab       word embeddings / output layer: split along the vocab dim (0); the vocab is padded to a multiple of
               (make_vocab_size_divisible_by x TP) with zero rows on import and stripped on export.
@@ -48,6 +49,9 @@ def layer_entries(shape: ModelShape, i: int) -> list[Entry]:
     if shape.qkv_bias:
         out.append(Entry(m + "self_attention.linear_qkv.bias",
                          (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), "qkv"))
+    if shape.qk_norm:
+        out += [Entry(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), "replicated"),
+                Entry(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), "replicated")]
     out += [
         Entry(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
         Entry(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
@@ -85,6 +89,8 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
         if shape.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
+        if shape.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     return out
 
 
@@ -126,7 +132,8 @@ def entry_for(name: str, by_mcore: dict[str, Entry], shape: ModelShape) -> Entry
         return by_mcore["embedding.word_embeddings.weight"]  # last stage's copy of the tied embeddings
     if name not in by_mcore:
         raise KeyError(f"Megatron parameter {name!r} has no HF counterpart for {shape.family} "
-                       f"(qkv_bias={shape.qkv_bias}); is the model built with a different config than the HF one?")
+                       f"(qkv_bias={shape.qkv_bias}, qk_norm={shape.qk_norm}); is the model built with a different "
+                       f"config than the HF one?")
     return by_mcore[name]
 
 

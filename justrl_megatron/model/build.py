@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     gather_from_sequence_parallel_region)
 
 from .hf_config import ModelShape, padded_vocab_size
+from .rope import set_rotary
 from .spec import block_spec
 
 
@@ -30,22 +31,22 @@ def build_model_chunks(
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunks.append(
-            GPTModel(
-                config=config,
-                transformer_layer_spec=block_spec(config, transformer_impl, vp_stage=stage),
-                vocab_size=vocab,
-                max_sequence_length=max_sequence_length or shape.max_position_embeddings,
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                parallel_output=parallel_output,
-                share_embeddings_and_output_weights=shape.tie_word_embeddings,
-                position_embedding_type="rope",
-                rotary_percent=1.0,
-                rotary_base=int(shape.rope_theta),
-                vp_stage=stage,
-            )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, transformer_impl, vp_stage=stage),
+            vocab_size=vocab,
+            max_sequence_length=max_sequence_length or shape.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=int(shape.rope_theta),
+            vp_stage=stage,
         )
+        set_rotary(model, shape)  # the HF config's base and scaling, exactly (rope.py)
+        chunks.append(model)
     return chunks
 
 

@@ -1,8 +1,12 @@
-"""Translate a Hugging Face causal-LM config (Qwen2, Llama) into megatron-core's TransformerConfig.
+"""Translate a Hugging Face causal-LM config (Qwen2/2.5, Qwen3, Llama 2/3.x, Mistral) into megatron-core's
+TransformerConfig.
 
-Supported: Qwen2 (DeepSeek-R1-Distill-Qwen-1.5B, OpenMath-Nemotron-1.5B, Qwen2.5) and Llama (SmolLM2). Both are
-pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention; they differ in the QKV bias and in
-whether the embeddings are tied.
+All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention. They differ in the QKV bias
+(Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3, whose head_dim is independent of hidden/heads), RoPE
+scaling (Llama 3.x: `llama3`), and whether the embeddings are tied. A field that changes the math is never ignored:
+`HF_FIELDS` lists every field these configs carry and how it is handled (mapped into `ModelShape`, refused with a
+message naming it when its value asks for math we do not implement, or irrelevant to the forward pass); a field
+that is not in the table is refused too, unless it has its config class's default value.
 """
 
 from __future__ import annotations
@@ -17,18 +21,88 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                           "MistralForCausalLM": "mistral"}
 # non-weight files of an HF folder that travel with the weights (config, generation config, tokenizer)
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                  "chat_template.jinja", "chat_template.json")
+
+# Every field of a Qwen2 / Qwen3 / Llama / Mistral config.json (as transformers 4 and 5 write them) -> how it is
+# handled. "mapped": read into ModelShape. "refused if": a clear error naming the field when the condition holds.
+# "irrelevant": does not change the forward math (generation, bookkeeping, token ids, dtype of the files).
+HF_FIELDS: dict[str, str] = {
+    "architectures": "mapped: family (Qwen2/Qwen3/Llama/Mistral ForCausalLM; others refused)",
+    "model_type": "mapped: family when architectures is missing",
+    "num_hidden_layers": "mapped: num_layers",
+    "hidden_size": "mapped: hidden_size",
+    "intermediate_size": "mapped: ffn_hidden_size (SwiGLU)",
+    "num_attention_heads": "mapped: num_attention_heads",
+    "num_key_value_heads": "mapped: num_query_groups (GQA)",
+    "head_dim": "mapped: kv_channels (Qwen3/Llama/Mistral may decouple it from hidden/heads)",
+    "vocab_size": "mapped: vocab_size (padded for TP, stripped on export)",
+    "max_position_embeddings": "mapped: max_sequence_length",
+    "rms_norm_eps": "mapped: layernorm_epsilon (also of Qwen3's q/k norms)",
+    "tie_word_embeddings": "mapped: share_embeddings_and_output_weights",
+    "initializer_range": "mapped: init_method_std (init only; loaded weights replace it)",
+    "rope_theta": "mapped: RoPE base (transformers 4 spelling)",
+    "rope_parameters": "mapped: RoPE base and scaling (transformers 5 spelling); type default/linear/llama3, "
+                       "refused for any other type or key",
+    "rope_scaling": "mapped: as rope_parameters (transformers 4 spelling, published Llama-3.x files)",
+    "partial_rotary_factor": "refused if != 1 (RoPE on part of each head)",
+    "hidden_act": "refused if not silu (SwiGLU only)",
+    "attention_bias": "refused if true on Llama/Mistral/Qwen3 (it also biases o_proj); Qwen2 always has q/k/v bias",
+    "mlp_bias": "refused if true (bias in the MLP linears)",
+    "attention_dropout": "refused if != 0 (training-time dropout)",
+    "use_sliding_window": "refused if true with a sliding_window (Qwen2/Qwen3 windowed layers)",
+    "sliding_window": "refused if set below max_position_embeddings on Mistral, or on Qwen with use_sliding_window",
+    "max_window_layers": "irrelevant without use_sliding_window (which layers would use the window)",
+    "layer_types": "refused if any layer is not full_attention",
+    "use_mrope": "refused if true (multimodal RoPE)",
+    "quantization_config": "refused (quantized weights)",
+    "pretraining_tp": "irrelevant (old transformers split the matmuls in slices; same math)",
+    "use_cache": "irrelevant (generation)",
+    "bos_token_id": "irrelevant (token ids)",
+    "eos_token_id": "irrelevant (token ids)",
+    "pad_token_id": "irrelevant (token ids)",
+    "unk_token_id": "irrelevant (token ids)",
+    "_model_name_or_path": "irrelevant (bookkeeping; GGUF conversions write it)",
+    "keys_to_ignore_at_inference": "irrelevant (output filtering)",
+    "dtype": "irrelevant here (the weights' dtype; the converter reads it for its output)",
+    "torch_dtype": "irrelevant here (transformers 4 spelling of dtype)",
+    "transformers_version": "irrelevant (bookkeeping)",
+    "_name_or_path": "irrelevant (bookkeeping)",
+    "chunk_size_feed_forward": "irrelevant (memory chunking, same math)",
+    "is_encoder_decoder": "refused if true",
+    "output_attentions": "irrelevant (extra outputs)",
+    "output_hidden_states": "irrelevant (extra outputs)",
+    "return_dict": "irrelevant (output container)",
+    "problem_type": "irrelevant (classification heads)",
+    "id2label": "irrelevant (classification heads)",
+    "label2id": "irrelevant (classification heads)",
+    "tokenizer_class": "irrelevant (tokenizer)",
+    "_attn_implementation_autoset": "irrelevant (kernel choice)",
+    "_attn_implementation": "irrelevant (kernel choice)",
+}
+# generation defaults some older config.json files still carry (they steer sampling, not the forward pass)
+_GENERATION_FIELDS = frozenset({
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "sep_token_id",
+    "decoder_start_token_id", "task_specific_params", "prefix", "finetuning_task", "torchscript", "use_bfloat16",
+    "tf_legacy_loss", "pruned_heads", "is_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "tie_encoder_decoder"})
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass(frozen=True)
 class ModelShape:
     """What the rest of the code needs to know about an HF model, independent of parallelism."""
 
-    family: str  # "qwen2" | "llama"
+    family: str  # "qwen2" | "qwen3" | "llama" | "mistral"
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -42,23 +116,119 @@ class ModelShape:
     qkv_bias: bool
     tie_word_embeddings: bool
     init_std: float
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    rope_type: str = "default"  # default | linear | llama3 (model/rope.py)
+    rope_factor: float | None = None  # linear, llama3
+    rope_low_freq_factor: float | None = None  # llama3
+    rope_high_freq_factor: float | None = None  # llama3
+    rope_original_max_positions: int | None = None  # llama3: the context length before scaling
+
+
+class UnsupportedConfig(ValueError):
+    """An HF config field asks for math this trainer does not implement; the message names the field."""
+
+
+def _refuse(field: str, value, why: str) -> None:
+    raise UnsupportedConfig(f"config.json field {field}={value!r} is not supported: {why}")
+
+
+def _family(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if family is None and not archs:
+        family = getattr(hf_config, "model_type", "") if getattr(hf_config, "model_type", "") in \
+            SUPPORTED_ARCHITECTURES.values() else None
+    if family is None:
+        raise UnsupportedConfig(
+            f"unsupported model architecture {archs or getattr(hf_config, 'model_type', None)!r}: "
+            f"justrl-megatron supports {sorted(SUPPORTED_ARCHITECTURES)}")
+    return family
+
+
+def _rope(fields: dict) -> dict:
+    """RoPE base and scaling from either spelling: transformers 5's `rope_parameters` (theta inside) or
+    transformers 4's `rope_theta` + `rope_scaling` (key `type` or `rope_type`)."""
+    params = dict(fields.get("rope_parameters") or fields.get("rope_scaling") or {})
+    name = "rope_scaling/rope_parameters"  # transformers 5 reads a file's rope_scaling into rope_parameters
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = fields.get("rope_theta", 10000.0)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if kind not in ROPE_TYPES:
+        _refuse(f"{name}.rope_type", kind, f"RoPE scaling types implemented: {sorted(ROPE_TYPES)} (Megatron would "
+                                           f"compute different positions than transformers and vLLM)")
+    partial = params.pop("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        _refuse("partial_rotary_factor", partial, "RoPE on every head dimension only")
+    missing = [k for k in ROPE_TYPES[kind] if params.get(k) is None]
+    if missing:
+        _refuse(name, dict(params, rope_type=kind), f"{kind} RoPE scaling needs {missing}")
+    extra = sorted(set(params) - set(ROPE_TYPES[kind]))
+    if extra:
+        _refuse(f"{name}.{extra[0]}", params[extra[0]], f"not used by {kind} RoPE as implemented here")
+    if kind == "llama3" and params["low_freq_factor"] >= params["high_freq_factor"]:
+        _refuse(f"{name}.low_freq_factor", params["low_freq_factor"], "must be below high_freq_factor")
+    return dict(rope_theta=float(theta), rope_type=kind,
+                rope_factor=None if kind == "default" else float(params["factor"]),
+                rope_low_freq_factor=float(params["low_freq_factor"]) if kind == "llama3" else None,
+                rope_high_freq_factor=float(params["high_freq_factor"]) if kind == "llama3" else None,
+                rope_original_max_positions=int(params["original_max_position_embeddings"])
+                if kind == "llama3" else None)
+
+
+def _check_fields(fields: dict, family: str, class_defaults: dict) -> None:
+    """Refuse the fields (and values) whose math is not implemented; see HF_FIELDS. A field the table lacks passes
+    only at its config class's default (a newer transformers may add fields whose default is today's architecture)."""
+    unknown = sorted(k for k in fields if k not in HF_FIELDS and k not in _GENERATION_FIELDS
+                     and not (k in class_defaults and class_defaults[k] == fields[k]))
+    if unknown:
+        raise UnsupportedConfig(
+            f"config.json field {unknown[0]}={fields[unknown[0]]!r} is unknown to justrl-megatron's {family} mapping "
+            f"(HF_FIELDS in model/hf_config.py) and may change the model's math; remove it if it does not"
+            + (f" (also unknown: {unknown[1:]})" if len(unknown) > 1 else ""))
+    act = fields.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse("hidden_act", act, "the MLP is SwiGLU (silu)")
+    if fields.get("attention_bias") and family != "qwen2":
+        _refuse("attention_bias", True, f"{family} with attention_bias also has an o_proj bias, which this trainer "
+                                        f"does not implement")
+    if fields.get("mlp_bias"):
+        _refuse("mlp_bias", True, "the MLP linears have no bias here")
+    if fields.get("attention_dropout"):
+        _refuse("attention_dropout", fields["attention_dropout"], "attention dropout is off here")
+    for field in ("use_mrope", "is_encoder_decoder"):
+        if fields.get(field):
+            _refuse(field, fields[field], "decoder-only text models with 1-D RoPE only")
+    if fields.get("quantization_config"):
+        _refuse("quantization_config", "...", "load dequantized weights (drop the field after dequantizing)")
+    window, max_pos = fields.get("sliding_window"), fields.get("max_position_embeddings")
+    if family in ("qwen2", "qwen3"):
+        if fields.get("use_sliding_window") and window:
+            _refuse("use_sliding_window", True, f"sliding-window attention (sliding_window={window}) is not "
+                                                f"implemented; set use_sliding_window=false only if the model was "
+                                                f"trained without it")
+    elif window is not None and max_pos is not None and window < max_pos:
+        _refuse("sliding_window", window, f"sliding-window attention below max_position_embeddings={max_pos} is not "
+                                          f"implemented (Mistral v0.3-style configs have sliding_window=null)")
+    layer_types = fields.get("layer_types") or []
+    odd = sorted({t for t in layer_types if t != "full_attention"})
+    if odd:
+        _refuse("layer_types", odd, "every layer must be full_attention (no sliding-window layers)")
 
 
 def model_shape(hf_config) -> ModelShape:
-    archs = getattr(hf_config, "architectures", None) or []
-    family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if family is None:
-        family = {"qwen2": "qwen2", "llama": "llama"}.get(getattr(hf_config, "model_type", ""))
-    if family is None:
-        raise ValueError(
-            f"unsupported model architecture {archs or hf_config.model_type!r}: "
-            f"justrl-megatron supports {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    """The ModelShape of an HF config object (transformers 4 or 5); UnsupportedConfig (a ValueError) names the field
+    when the config asks for math that is not implemented."""
+    family = _family(hf_config)
+    fields = hf_config.to_dict()
+    try:
+        class_defaults = type(hf_config)().to_dict()
+    except Exception:  # noqa: BLE001  (a config class that needs arguments: every unknown field is refused)
+        class_defaults = {}
+    _check_fields(fields, family, class_defaults)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    rope_theta = getattr(hf_config, "rope_theta", None)
-    if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
-        rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     qkv_bias = True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
     return ModelShape(
         family=family,
@@ -70,11 +240,12 @@ def model_shape(hf_config) -> ModelShape:
         head_dim=head_dim,
         vocab_size=hf_config.vocab_size,
         max_position_embeddings=hf_config.max_position_embeddings,
-        rope_theta=float(rope_theta),
         rms_norm_eps=hf_config.rms_norm_eps,
         qkv_bias=qkv_bias,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         init_std=getattr(hf_config, "initializer_range", 0.02),
+        qk_norm=family == "qwen3",
+        **_rope(fields),
     )
 
 
@@ -85,6 +256,8 @@ def num_parameters(shape: ModelShape) -> int:
     attn = s.hidden_size * s.head_dim * (2 * s.num_attention_heads + 2 * s.num_query_groups)
     if s.qkv_bias:
         attn += s.head_dim * (s.num_attention_heads + 2 * s.num_query_groups)
+    if s.qk_norm:
+        attn += 2 * s.head_dim
     per_layer = attn + 3 * s.hidden_size * s.ffn_hidden_size + 2 * s.hidden_size
     embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     return s.num_layers * per_layer + embeddings + s.hidden_size
@@ -157,6 +330,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,  # the spec puts model/norm.py's RMSNorm there (spec.py)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=shape.init_std,

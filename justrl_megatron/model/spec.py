@@ -1,8 +1,9 @@
 """The layer spec: TransformerEngine modules on GPU when TE is importable, megatron's local modules otherwise.
 
 This is the one place that chooses (`model.transformer_impl: auto|te|local`). The local spec swaps in two modules:
-an RMSNorm that works with sequence parallelism (`norm.py`) and a torch-SDPA core attention that never materialises
-the S x S scores and understands packed (THD) rows (`attention.py`). Both pick their fused CUDA kernels themselves
+an RMSNorm that works with sequence parallelism (`norm.py`; also Qwen3's q/k norms when `config.qk_layernorm`) and
+a torch-SDPA core attention that never materialises the S x S scores and understands packed (THD) rows
+(`attention.py`). Both pick their fused CUDA kernels themselves
 (varlen flash attention, fused rms_norm); the fusions that are TransformerConfig flags are set in `policy._gpu_fusions`.
 """
 
@@ -43,7 +44,7 @@ def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = No
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer = get_gpt_layer_with_transformer_engine_spec()
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
         final_norm = TENorm
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -52,5 +53,8 @@ def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = No
         layer.submodules.input_layernorm = RMSNorm
         layer.submodules.pre_mlp_layernorm = RMSNorm
         layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        if config.qk_layernorm:  # Qwen3: RMSNorm over head_dim on q and k (megatron sums its grads over TP)
+            layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
+            layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
         final_norm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

@@ -31,6 +31,7 @@ class Sample:
     advantage: float
     rollout_logprobs: list[float] | None = None
     group: int = 0
+    truncated: bool = False  # cut at rollout.max_response_length; leaves the loss with algo.mask_truncated
 
     @property
     def length(self) -> int:

@@ -1,6 +1,7 @@
 """The GRPO training loop. `run(cfg)` reads top to bottom like the algorithm:
 
-    sample prompts -> rollout (vLLM) -> rewards (worker pool) -> group advantages -> old logprobs
+    sample prompts -> rollout (vLLM) -> rewards (worker pool) [-> more rounds: algo.dynamic_sampling]
+    -> reward shaping (algo.overlong_buffer) -> group advantages -> old logprobs
     (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics (+ avg@n on
     data.val every trainer.eval_every steps, train/validation.py) -> checkpoint
 
@@ -25,9 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from ..algo.dynamic_sampling import ScoredBatch, collect_groups, round_seed
 from ..algo.grpo import group_advantages
+from ..algo.overlong import shape_rewards
 from ..checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
@@ -107,25 +111,49 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         profiler.step_started(step)
         timer = _PhaseTimer()
 
-        # 1-3. sample prompts -> rollout (version = number of updates so far; seeded per step) -> rewards, one unit
-        #      (train/async_rollout.py). On-policy it runs now. One-step-off, this step's unit was started before the
-        #      previous step's update, and the next one starts now, generating with the current weights while this
-        #      step updates; the trainer waits only for what is not done yet (time/wait_rollout_s).
+        # 1-3. sample prompts -> rollout (version = number of updates so far; seeded per step and round) -> rewards.
+        #      Round 0 is one unit (train/async_rollout.py): on-policy it runs now; one-step-off
+        #      (rollout.max_staleness=1) it was started before the previous step's update, and the trainer waits only
+        #      for what is not done yet (time/wait_rollout_s). With algo.dynamic_sampling, groups whose rewards are
+        #      all equal are dropped and more rounds are drawn and generated now until trainer.prompts_per_step groups
+        #      are left (at most algo.max_sampling_rounds; algo/dynamic_sampling.py).
         if inflight is None:
             inflight = pipeline.start(step)
         with timer("wait_rollout"):
-            got = pipeline.collect(inflight)
-        timer.seconds |= got.seconds
-        batch, rollouts, rewards, correct, reward_stats = (got.prompts, got.rollouts, got.rewards, got.correct,
-                                                           got.reward_stats)
-        staleness = check_staleness(rollouts.weight_version, version, ro.max_staleness)
+            first = pipeline.collect(inflight)
+        timer.seconds |= first.seconds
+        staleness = check_staleness(first.rollouts.weight_version, version, ro.max_staleness)
+        first_round = [first.prompts]
+
+        def draw_batch():
+            return first_round.pop() if first_round else sampler.next_batch()
+
+        def generate_and_score(prompts, round_index):
+            if round_index == 0:
+                return ScoredBatch(first.prompts, first.rollouts, first.rewards, first.correct, first.reward_stats)
+            return _rollout_and_score(rollout, scorer, tokenizer, prompts, ro, sampling, timer, version,
+                                      seed=round_seed(tr.seed, step, round_index))
+
+        scored, sampling_stats = collect_groups(draw_batch, generate_and_score, group_size=ro.n,
+                                                num_groups=tr.prompts_per_step, max_rounds=algo.max_sampling_rounds,
+                                                enabled=algo.dynamic_sampling)
+        batch, rollouts, rewards, correct, reward_stats = (scored.prompts, scored.rollouts, scored.rewards,
+                                                           scored.correct, scored.reward_stats)
+        if sampling_stats is not None and sampling_stats.shortfall():
+            logger.print(f"step {step}: {sampling_stats.shortfall()}")
+        # one-step-off: the next step's round 0 starts now, generating with the current weights while this step updates
         inflight = pipeline.start(step + 1) if pipeline.ahead and step < tr.total_steps else None
 
-        # 4. group advantages
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), ro.n,
+        # 4. reward shaping (algo.overlong_buffer: a length penalty; algo.mask_truncated: truncated responses leave
+        #    the loss, in the update) and group advantages. reward/mean stays the verifier's reward.
+        shaped, shaping_metrics = shape_rewards(
+            rewards, [len(t) for t in rollouts.token_ids], rollouts.truncated, max_length=ro.max_response_length,
+            buffer=algo.overlong_buffer, factor=algo.overlong_penalty_factor, mask_truncated=algo.mask_truncated)
+        advantages = group_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n,
                                       norm_by_std=algo.norm_adv_by_std)
         samples = [Sample(prompt_ids=batch[i // ro.n].ids, response_ids=rollouts.token_ids[i],
-                          advantage=float(advantages[i]), rollout_logprobs=rollouts.logprobs[i], group=i // ro.n)
+                          advantage=float(advantages[i]), rollout_logprobs=rollouts.logprobs[i], group=i // ro.n,
+                          truncated=bool(rollouts.truncated[i]))
                    for i in range(len(rollouts.token_ids))]
 
         # 5-6. the trainer's turn on the devices (a colocated engine sleeps): old logprobs (the policy that sampled,
@@ -133,7 +161,8 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         #      separate pass: the update's forward gives them.
         step_kw = dict(max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, clip_low=algo.clip_low,
                        clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg,
-                       kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef)
+                       kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef, mask_truncated=algo.mask_truncated,
+                       rollout_correction=algo.rollout_correction, tis_cap=algo.tis_cap)
         one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
         with rollout.training():
             if one_fresh_step and tr.old_logprobs == "auto":
@@ -158,6 +187,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             prompt_tokens=sum(len(s.prompt_ids) for s in samples),
             logprob_gap=logprob_gap(rollouts.logprobs, old_logprobs), update=update,
             phase_seconds=timer.seconds, step_seconds=timer.elapsed())
+        metrics |= shaping_metrics | (sampling_stats.metrics() if sampling_stats is not None else {})
         metrics["rollout/staleness"] = staleness
         if validation.due(step):
             metrics |= validation.run(rollout, step)
@@ -213,6 +243,32 @@ class _PhaseTimer:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._t0
+
+
+def _rollout_and_score(rollout, scorer, tokenizer, prompts, ro, sampling, timer, version, *, seed) -> ScoredBatch:
+    """One round of phases 2-3: rollouts of ``prompts`` (ro.n each), checked for staleness, scored on rank 0 and
+    broadcast."""
+    with timer("rollout"):
+        rollouts = rollout.generate([p.ids for p in prompts], ro.n, sampling, seed=seed)
+    check_staleness(rollouts.weight_version, version, ro.max_staleness)
+    with timer("reward"):
+        responses = None
+        if scorer is not None:  # rank 0
+            texts = tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
+            answers = [prompts[i // ro.n].answer for i in range(len(texts))]
+            rewards, correct = scorer.evaluate(texts, answers)
+            responses = (rewards, correct, dict(scorer.stats))
+        rewards, correct, reward_stats = _broadcast(responses)
+    return ScoredBatch(list(prompts), rollouts, list(rewards), list(correct), reward_stats)
+
+
+def _broadcast(obj):
+    """Rank 0's object on every rank."""
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> tuple[int, dict | None]:

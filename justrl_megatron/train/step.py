@@ -29,6 +29,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..algo.grpo import AGG_MODES, policy_loss
+from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states
 from ..model.logprobs import logprobs_from_hidden
 from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, pack_micro_batches, \
@@ -36,7 +37,8 @@ from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, p
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
-            "clip_dual_count", "approx_kl_sum", "entropy_sum", "logprob_sum", "old_logprob_sum", "ref_kl_sum")
+            "clip_dual_count", "approx_kl_sum", "entropy_sum", "logprob_sum", "old_logprob_sum", "ref_kl_sum",
+            "rc_ratio_sum", "rc_ratio_count", "rc_corrected_count")
 
 
 # --- parallel layout ---------------------------------------------------------------------------------------------
@@ -143,11 +145,14 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
     return logprobs, entropy
 
 
-def loss_denominator(samples: Sequence[Sample], ids: Sequence[int], loss_agg: str) -> int:
+def loss_denominator(samples: Sequence[Sample], ids: Sequence[int], loss_agg: str, mask_truncated: bool = False
+                     ) -> int:
     """The mini-batch's global denominator: response tokens (token-mean), sequences (verl04-dynbsz) or responses with
-    a token (seq-mean-*)."""
+    a token (seq-mean-*). ``mask_truncated``: truncated responses are out of the loss, so out of every count too."""
     if loss_agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {loss_agg!r}; known: {AGG_MODES}")
+    if mask_truncated:
+        ids = [i for i in ids if not samples[i].truncated]
     if loss_agg == "token-mean":
         return sum(len(samples[i].response_ids) for i in ids)
     if loss_agg == "verl04-dynbsz":  # verl divides by the mini-batch size: every sequence, empty or not
@@ -166,6 +171,7 @@ def _empty_stats(device) -> dict:
     stats = {k: torch.zeros((), device=device) for k in SUM_KEYS}
     stats["ratio_min"] = torch.full((), math.inf, device=device)
     stats["ratio_max"] = torch.full((), -math.inf, device=device)
+    stats["rc_ratio_max"] = torch.full((), -math.inf, device=device)
     return stats
 
 
@@ -176,9 +182,10 @@ def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.
 
     ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
     `compute_logprobs` before the first step). ``loss_kw``: clip_low, clip_high, dual_clip_c, loss_agg, kl_coef,
-    entropy_coef, ref_logprobs (needed only with ``kl_coef`` > 0), kl_estimator, and ``on_grads``: called as
-    ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the optimizer step); for tests
-    and diagnostics.
+    entropy_coef, ref_logprobs (needed only with ``kl_coef`` > 0), kl_estimator, mask_truncated (truncated samples
+    out of the loss and its denominator), rollout_correction and tis_cap (algo/rollout_correction.py: weights from
+    the old logprobs and each sample's ``rollout_logprobs``), and ``on_grads``: called as ``on_grads(policy,
+    step_index)`` after each backward (gradients reduced, before the optimizer step); for tests and diagnostics.
     """
     if len(old_logprobs) != len(samples):
         raise ValueError(f"{len(old_logprobs)} old logprob sequences for {len(samples)} samples")
@@ -203,6 +210,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             max_tokens_per_micro_batch: int, clip_low: float = 0.2, clip_high: float = 0.28,
             dual_clip_c: float | None = 10.0, loss_agg: str = "token-mean", kl_coef: float = 0.0,
             entropy_coef: float = 0.0, ref_logprobs: Sequence[torch.Tensor] | None = None, kl_estimator: str = "k3",
+            mask_truncated: bool = False, rollout_correction: str = "none", tis_cap: float = 2.0,
             on_grads: Callable | None = None) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
     if mini_batch_size < 1:
@@ -213,13 +221,16 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                          f"per batch (mini_batch_size {mini_batch_size} < {len(samples)} samples)")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (reference-policy logprobs of every response)")
+    if rollout_correction != "none" and any(s.rollout_logprobs is None for s in samples):
+        raise ValueError(f"rollout_correction={rollout_correction} needs the rollout engine's logprobs of every "
+                         "response (Sample.rollout_logprobs)")
     lr = policy.current_lr()
     totals = None
     grad_norms, steps_ok, micro_batch_counts, tokens_total = [], [], [], 0
 
     for step, start in enumerate(range(0, len(samples), mini_batch_size)):
         ids = list(range(start, min(start + mini_batch_size, len(samples))))
-        denom = max(loss_denominator(samples, ids, loss_agg), 1)
+        denom = max(loss_denominator(samples, ids, loss_agg, mask_truncated), 1)
         micro_batches = plan_micro_batches(policy, samples, ids, max_tokens_per_micro_batch)
         for mb in micro_batches:
             if not reuse_forward:
@@ -228,12 +239,19 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                                             dtype=torch.float32)[mb.row]
             if kl_coef:
                 mb.extras["ref"] = gather_per_target(ref_logprobs, mb)
+            if mask_truncated:
+                kept = [not samples[i].truncated for i in mb.sample_ids]
+                mb.extras["keep"] = torch.tensor(kept, dtype=torch.float32)[mb.row]
+                mb.extras["kept_rows"] = torch.tensor(sum(kept))  # verl04-dynbsz: this micro-batch's sequences
+            if rollout_correction != "none":
+                mb.extras["rollout"] = gather_per_target([s.rollout_logprobs for s in samples], mb)
         micro_batch_counts.append(len(micro_batches))
         tokens_total += sum(samples[i].length for i in ids)
 
         loss_fn = functools.partial(
             _grpo_loss, policy, dict(clip_low=clip_low, clip_high=clip_high, dual_clip_c=dual_clip_c, agg=loss_agg,
-                                     kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef),
+                                     kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+                                     rollout_correction=rollout_correction, tis_cap=tis_cap),
             denom)
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
@@ -252,7 +270,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             for k, v in r.items():
                 if k == "ratio_min":
                     totals[k] = torch.minimum(totals[k], v)
-                elif k == "ratio_max":
+                elif k in ("ratio_max", "rc_ratio_max"):
                     totals[k] = torch.maximum(totals[k], v)
                 else:
                     totals[k] = totals[k] + v
@@ -261,7 +279,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
     if reuse_forward:  # the one mini-batch's forward pass ran on the weights before the step
         old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
     metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                                tokens_total, lr)
+                                tokens_total, lr, rollout_correction)
     return metrics, list(old_logprobs)
 
 
@@ -313,23 +331,34 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
     if not entropy_coef:
         ent = ent.detach()  # metric only: no backward through the entropy
     old = mb.extras["old"] if "old" in mb.extras else logp.detach()  # on-policy single step: ratio exactly 1
-    ones = torch.ones_like(logp)
+    # the response tokens in the loss: all of them, or (algo.mask_truncated) those of untruncated responses
+    keep = mb.extras.get("keep")
+    mask = _padded(torch.ones_like(logp) if keep is None else keep, mb)
+    num_rows = int(mb.extras["kept_rows"]) if "kept_rows" in mb.extras else None
+    # rollout correction: weights pi_old / pi_vllm (both paths: `old` is recomputed or this forward's, detached)
+    weights, rc = correction_weights(_padded(old, mb), _padded(mb.extras["rollout"], mb), mask,
+                                     loss_kw["rollout_correction"], loss_kw["tis_cap"]) \
+        if "rollout" in mb.extras else (None, {})
     token_mean = loss_kw["agg"] == "token-mean"
     loss, m = policy_loss(
-        _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), _padded(ones, mb),
+        _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), mask,
         clip_low=loss_kw["clip_low"], clip_high=loss_kw["clip_high"], dual_clip_c=loss_kw["dual_clip_c"],
         agg=loss_kw["agg"], denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,
-        ref_logprobs=_padded(mb.extras["ref"], mb) if "ref" in mb.extras else None, kl_coef=loss_kw["kl_coef"],
-        kl_estimator=loss_kw["kl_estimator"], entropy=_padded(ent, mb) if entropy_coef else None,
-        entropy_coef=entropy_coef)
+        num_rows=num_rows, ref_logprobs=_padded(mb.extras["ref"], mb) if "ref" in mb.extras else None,
+        kl_coef=loss_kw["kl_coef"], kl_estimator=loss_kw["kl_estimator"],
+        entropy=_padded(ent, mb) if entropy_coef else None, entropy_coef=entropy_coef, weights=weights)
+    in_loss = (lambda t: t) if keep is None else (lambda t: t * keep)  # the token statistics cover the loss' tokens
     stats = _empty_stats(device)
     stats.update({
         "loss": loss.detach().clone(),  # megatron may rescale the returned loss in place
         "pg_loss": m["pg_loss"], "num_tokens": m["num_tokens"], "clip_low_count": m["clip_low_count"],
         "clip_high_count": m["clip_high_count"], "clip_dual_count": m["clip_dual_count"],
         "approx_kl_sum": m["approx_kl_sum"], "ratio_min": m["ratio_min"], "ratio_max": m["ratio_max"],
-        "entropy_sum": ent.detach().sum(), "logprob_sum": logp.detach().sum(),
-        "old_logprob_sum": old.sum()})
+        "entropy_sum": in_loss(ent.detach()).sum(), "logprob_sum": in_loss(logp.detach()).sum(),
+        "old_logprob_sum": in_loss(old).sum()})
+    if rc:
+        stats.update({"rc_ratio_sum": rc["ratio_sum"], "rc_ratio_count": rc["ratio_count"],
+                      "rc_corrected_count": rc["corrected_count"], "rc_ratio_max": rc["ratio_max"]})
     for k in ("kl_loss", "entropy_loss", "ref_kl_sum"):
         if k in m:
             stats[k] = m[k]
@@ -339,7 +368,7 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
 
 
 def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                      tokens_total, lr) -> dict[str, float]:
+                      tokens_total, lr, rollout_correction: str = "none") -> dict[str, float]:
     device = policy.device
     contributor = _is_contributor() and totals is not None
     sums = torch.stack([totals[k] if contributor else torch.zeros((), device=device) for k in SUM_KEYS])
@@ -347,9 +376,9 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
     rmin = _reduce_over_training_ranks(
         (totals["ratio_min"] if contributor else torch.full((), math.inf, device=device)).reshape(1).clone(),
         dist.ReduceOp.MIN)
-    rmax = _reduce_over_training_ranks(
-        (totals["ratio_max"] if contributor else torch.full((), -math.inf, device=device)).reshape(1).clone(),
-        dist.ReduceOp.MAX)
+    rmax, rc_max = _reduce_over_training_ranks(torch.stack([
+        totals[k] if contributor else torch.full((), -math.inf, device=device) for k in ("ratio_max", "rc_ratio_max")
+    ]).to(device), dist.ReduceOp.MAX).tolist()
     s = dict(zip(SUM_KEYS, sums.tolist()))
     n_steps = len(grad_norms)
     tokens = max(s["num_tokens"], 1.0)
@@ -369,7 +398,7 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         "logprob_mean": s["logprob_sum"] / tokens,
         "old_logprob_mean": s["old_logprob_sum"] / tokens,
         "ratio_min": rmin.item(),
-        "ratio_max": rmax.item(),
+        "ratio_max": rmax,
         "lr": lr,
         "num_optimizer_steps": float(n_steps),
         "skipped_steps": float(sum(not ok for ok in steps_ok)),  # optimizer steps skipped (non-finite grad norm)
@@ -381,4 +410,7 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
     if s["entropy_loss"]:
         metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
+    # algo.rollout_correction: rollout_correction/ratio_mean, ratio_max, clipped_frac | masked_frac (logged as is)
+    metrics.update(correction_metrics(rollout_correction, s["rc_ratio_sum"], s["rc_ratio_count"], rc_max,
+                                      s["rc_corrected_count"]))
     return metrics
