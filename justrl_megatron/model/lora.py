@@ -281,7 +281,7 @@ def peft_state(chunks, shape) -> dict[str, torch.Tensor]:
             a, bs = shards_to_hf(Entry("", (), "row"), a_shards, shape), [b_shards[0]]
         for n, module in enumerate(HF_MODULES[target]):
             prefix = f"base_model.model.model.layers.{index}.{module}."
-            out[prefix + "lora_A.weight"] = a[0].contiguous()
+            out[prefix + "lora_A.weight"] = a[0].clone()  # own storage: safetensors refuses shared tensors
             out[prefix + "lora_B.weight"] = bs[n if adapter.column else 0].contiguous()
     return out
 
