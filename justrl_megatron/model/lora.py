@@ -220,14 +220,24 @@ def tp_shards(adapter: Adapter, which: str) -> list[torch.Tensor]:
     return shards
 
 
+def _is_swiglu(target: str, which: str) -> bool:
+    """fc1's B: each TP rank holds [gate slice; up slice], so the full tensor is [gate; up], not the shards' concat."""
+    return target == "fc1" and which == "lora_B"
+
+
 def global_state(chunks) -> dict[str, torch.Tensor]:
-    """{lora.layers.<i>.<target>.lora_A / lora_B: the full tensor} of this rank's layers (megatron's shard order)."""
+    """{lora.layers.<i>.<target>.lora_A / lora_B: the full tensor, as at TP=1} of this rank's layers."""
     out = {}
     for (index, target), adapter in sorted(adapters(chunks).items()):
         for which in ("lora_A", "lora_B"):
             dim = _sharded_dim(adapter, which)
             shards = tp_shards(adapter, which)
-            out[_key(index, target, which)] = torch.cat(shards, dim=dim) if dim is not None else shards[0]
+            if _is_swiglu(target, which):
+                halves = [s.chunk(2, dim=0) for s in shards]
+                full = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            else:
+                full = torch.cat(shards, dim=dim) if dim is not None else shards[0]
+            out[_key(index, target, which)] = full
     return out
 
 
@@ -239,14 +249,20 @@ def load_global_state(chunks, state: dict[str, torch.Tensor]) -> None:
             for which in ("lora_A", "lora_B"):
                 param, full = getattr(adapter, which), state[_key(index, target, which)]
                 dim = _sharded_dim(adapter, which)
-                if dim is not None:
+                if _is_swiglu(target, which):
+                    n = param.shape[0] // 2
+                    gate, up = full.chunk(2, dim=0)
+                    full = torch.cat([gate[tp_rank * n:(tp_rank + 1) * n], up[tp_rank * n:(tp_rank + 1) * n]])
+                elif dim is not None:
                     n = param.shape[dim]
                     full = full.narrow(dim, tp_rank * n, n)
                 param.copy_(full)
 
 
 def sharded_state_dict(chunk) -> dict:
-    """megatron dist-checkpoint entries of one chunk's adapters (global keys: loads at any TP / PP layout)."""
+    """megatron dist-checkpoint entries of one chunk's adapters (global keys: loads at any TP / PP layout; fc1's B
+    through megatron's own SwiGLU factory, as its weight)."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
     out = {}
@@ -255,6 +271,8 @@ def sharded_state_dict(chunk) -> dict:
             key, param, dim = _key(index, target, which), getattr(adapter, which), _sharded_dim(adapter, which)
             out[key] = (make_sharded_tensor_for_checkpoint(param, key) if dim is None
                         else make_tp_sharded_tensor_for_checkpoint(param, key, tp_axis=dim))
+            if _is_swiglu(target, which):
+                out[key] = apply_swiglu_sharded_factory(out[key], ())
     return out
 
 
