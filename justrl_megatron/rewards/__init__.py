@@ -81,5 +81,6 @@ def make_scorer(algo_cfg, *, enabled: bool) -> BatchScorer | None:
 
 __all__ = [
     "AnyCorrect", "BatchScorer", "CodeReward", "CountdownReward", "DEFAULT_WEIGHTS", "DapoReward", "Gsm8kReward",
-    "MathVerifyReward", "REWARD_NAMES", "REWARD_PRESETS", "Verifier", "VerifierTimeout", "WeightedReward", "get_reward_fn", "make_scorer",
+    "MathVerifyReward", "REWARD_NAMES", "REWARD_PRESETS", "Verifier", "VerifierTimeout", "WeightedReward",
+    "get_reward_fn", "make_scorer",
 ]

@@ -38,7 +38,7 @@ def one_step(hf, tp):
     metrics = grpo_update(policy, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
                           kl_coef=0.2, kl_estimator="k3", ref_logprobs=ref,
                           on_grads=lambda pol, step: grads.update(global_grads(pol.chunks)))
-    return {"loss": metrics["loss"], "pg_loss": metrics["pg_loss"], "kl_loss": metrics["kl_loss"], "grad_norm": metrics["grad_norm"], "kl": metrics["kl"], "ref": ref, "lp": lp,
+    return {**{k: metrics[k] for k in ("loss", "pg_loss", "kl_loss", "grad_norm", "kl")}, "ref": ref, "lp": lp,
             "grads": grads, "after": lora.global_state(policy.chunks)}
 
 
@@ -53,7 +53,8 @@ def main(out, hf, mode):
     elif dist.get_rank() == 0:
         ref = torch.load(f"{out}/tp1.pt")
         verdict = {k: abs(result[k] - ref[k]) for k in ("loss", "pg_loss", "kl_loss", "grad_norm", "kl")}
-        verdict.update(loss_value=result["loss"], kl_value=result["kl"], grad_keys=sorted(result["grads"]) == sorted(ref["grads"]),
+        verdict.update(loss_value=result["loss"], kl_value=result["kl"],
+                       grad_keys=sorted(result["grads"]) == sorted(ref["grads"]),
                        grads=maxdiff(result["grads"], ref["grads"]), after=maxdiff(result["after"], ref["after"]),
                        grad_a_max=max(float(v.abs().max()) for k, v in ref["grads"].items() if k.endswith("lora_A")),
                        ref_logprobs=max(float((a - b).abs().max()) for a, b in zip(result["ref"], ref["ref"])),
