@@ -2,8 +2,8 @@
 
     sample prompts -> rollout (vLLM) -> rewards (worker pool) -> group advantages -> reference logprobs (with
     algo.kl_coef > 0, model/reference.py) -> old logprobs (skipped for one on-policy optimizer step) -> mini-batch
-    GRPO updates -> weight sync -> metrics (+ avg@n on
-    data.val every trainer.eval_every steps, train/validation.py) -> checkpoint
+    GRPO updates -> weight sync -> metrics (+ avg@n on data.val every trainer.eval_every steps,
+    train/validation.py) -> checkpoint
 
 Every rank runs this same program (SPMD). Each rank hosts a vLLM engine (colocated, one per rollout-TP group) that
 samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while the policy
