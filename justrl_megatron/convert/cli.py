@@ -3,6 +3,11 @@
   justrl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --vpp N --dtype bf16]
   justrl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16]
   justrl-convert verify --hf DIR --ckpt DIR [--tol 1e-3]
+  justrl-convert lora-export --ckpt DIR --out DIR [--merged DIR] [--base HF_DIR]
+
+`lora-export` takes a LoRA training checkpoint (adapters only) and writes a PEFT adapter folder (adapter_config.json +
+adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base model) and, with --merged, the merged HF
+model (W + scale * B A). One process; the base model defaults to the one the run trained on.
 
 Each runs as one process, or under torchrun (world = a multiple of tp x pp) to shard the work: every rank then reads
 only its own slices of the HF files and writes only its own shards. A dist checkpoint holds global tensors, so one
@@ -76,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=2)
     s.add_argument("--seq-len", type=int, default=32)
     s.add_argument("--seed", type=int, default=0)
+
+    s = sub.add_parser("lora-export", help="LoRA training checkpoint -> PEFT adapter folder (and a merged HF model)")
+    s.add_argument("--ckpt", required=True, help="LoRA training step folder, or its run folder (latest step)")
+    s.add_argument("--out", required=True, help="output PEFT adapter folder")
+    s.add_argument("--merged", default=None, help="also write the merged HF model here")
+    s.add_argument("--base", default=None, help="the base HF model (default: the one recorded in the checkpoint)")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="merged model dtype (default: the run's)")
+    s.add_argument("--force", action="store_true", help="overwrite non-empty outputs")
     return p
 
 
@@ -189,7 +202,8 @@ def _ckpt_hf_dir(ckpt: Path, override: str | None) -> Path:
 
 # --- shared set-up ----------------------------------------------------------------------------------------------------
 
-def _setup(shape, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, divisible_by: int = 128):
+def _setup(shape, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, divisible_by: int = 128,
+           impl: str = "auto"):
     """torch.distributed + megatron groups + the model chunks. Single process: TP1 PP1 (vocab padded as for `tp`)."""
     from ..distributed import init_distributed, init_model_parallel
     from ..model.build import build_model_chunks
@@ -201,7 +215,7 @@ def _setup(shape, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, divisib
         tp, pp, vpp = 1, 1, None
     init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234)
     config = transformer_config(shape, tp=tp, pp=pp, vpp=vpp, dtype=dtype)
-    chunks = build_model_chunks(shape, config, transformer_impl="auto",
+    chunks = build_model_chunks(shape, config, transformer_impl=impl,
                                 make_vocab_size_divisible_by=divisible_by * pad_tp // tp)
     return chunks
 
@@ -262,6 +276,9 @@ def mcore_to_hf(args) -> int:
     hf_dir = _ckpt_hf_dir(ckpt, args.hf_config)
     shape, config = _hf_shape(hf_dir, "HF config")
     meta = read_meta(ckpt)
+    if meta.get("lora"):
+        raise UsageError(f"{ckpt} holds LoRA adapters only (the base weights stay in {meta.get('base_model')}): "
+                         f"use `justrl-convert lora-export --ckpt {args.ckpt} --out ADAPTER_DIR --merged HF_DIR`")
     if meta.get("shape") and meta["shape"]["family"] != shape.family:
         raise UsageError(f"{ckpt} holds a {meta['shape']['family']} model but {hf_dir} is {shape.family}")
     _check_layout(shape, args.tp, args.pp, args.vpp)
@@ -275,6 +292,48 @@ def mcore_to_hf(args) -> int:
     with _staged_output(args.out) as tmp:
         save_hf(chunks, shape, tmp, hf_dir, dtype=export_dtype, bucket_bytes=args.shard_size_mb << 20)
     _say(f"done: {args.out} (loadable by transformers and vLLM)")
+    return 0
+
+
+def lora_export(args) -> int:
+    from safetensors.torch import save_file
+
+    from ..model import lora
+    from .export import save_hf
+    from .load import load_hf_weights
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("lora-export runs as one process (the adapters are small): run it without torchrun")
+    ckpt = resolve_checkpoint(args.ckpt)
+    meta = read_meta(ckpt)
+    settings = meta.get("lora")
+    if not settings:
+        raise UsageError(f"{ckpt} is not a LoRA checkpoint (its metadata has no lora settings): use mcore-to-hf")
+    base = args.base or meta.get("base_model")
+    if not base or not (Path(base) / "config.json").exists():
+        raise UsageError(f"the base model {base!r} recorded in {ckpt} is not an HF folder here: pass --base HF_DIR")
+    shape, config = _hf_shape(base, "--base")
+    _check_out(args.out, args.force, {"--ckpt": args.ckpt, "checkpoint": ckpt, "--base": base})
+    if args.merged:
+        _check_out(args.merged, args.force, {"--ckpt": args.ckpt, "checkpoint": ckpt, "--base": base,
+                                             "--out": args.out})
+    dtype = DTYPES.get(meta.get("dtype", ""), _hf_dtype(config))
+
+    chunks = _setup(shape, 1, 1, None, dtype, impl="local")
+    load_hf_weights(chunks, base, progress=False)
+    lora.apply_lora(chunks, rank=settings["rank"], alpha=settings["alpha"], dropout=settings.get("dropout", 0.0),
+                    targets=settings["targets"])
+    _say(f"loading adapters from {ckpt}")
+    load_model(chunks, ckpt)
+    with _staged_output(args.out) as tmp:
+        save_file(lora.peft_state(chunks, shape), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        peft_config = lora.peft_config(settings, str(Path(base).resolve()))
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")
+    _say(f"done: {args.out} (peft.PeftModel.from_pretrained(base model, '{args.out}'))")
+    if args.merged:
+        with _staged_output(args.merged) as tmp:
+            save_hf(chunks, shape, tmp, base, dtype=DTYPES[args.dtype] if args.dtype else dtype, progress=False)
+        _say(f"done: {args.merged} (merged weights, loadable by transformers and vLLM)")
     return 0
 
 
@@ -315,7 +374,8 @@ def verify(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    command = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "verify": verify}[args.command]
+    command = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "verify": verify,
+               "lora-export": lora_export}[args.command]
     try:
         code = command(args)
     except UsageError as exc:  # found before any work, alike on every rank

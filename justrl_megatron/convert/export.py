@@ -5,6 +5,8 @@ turns them into HF tensors (`mapping.shards_to_hf`: QKV split, gate/up split, vo
 them over the pipeline group; tensors are grouped into buckets of about `bucket_bytes`, so no rank ever holds more than
 one bucket of full tensors. One broadcast per (bucket, owning stage, dtype), not per tensor.
 
+With LoRA the stream carries merged weights, W + scale * B A, computed per shard (model/lora.py).
+
 Every rank of the job must iterate the stream to the end, in step (it runs collectives); every rank receives every
 bucket. Tensors from the rank's own stage may alias live parameters: copy them if you keep them across an update.
 """
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ..model.hf_config import ModelShape, copy_side_files
+from ..model.lora import merged_weight
 from .mapping import Entry, hf_shapes, live_parameters, model_entries
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -86,7 +89,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _full_hf_tensors(p: _Planned, param: torch.Tensor, shape: ModelShape, tp: int, tp_group) -> list[torch.Tensor]:
     from .mapping import shards_to_hf
 
-    data = param.detach()
+    data = merged_weight(param)  # with LoRA: W + scale * B A (the engines need no LoRA support)
     if tp > 1 and p.entry.kind != "replicated":
         shards = [torch.empty_like(data) for _ in range(tp)]
         dist.all_gather(shards, data.contiguous(), group=tp_group)

@@ -36,6 +36,7 @@ from .. import compat
 from ..distributed import init_distributed, init_model_parallel
 from ..dtypes import resolve_dtype
 from .build import build_model_chunks
+from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
 from .spec import resolve_impl
@@ -137,6 +138,7 @@ class Policy:
     dtype: torch.dtype
     padded_vocab_size: int
     hyper: dict = field(default_factory=dict)
+    lora: dict | None = None  # rank, alpha, dropout, targets of the LoRA adapters (None: full fine-tuning)
     skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
 
     @classmethod
@@ -145,7 +147,11 @@ class Policy:
               lr: float = 1e-6, warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
-              max_sequence_length: int | None = None) -> "Policy":
+              max_sequence_length: int | None = None, lora: dict | None = None) -> "Policy":
+        """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
+        optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py)."""
+        if lora and transformer_impl == "auto":
+            transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
@@ -172,6 +178,10 @@ class Policy:
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         modules = [m.to(device) for m in modules]
+        if lora:
+            if sequence_parallel or impl == "te":
+                raise ValueError("LoRA needs parallel.sequence_parallel=false and model.transformer_impl=local")
+            apply_lora(modules, seed=seed, **lora)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer)
         chunks = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
@@ -191,11 +201,12 @@ class Policy:
             wd_incr_steps=1, wd_incr_style="constant")
         hyper = dict(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, tp=tp, pp=pp,
                      vpp=vpp, sequence_parallel=config.sequence_parallel, recompute=recompute,
-                     distributed_optimizer=distributed_optimizer, seed=seed)
+                     distributed_optimizer=distributed_optimizer, seed=seed,
+                     make_vocab_size_divisible_by=make_vocab_size_divisible_by, max_sequence_length=max_sequence_length)
         return cls(chunks=chunks, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape,
                    transformer_impl=impl, dtype=torch_dtype,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
-                   hyper=hyper)
+                   hyper=hyper, lora=dict(lora) if lora else None)
 
     @classmethod
     def from_config(cls, cfg, shape: ModelShape) -> "Policy":
@@ -205,13 +216,15 @@ class Policy:
         if cfg.model.recompute == "auto":
             resolve_recompute(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
         model, par, tr = cfg.model, cfg.parallel, cfg.trainer
+        lo = model.lora
+        lora = dict(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=list(lo.targets)) if lo.enabled else None
         return cls.build(
             shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
             dtype=model.dtype, transformer_impl=model.transformer_impl, recompute=model.recompute, lr=tr.lr,
             warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
             distributed_optimizer=par.distributed_optimizer,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed)
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

@@ -14,6 +14,8 @@ name                       what                                                 
 =========================  ==========================================================================  ==========
 
 Every verifier takes ``correct=``, ``wrong=``, ``no_answer=`` (e.g. +1 / -1 / -0.5; no_answer defaults to wrong),
+or ``preset=`` a name from ``REWARD_PRESETS`` for all three (options given next to it win):
+``seed`` = +1 correct / -1 wrong / -0.5 no answer (the binary boxed reward of TRL + PEFT LoRA GRPO setups),
 and has ``is_correct(response, answer)`` for accuracy metrics. ``BatchScorer`` runs a verifier over a batch (in worker
 processes with per-item timeouts, or in-process for pure verifiers of a capped tail), counts timeouts — its own and
 the verifier's (``VerifierTimeout``) — and clamps every reward into the verifier's ``reward_range``.
@@ -50,10 +52,19 @@ _REGISTRY = {
     "dapo_then_math_verify": _dapo_then_math_verify,
 }
 REWARD_NAMES = tuple(_REGISTRY)
+# reward_options presets: named (correct, wrong, no_answer) values
+REWARD_PRESETS = {"seed": {"correct": 1.0, "wrong": -1.0, "no_answer": -0.5}}
 
 
 def get_reward_fn(name: str, **options):
-    """The verifier registered as ``name``, built with ``options`` (unknown options raise TypeError)."""
+    """The verifier registered as ``name``, built with ``options`` (unknown options raise TypeError; ``preset``
+    expands to the values of REWARD_PRESETS[preset])."""
+    if "preset" in options:
+        options = dict(options)
+        preset = options.pop("preset")
+        if preset not in REWARD_PRESETS:
+            raise ValueError(f"unknown reward preset {preset!r}; known: {', '.join(REWARD_PRESETS)}")
+        options = {**REWARD_PRESETS[preset], **options}
     try:
         factory = _REGISTRY[name]
     except KeyError:
@@ -70,5 +81,6 @@ def make_scorer(algo_cfg, *, enabled: bool) -> BatchScorer | None:
 
 __all__ = [
     "AnyCorrect", "BatchScorer", "CodeReward", "CountdownReward", "DEFAULT_WEIGHTS", "DapoReward", "Gsm8kReward",
-    "MathVerifyReward", "REWARD_NAMES", "Verifier", "VerifierTimeout", "WeightedReward", "get_reward_fn", "make_scorer",
+    "MathVerifyReward", "REWARD_NAMES", "REWARD_PRESETS", "Verifier", "VerifierTimeout", "WeightedReward",
+    "get_reward_fn", "make_scorer",
 ]

@@ -1,9 +1,10 @@
 """The GRPO training loop. `run(cfg)` reads top to bottom like the algorithm:
 
     sample prompts -> rollout (vLLM) -> rewards (worker pool) [-> more rounds: algo.dynamic_sampling]
-    -> reward shaping (algo.overlong_buffer) -> group advantages -> old logprobs
-    (skipped for one on-policy optimizer step) -> mini-batch GRPO updates -> weight sync -> metrics (+ avg@n on
-    data.val every trainer.eval_every steps, train/validation.py) -> checkpoint
+    -> reward shaping (algo.overlong_buffer) -> group advantages -> reference logprobs (with algo.kl_coef > 0,
+    model/reference.py) -> old logprobs (skipped for one on-policy optimizer step) -> mini-batch GRPO updates
+    -> weight sync -> metrics (+ avg@n on data.val every trainer.eval_every steps, train/validation.py)
+    -> checkpoint
 
 Every rank runs this same program (SPMD). Colocated (the default), each rank hosts a vLLM engine (one per rollout-TP
 group) that samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while
@@ -38,7 +39,9 @@ from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
 from ..distributed import init_distributed, init_split
 from ..metrics import MetricsLogger, plot_curves, step_metrics
+from ..model.lora import has_lora
 from ..model.policy import Policy
+from ..model.reference import Reference
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap, make_engine
 from ..slurm import StopSignal, current_job, describe, requeue_message
@@ -75,6 +78,8 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 
     policy = Policy.from_config(cfg, shape)
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
+    # the KL penalty's reference policy: adapters off with LoRA, else a frozen copy of the initial weights
+    reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None
 
     def export(bucket_bytes):
         return export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes, include_tied_lm_head=True)
@@ -161,10 +166,15 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         #      separate pass: the update's forward gives them.
         step_kw = dict(max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, clip_low=algo.clip_low,
                        clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg,
-                       kl_coef=algo.kl_coef, entropy_coef=algo.entropy_coef, mask_truncated=algo.mask_truncated,
-                       rollout_correction=algo.rollout_correction, tis_cap=algo.tis_cap)
+                       kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef,
+                       mask_truncated=algo.mask_truncated, rollout_correction=algo.rollout_correction,
+                       tis_cap=algo.tis_cap)
         one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
         with rollout.training():
+            if reference is not None:
+                with timer("ref_logprob"):
+                    step_kw["ref_logprobs"] = reference.logprobs(
+                        samples, max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
             if one_fresh_step and tr.old_logprobs == "auto":
                 with timer("update"):
                     update, old_logprobs = grpo_update_on_policy(policy, samples, **step_kw)
@@ -279,6 +289,9 @@ def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str =
     def warn(message):
         print(f"justrl-train: warning: {message}", file=sys.stderr, flush=True)
 
+    lora = has_lora(policy.chunks)
+    if lora:  # LoRA checkpoints hold the adapters only: the frozen base weights always come from the HF folder
+        load_hf_weights(policy.chunks, model_dir, progress=progress)
     try:
         resumed = load_latest_checkpoint(run_dir, policy.chunks, policy.optimizer, policy.scheduler,
                                          strict=mode == "strict", warn=warn)
@@ -287,7 +300,8 @@ def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str =
             print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     if resumed is None:
-        load_hf_weights(policy.chunks, model_dir, progress=progress)
+        if not lora:
+            load_hf_weights(policy.chunks, model_dir, progress=progress)
         policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
         return 0, None
     sampler.load_state_dict(resumed["sampler"])

@@ -25,7 +25,8 @@ HELDOUT_SEED_OFFSET = 10_007  # generated held-out problems come from another se
 
 def load_training_rows(data_cfg, *, seed: int, split: str = "train", limit: int | None = None) -> list[dict]:
     """Rows {problem, answer, data_source, id} of data.train (split="train") or of the held-out set (split="eval":
-    data.eval, or for a generated task the same task under another seed). 'generated:<task>' draws from reasoning-gym."""
+    data.eval, or for a generated task the same task under another seed). 'generated:<task>' draws from
+    reasoning-gym."""
     from ..data import generate_rows, load_rows
 
     spec = data_cfg.train if split == "train" else (data_cfg.eval or data_cfg.train)

@@ -279,7 +279,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
     if reuse_forward:  # the one mini-batch's forward pass ran on the weights before the step
         old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
     metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                                tokens_total, lr, rollout_correction)
+                                tokens_total, lr, rollout_correction, with_kl=bool(kl_coef))
     return metrics, list(old_logprobs)
 
 
@@ -368,7 +368,7 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
 
 
 def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                      tokens_total, lr, rollout_correction: str = "none") -> dict[str, float]:
+                      tokens_total, lr, rollout_correction: str = "none", with_kl: bool = False) -> dict[str, float]:
     device = policy.device
     contributor = _is_contributor() and totals is not None
     sums = torch.stack([totals[k] if contributor else torch.zeros((), device=device) for k in SUM_KEYS])
@@ -406,7 +406,8 @@ def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_o
         "num_response_tokens": s["num_tokens"],
         "num_tokens": float(tokens_total),
     }
-    if s["kl_loss"]:
+    if with_kl:  # the KL to the reference policy (algo.kl_estimator) per response token, and its loss term
+        metrics["kl"] = s["ref_kl_sum"] / tokens
         metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
     if s["entropy_loss"]:
         metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
