@@ -1,4 +1,4 @@
-"""LoRA policy training (model/lora.py, model/reference.py): what is trained, the reference policy and the KL term,
+"""LoRA policy training (model/lora.py, train/reference.py): what is trained, the reference policy and the KL term,
 TP parity, exact resume, the PEFT / merged export, the config checks and the reward preset; and a short
 end-to-end run of recipe=cpu_demo_lora (slow).
 

@@ -299,6 +299,7 @@ def lora_export(args) -> int:
     from safetensors.torch import save_file
 
     from ..model import lora
+    from . import peft_export
     from .export import save_hf
     from .load import load_hf_weights
 
@@ -326,9 +327,10 @@ def lora_export(args) -> int:
     _say(f"loading adapters from {ckpt}")
     load_model(chunks, ckpt)
     with _staged_output(args.out) as tmp:
-        save_file(lora.peft_state(chunks, shape), str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        peft_config = lora.peft_config(settings, str(Path(base).resolve()))
-        (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n")
+        save_file(peft_export.peft_state(chunks, shape), str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        adapter_config = peft_export.peft_config(settings, str(Path(base).resolve()))
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
     _say(f"done: {args.out} (peft.PeftModel.from_pretrained(base model, '{args.out}'))")
     if args.merged:
         with _staged_output(args.merged) as tmp:

@@ -2,7 +2,7 @@
 
     sample prompts -> rollout (vLLM) -> rewards (worker pool) [-> more rounds: algo.dynamic_sampling]
     -> reward shaping (algo.overlong_buffer) -> group advantages -> reference logprobs (with algo.kl_coef > 0,
-    model/reference.py) -> old logprobs (skipped for one on-policy optimizer step) -> mini-batch GRPO updates
+    train/reference.py) -> old logprobs (skipped for one on-policy optimizer step) -> mini-batch GRPO updates
     -> weight sync -> metrics (+ avg@n on data.val every trainer.eval_every steps, train/validation.py)
     -> checkpoint
 
@@ -41,7 +41,7 @@ from ..distributed import init_distributed, init_split
 from ..metrics import MetricsLogger, plot_curves, step_metrics
 from ..model.lora import has_lora
 from ..model.policy import Policy
-from ..model.reference import Reference
+from .reference import Reference
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap, make_engine
 from ..slurm import StopSignal, current_job, describe, requeue_message

@@ -23,7 +23,7 @@ from step_parity import packed_logits
 
 from justrl_megatron.checkpoint import save_checkpoint
 from justrl_megatron.model import lora
-from justrl_megatron.model.reference import Reference
+from justrl_megatron.train.reference import Reference
 from justrl_megatron.train.step import compute_logprobs, grpo_update_on_policy
 
 MAX_TOKENS = 64

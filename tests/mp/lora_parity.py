@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lora_common import LORA, build, global_grads, samples_for, set_random_adapters
 
 from justrl_megatron.model import lora
-from justrl_megatron.model.reference import Reference
+from justrl_megatron.train.reference import Reference
 from justrl_megatron.train.step import compute_logprobs, grpo_update
 
 MAX_TOKENS = 48  # several micro-batches

@@ -21,7 +21,7 @@ from lora_common import LORA, build, samples_for
 
 from justrl_megatron.checkpoint import load_latest_checkpoint, save_checkpoint
 from justrl_megatron.model import lora
-from justrl_megatron.model.reference import Reference
+from justrl_megatron.train.reference import Reference
 from justrl_megatron.train.step import compute_logprobs, grpo_update
 
 MAX_TOKENS = 64

@@ -6,7 +6,7 @@
                 same HF folder (also after a resume: the reference is the start of training, not of this launch).
                 On a GPU it waits in CPU memory between uses and comes to the device only for its forward pass.
 
-Both run forward-only through the same megatron schedule as the old-logprob pass (train/step.compute_logprobs).
+Both run forward-only through the same megatron schedule as the old-logprob pass (step.compute_logprobs).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-from .build import build_model_chunks
-from .lora import adapters_disabled, has_lora
+from ..convert.load import load_hf_weights
+from ..model.build import build_model_chunks
+from ..model.lora import adapters_disabled, has_lora
+from .step import compute_logprobs
 
 
 @dataclass
@@ -48,8 +50,6 @@ class Reference:
         return cls(policy, _frozen_copy(policy, model_dir, progress=progress))
 
     def logprobs(self, samples, *, max_tokens_per_micro_batch: int) -> list[torch.Tensor]:
-        from ..train.step import compute_logprobs  # train/ builds on model/: imported where used
-
         if self.frozen is None:
             with adapters_disabled(self.policy.chunks):
                 return compute_logprobs(self.policy, samples, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
@@ -73,8 +73,6 @@ class Reference:
 
 
 def _frozen_copy(policy, model_dir, *, progress: bool) -> _FrozenModel:
-    from ..convert.load import load_hf_weights
-
     config = policy.config
     init, config.perform_initialization = config.perform_initialization, False  # every weight is loaded below
     try:
