@@ -5,6 +5,7 @@ filtering (algo/overlong.py), rollout correction (algo/rollout_correction.py) â€
 import dataclasses
 import json
 import math
+import os
 import shutil
 import sys
 
@@ -236,9 +237,29 @@ def policy():
     from justrl_megatron.model.hf_config import ModelShape
     from justrl_megatron.model.policy import Policy
 
+    from conftest import LAUNCHER_ENV
+
+    # init_distributed (inside Policy.build) exports MASTER_PORT & co; this module-scoped fixture is set up before the
+    # per-test env guard in conftest, so take them back here: a later subprocess would try to listen on the port the
+    # store in this process holds
+    before = {k: os.environ.get(k) for k in LAUNCHER_ENV}
     # lr 0: every update leaves the weights as they are, so the calls below see the same policy
-    return Policy.build(ModelShape(**TINY), dtype="fp32", transformer_impl="local", lr=0.0, warmup_steps=0,
-                        weight_decay=0.0, grad_clip=1.0, distributed_optimizer=True, seed=7)
+    policy = Policy.build(ModelShape(**TINY), dtype="fp32", transformer_impl="local", lr=0.0, warmup_steps=0,
+                          weight_decay=0.0, grad_clip=1.0, distributed_optimizer=True, seed=7)
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    yield policy
+    # this module runs first: leave no process group or megatron groups behind for later modules, whose tests check
+    # that a command refuses bad input before it initialises torch.distributed
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _batch(lengths, seed=0):

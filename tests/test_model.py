@@ -279,5 +279,6 @@ def test_policy_from_config_maps_the_config_knobs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["hyper"] == dict(lr=3e-6, warmup_steps=2, weight_decay=0.05, grad_clip=1.0, tp=1, pp=1, vpp=None,
-                                sequence_parallel=False, recompute="none", distributed_optimizer=True, seed=7)
+                                sequence_parallel=False, recompute="none", distributed_optimizer=True, seed=7,
+                                make_vocab_size_divisible_by=128, max_sequence_length=None)
     assert out["dtype"] == "torch.float32" and out["impl"] == "local" and out["lr"] == 0.0  # warming up from 0
