@@ -79,12 +79,13 @@ class RolloutPipeline:
         try:
             rollouts, stats = self.rollout.receive(inflight.request)
             t = time.perf_counter()
-            scored = self._score(inflight.prompts, rollouts)
+            scored = self.score(inflight.prompts, rollouts)
             inflight.leader_result = (rollouts, stats, scored, time.perf_counter() - t)
         except BaseException as exc:  # noqa: BLE001  (re-raised by collect, in the loop's thread)
             inflight.leader_result = exc
 
-    def _score(self, prompts, rollouts) -> tuple:
+    def score(self, prompts, rollouts) -> tuple:
+        """(rewards, correct, reward stats) of `rollouts` (n per prompt); on the leader, which holds the scorer."""
         texts = self.tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
         answers = [prompts[i // self.n].answer for i in range(len(texts))]
         rewards, correct = self.scorer.evaluate(texts, answers)
@@ -116,7 +117,7 @@ class RolloutPipeline:
                                                  seed=self.step_seed(inflight.step))
             t_reward = time.perf_counter()
             with torch.profiler.record_function("reward"):
-                scored = trainer_broadcast(self._score(prompts, rollouts) if self.leader else None)
+                scored = trainer_broadcast(self.score(prompts, rollouts) if self.leader else None)
             seconds = {"rollout": t_reward - t, "reward": time.perf_counter() - t_reward}
         rewards, correct, reward_stats = scored
         inflight.result = StepBatch(prompts, rollouts, list(rewards), list(correct), reward_stats, seconds)

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from ..algo.dynamic_sampling import ScoredBatch, collect_groups, round_seed
@@ -50,7 +49,7 @@ from .batching import Sample
 from .placement import ColocatedRollout
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
-from .split_rollout import SplitRollout, serve
+from .split_rollout import SplitRollout, serve, trainer_broadcast
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
 from .validation import Validation
 
@@ -136,7 +135,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         def generate_and_score(prompts, round_index):
             if round_index == 0:
                 return ScoredBatch(first.prompts, first.rollouts, first.rewards, first.correct, first.reward_stats)
-            return _rollout_and_score(rollout, scorer, tokenizer, prompts, ro, sampling, timer, version,
+            return _rollout_and_score(rollout, pipeline, prompts, ro, sampling, timer, version,
                                       seed=round_seed(tr.seed, step, round_index))
 
         scored, sampling_stats = collect_groups(draw_batch, generate_and_score, group_size=ro.n,
@@ -255,30 +254,16 @@ class _PhaseTimer:
         return time.perf_counter() - self._t0
 
 
-def _rollout_and_score(rollout, scorer, tokenizer, prompts, ro, sampling, timer, version, *, seed) -> ScoredBatch:
-    """One round of phases 2-3: rollouts of ``prompts`` (ro.n each), checked for staleness, scored on rank 0 and
-    broadcast."""
+def _rollout_and_score(rollout, pipeline, prompts, ro, sampling, timer, version, *, seed) -> ScoredBatch:
+    """One extra round of phases 2-3: rollouts of ``prompts`` (ro.n each), checked for staleness, scored on rank 0
+    (the pipeline's scoring) and broadcast."""
     with timer("rollout"):
         rollouts = rollout.generate([p.ids for p in prompts], ro.n, sampling, seed=seed)
     check_staleness(rollouts.weight_version, version, ro.max_staleness)
     with timer("reward"):
-        responses = None
-        if scorer is not None:  # rank 0
-            texts = tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
-            answers = [prompts[i // ro.n].answer for i in range(len(texts))]
-            rewards, correct = scorer.evaluate(texts, answers)
-            responses = (rewards, correct, dict(scorer.stats))
-        rewards, correct, reward_stats = _broadcast(responses)
+        rewards, correct, reward_stats = trainer_broadcast(
+            pipeline.score(prompts, rollouts) if pipeline.leader else None)
     return ScoredBatch(list(prompts), rollouts, list(rewards), list(correct), reward_stats)
-
-
-def _broadcast(obj):
-    """Rank 0's object on every rank."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> tuple[int, dict | None]:
