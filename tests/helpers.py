@@ -26,6 +26,11 @@ MP = HERE / "mp"  # the multi-rank worker scripts
 #   WANDB_MODE=disabled  nothing is sent anywhere; a run's own `logging.wandb_mode` still decides what it logs.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
+# What justrl_megatron.distributed.init_distributed sets in os.environ when a test starts torch.distributed inside the
+# pytest process: left there, every later subprocess (torchrun, sbatch jobs, benches) would inherit MASTER_PORT and
+# try to listen on the port this process' own store still holds (EADDRINUSE).
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
 # justrl-train overrides for a two-step run on a tiny model (the full loop in seconds)
 SHORT_TRAIN = ["trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.mini_batch_size=2",
                "rollout.max_response_length=8", "trainer.eval_samples=2", "data.num_generated=16",

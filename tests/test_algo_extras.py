@@ -237,7 +237,7 @@ def policy():
     from justrl_megatron.model.hf_config import ModelShape
     from justrl_megatron.model.policy import Policy
 
-    from conftest import LAUNCHER_ENV
+    from helpers import LAUNCHER_ENV
 
     # init_distributed (inside Policy.build) exports MASTER_PORT & co; this module-scoped fixture is set up before the
     # per-test env guard in conftest, so take them back here: a later subprocess would try to listen on the port the
