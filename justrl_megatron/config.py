@@ -39,7 +39,7 @@ class ModelConfig:
     path: str = MISSING
     tokenizer: Optional[str] = None  # defaults to the model folder
     transformer_impl: str = "auto"  # auto | te | local (te needs transformer-engine and CUDA)
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    dtype: str = "auto"  # auto (bf16 on GPU and on CPUs with native bf16, else fp32; dtypes.py) | bf16 | fp32
     make_vocab_size_divisible_by: int = 128
     # auto: the memory plan (model/memory.py) picks none | selective | full on a GPU and clamps
     # trainer.max_tokens_per_micro_batch to what fits; none on the CPU | none | selective | full
@@ -153,6 +153,9 @@ class TrainerConfig:
     # auto: when a step is one optimizer step on fresh samples, its own forward pass gives the old logprobs (ratio 1,
     # same gradient, one forward pass fewer; TRL does the same) | recompute: always a separate forward pass first
     old_logprobs: str = "auto"
+    # auto | on | off: the responses of a group attend to one copy of their prompt (its layer work done once, not n
+    # times; exact, train/batching.py). auto: on with the local spec (our SDPA attention), off with TransformerEngine
+    shared_prompt: str = "auto"
     lr: float = 1e-6
     warmup_steps: int = 10
     weight_decay: float = 0.1
@@ -258,6 +261,12 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"model.transformer_impl must be auto, te or local, got {cfg.model.transformer_impl!r}")
     if cfg.trainer.old_logprobs not in ("auto", "recompute"):
         problems.append(f"trainer.old_logprobs must be auto or recompute, got {cfg.trainer.old_logprobs!r}")
+    shared_prompt = str(tr.shared_prompt).lower()  # true / false from yaml or the command line: on / off
+    if shared_prompt not in ("auto", "on", "off", "true", "false"):
+        problems.append(f"trainer.shared_prompt must be auto, on or off, got {tr.shared_prompt!r}")
+    elif shared_prompt in ("on", "true") and cfg.model.transformer_impl == "te":
+        problems.append("trainer.shared_prompt=on needs model.transformer_impl=local or auto (TransformerEngine's "
+                        "attention takes only plain packed sequences)")
     if cfg.model.dtype not in ("auto", "bf16", "fp32"):
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("auto", "none", "selective", "full"):

@@ -24,6 +24,9 @@ MP = HERE / "mp"  # the multi-rank worker scripts
 #                      (test_bench, which times the phases, asks for 2: {**ENV, "OMP_NUM_THREADS": "2"});
 #   HF_HUB_OFFLINE=1   every model and tokenizer is a local folder (justrl_megatron.assets); never ask the hub;
 #   WANDB_MODE=disabled  nothing is sent anywhere; a run's own `logging.wandb_mode` still decides what it logs.
+# model.dtype=auto means bf16 on a CPU with native bf16 (justrl_megatron/dtypes.py); the suite's tolerances are fp32's,
+# so it runs fp32 on every CPU (tests of the bf16 path ask for it by name)
+os.environ.setdefault("JUSTRL_CPU_BF16", "0")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
 # What justrl_megatron.distributed.init_distributed sets in os.environ when a test starts torch.distributed inside the

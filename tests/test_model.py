@@ -87,6 +87,24 @@ def test_one_switch_picks_the_layer_spec():
         resolve_dtype("int8")
 
 
+def test_auto_dtype_is_bf16_on_cpus_with_native_bf16(monkeypatch):
+    from justrl_megatron import compat, dtypes
+
+    monkeypatch.setattr(compat, "cuda_available", lambda: False)
+    monkeypatch.delenv("JUSTRL_CPU_BF16", raising=False)
+    for flags, expected in [("fpu avx2 avx512f avx512_bf16", torch.bfloat16), ("fpu avx2 amx_bf16 amx_tile",
+                            torch.bfloat16), ("fpu avx2 avx512f avx512bw", torch.float32), ("", torch.float32)]:
+        monkeypatch.setattr(dtypes, "_cpuinfo_flags", lambda flags=flags: frozenset(flags.split()))
+        assert dtypes.resolve_dtype("auto") == expected, flags
+        assert dtypes.resolve_dtype("fp32") == torch.float32
+    monkeypatch.setenv("JUSTRL_CPU_BF16", "1")  # the override, both ways
+    assert dtypes.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setenv("JUSTRL_CPU_BF16", "0")
+    monkeypatch.setattr(dtypes, "_cpuinfo_flags", lambda: frozenset({"avx512_bf16"}))
+    assert dtypes.resolve_dtype("auto") == torch.float32
+    assert dtypes.cpu_has_native_bf16() is False
+
+
 # --- chunked logprobs / entropy -----------------------------------------------------------------------------------
 
 def _naive(logits, targets, vocab):

@@ -9,7 +9,9 @@ What megatron's `Attention` hands the core-attention module (megatron-core 0.16 
   * padded batches ("sbhd"): query [s, b, np, hn], key/value [s, b, ng, hn]; returns [s, b, np * hn];
   * packed rows ("thd", `PackedSeqParams.qkv_format == "thd"`): query [t, np, hn], key/value [t, ng, hn] (the batch dim
     of 1 is squeezed by the caller, RoPE is already applied per sequence from `cu_seqlens`); returns [t, np * hn].
-Attention stays inside each packed sequence. On CUDA with bf16/fp16 one varlen flash call covers the whole row
+Attention stays inside each packed sequence. A micro-batch of shared-prompt units (train/batching.py) carries a
+`SharedPrompt` (on the PackedSeqParams and on its cu_seqlens tensor): its rows, one per response (prompt + response),
+are gathered from the unit, attended like packed sequences, and each token's output is picked back from one row. On CUDA with bf16/fp16 one varlen flash call covers the whole row
 (`torch.nn.attention.varlen`, torch >= 2.10; the call form is chosen by probing it once per device/dtype/head layout,
 see `varlen_choice`), with no host sync; elsewhere the sequences are right-padded into one batched causal SDPA call
 when that wastes little (exact), else each sequence is one causal SDPA call (no S x S either). The fallback reads the
@@ -240,8 +242,28 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_s
     cu = packed_seq_params.cu_seqlens_q_padded
     if cu is None:
         cu = packed_seq_params.cu_seqlens_q
+    shared = getattr(packed_seq_params, "justrl_shared_prompt", None) or getattr(cu, "justrl_shared_prompt", None)
+    if shared is not None:
+        return shared_prompt_attention(q, k, v, shared, scale)
     return packed_causal_attention(q, k, v, cu, packed_seq_params.max_seqlen_q, scale,
                                    plan=packed_plan(packed_seq_params, cu))
+
+
+def shared_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared, scale: float) -> torch.Tensor:
+    """Attention of a row of shared-prompt units: q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]. `shared`
+    (train/batching.SharedPrompt): the rows are gathered (a prompt's keys and values once per response, its queries
+    too: attention FLOPs only), attended as packed causal sequences, and each token's output picked from its row.
+    The gather's backward sums the rows' gradients into the one prompt copy."""
+    plan = getattr(shared, "plan", None)
+    if plan is None or plan.cu_seqlens is not shared.row_cu:
+        plan = PackedPlan(shared.row_cu)
+        try:
+            shared.plan = plan  # once per micro-batch, not per layer
+        except AttributeError:
+            pass
+    rows = [x.index_select(0, shared.gather) for x in (q, k, v)]
+    out = packed_causal_attention(*rows, shared.row_cu, shared.row_max, scale, plan=plan)
+    return out.index_select(0, shared.pick)
 
 
 # One batched SDPA call over right-padded sequences instead of one call per sequence, when the padding costs at most

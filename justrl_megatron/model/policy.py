@@ -109,6 +109,22 @@ def _gpu_fusions(impl: str) -> dict:
     return dict(bias_activation_fusion=True)
 
 
+SHARED_PROMPT_CHOICES = ("auto", "on", "off")
+
+
+def resolve_shared_prompt(choice, impl: str) -> bool:
+    """trainer.shared_prompt -> on or off. A group's responses can share one prompt copy only through our own core
+    attention (the local spec's SDPAttention, model/attention.py) and megatron's unfused RoPE; TransformerEngine's
+    attention and fused RoPE know only plain packed segments. auto: on with the local spec, off with TE."""
+    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
+    if choice not in SHARED_PROMPT_CHOICES:
+        raise ValueError(f"trainer.shared_prompt must be auto, on or off, got {choice!r}")
+    if choice == "on" and impl == "te":
+        raise ValueError("trainer.shared_prompt=on needs model.transformer_impl=local (TransformerEngine's attention "
+                         "and fused RoPE take only plain packed sequences); set it, or trainer.shared_prompt=auto")
+    return choice == "on" or (choice == "auto" and impl != "te")
+
+
 class ConfigScheduler(OptimizerParamScheduler):
     """megatron's OptimizerParamScheduler where a resumed run keeps only the saved step count: lr, warmup and weight
     decay are this launch's config, so a changed trainer.lr takes effect at once (megatron's override flag). The
@@ -139,6 +155,8 @@ class Policy:
     padded_vocab_size: int
     hyper: dict = field(default_factory=dict)
     lora: dict | None = None  # rank, alpha, dropout, targets of the LoRA adapters (None: full fine-tuning)
+    # a GRPO group's responses attend to one copy of their prompt (train/batching.py); resolved from "auto"
+    shared_prompt: bool = False
     skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
 
     @classmethod
@@ -147,12 +165,14 @@ class Policy:
               lr: float = 1e-6, warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
-              max_sequence_length: int | None = None, lora: dict | None = None) -> "Policy":
+              max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off") -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
-        optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py)."""
+        optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
+        `shared_prompt` auto | on | off (`resolve_shared_prompt`)."""
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
+        shared = resolve_shared_prompt(shared_prompt, impl)
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
@@ -206,7 +226,7 @@ class Policy:
         return cls(chunks=chunks, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape,
                    transformer_impl=impl, dtype=torch_dtype,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
-                   hyper=hyper, lora=dict(lora) if lora else None)
+                   hyper=hyper, lora=dict(lora) if lora else None, shared_prompt=shared)
 
     @classmethod
     def from_config(cls, cfg, shape: ModelShape) -> "Policy":
@@ -224,7 +244,8 @@ class Policy:
             warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
             distributed_optimizer=par.distributed_optimizer,
-            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora)
+            make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
+            shared_prompt=tr.shared_prompt)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ every field of the HF config in force, so the trainer, transformers and vLLM rot
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -46,3 +47,26 @@ def set_rotary(model, shape: ModelShape) -> None:
     if rotary is None:
         return
     rotary.inv_freq = inv_freq(shape, device=rotary.inv_freq.device)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model, positions):
+    """Within the block, the GPTModel `model` rotates packed token t by `positions[t]` (the micro-batch's own position
+    ids, on the model's device) instead of by its offset from the start of its cu_seqlens segment; None: no change.
+
+    Shared-prompt units need it: a unit is one segment, but each response's positions restart at the prompt's end.
+    megatron (0.16 and 0.19, rope_utils._apply_rotary_pos_emb_thd, "CASE 1") applies a freqs tensor that has one row
+    per packed token as it is; the hook turns RotaryEmbedding's [max_seqlen, 1, 1, d] table into those rows."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if positions is None or rotary is None:
+        yield
+        return
+
+    def per_token(module, args, output):
+        return output.index_select(0, positions)
+
+    handle = rotary.register_forward_hook(per_token)
+    try:
+        yield
+    finally:
+        handle.remove()

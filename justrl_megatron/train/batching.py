@@ -11,6 +11,20 @@ Every rank holds the same full list of samples, so every rank computes the same 
      so a packed row computes exactly what separate padded rows would, without the padding.
 The loss covers response tokens only: position p predicts token p + 1, so a sample with prompt P and response R
 contributes positions P-1 .. P+R-2 of its segment.
+
+Shared prompt (`trainer.shared_prompt`): the samples that share a prompt (a GRPO group) form *units*, one copy of the
+prompt followed by each response, and the units, not the samples, are split and packed as above:
+
+    tokens     p0 p1 p2 | a0 a1 a2 a3 | b0 b1     one unit: prompt P = 3, responses of 4 and 2 tokens
+    positions   0  1  2 |  3  4  5  6 |  3  4     each response restarts at P: RoPE exactly as unshared
+    attention  a response sees the prompt and its own earlier tokens, never a sibling
+
+The last prompt token's output predicts the first token of every response of the unit; the rest as unshared. The
+projections, MLP and norms (the bulk of a layer's FLOPs) run once per prompt instead of once per response; for the
+attention the unit is cut back into *rows*, one per response (prompt + that response, `SharedPrompt.gather`),
+attended exactly as unshared rows, and each token's output is picked back from one row (`SharedPrompt.pick`: a prompt
+token from the unit's first row). Each row is an unshared sample's sequence, and the prompt's gradients sum over its
+responses as they do over separate copies: the same update, with (n-1)/n of the prompt's layer work removed.
 """
 
 from __future__ import annotations
@@ -77,6 +91,15 @@ def _fits(bins, lengths, max_tokens) -> bool:
     return all(sum(lengths[i] for i in b) <= max_tokens for b in bins)
 
 
+def check_samples_fit(ids: Sequence[int], lengths: Sequence[int], max_tokens: int) -> None:
+    for i in ids:
+        if lengths[i] > max_tokens:
+            raise ValueError(
+                f"sample {i} has {lengths[i]} tokens (prompt + response), more than "
+                f"trainer.max_tokens_per_micro_batch={max_tokens}; raise the budget to at least the longest "
+                f"prompt + response")
+
+
 def pack_micro_batches(per_rank: Sequence[Sequence[int]], lengths: Sequence[int], max_tokens: int, *,
                        multiple_of: int = 1) -> list[list[list[int]]]:
     """Micro-batches (lists of sample ids) for every DP rank, the same count on each, each within ``max_tokens``.
@@ -85,12 +108,7 @@ def pack_micro_batches(per_rank: Sequence[Sequence[int]], lengths: Sequence[int]
     of the pipeline size).
     """
     for ids in per_rank:
-        for i in ids:
-            if lengths[i] > max_tokens:
-                raise ValueError(
-                    f"sample {i} has {lengths[i]} tokens (prompt + response), more than "
-                    f"trainer.max_tokens_per_micro_batch={max_tokens}; raise the budget to at least the longest "
-                    f"prompt + response")
+        check_samples_fit(ids, lengths, max_tokens)
     count = max(max((math.ceil(sum(lengths[i] for i in ids) / max_tokens) for ids in per_rank), default=1), 1)
     while True:
         count = math.ceil(count / multiple_of) * multiple_of
@@ -117,6 +135,7 @@ class MicroBatch:
     response_lengths: list[int]
     num_real_tokens: int             # prompt + response tokens (no padding)
     extras: dict = field(default_factory=dict)  # per-target inputs added by the caller (old logprobs, advantages ...)
+    shared: "SharedPrompt | None" = None  # shared-prompt units: the rows attention runs on (None: unshared)
 
     @property
     def num_targets(self) -> int:
@@ -126,15 +145,22 @@ class MicroBatch:
         # lazy: packing itself is pure torch (tested and benchmarked without loading megatron, ~4.6 s)
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        if self.shared is not None:
+            # model/attention.py reads it back: from the params object, or from the cu_seqlens tensor, which every
+            # copy megatron might make of the params still carries
+            params.justrl_shared_prompt = self.shared
+            self.cu_seqlens.justrl_shared_prompt = self.shared
+        return params
 
     def to(self, device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(self.sample_ids, move(self.tokens), move(self.position_ids), move(self.cu_seqlens),
                           self.max_seqlen, move(self.logit_positions), move(self.targets), move(self.row),
                           move(self.col), self.response_lengths, self.num_real_tokens,
-                          {k: move(v) for k, v in self.extras.items()})
+                          {k: move(v) for k, v in self.extras.items()},
+                          None if self.shared is None else self.shared.to(device))
 
 
 def make_micro_batch(samples: Sequence[Sample], ids: Sequence[int], *, pad_to_multiple_of: int = 1,
@@ -187,3 +213,117 @@ def gather_per_target(values: Sequence[torch.Tensor | Sequence[float]], mb: Micr
             raise ValueError(f"sample {i}: {v.numel()} values for {n} response tokens")
         parts.append(v)
     return torch.cat(parts) if parts else torch.zeros(0)
+
+
+# --- shared prompt -----------------------------------------------------------------------------------------------
+
+@dataclass
+class SharedPrompt:
+    """How attention sees a micro-batch of shared-prompt units (the contract model/attention.py reads).
+
+    The rows (one per response: its prompt, then itself; the padding segment is a row of its own) are laid end to
+    end: `gather[j]` is the micro-batch token at place j of that layout, `row_cu` its boundaries, `row_max` its
+    longest row; `pick[t]` is the place in the rows whose attention output token t of the micro-batch takes."""
+
+    gather: torch.Tensor   # [rows' tokens] int64
+    row_cu: torch.Tensor   # [rows + 1] int32
+    row_max: int
+    pick: torch.Tensor     # [T] int64
+
+    def to(self, device) -> "SharedPrompt":
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return SharedPrompt(move(self.gather), move(self.row_cu), self.row_max, move(self.pick))
+
+
+def prompt_units(samples: Sequence[Sample], ids: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """``ids`` grouped by identical prompt (first-seen order), each group cut into units of at most ``max_tokens``
+    tokens (one prompt + its responses). A unit of one sample is an unshared sample."""
+    check_samples_fit(ids, [s.length for s in samples], max_tokens)
+    by_prompt: dict[tuple, list[int]] = {}
+    for i in ids:
+        by_prompt.setdefault(tuple(samples[i].prompt_ids), []).append(i)
+    units = []
+    for prompt, members in by_prompt.items():
+        unit, size = [], len(prompt)
+        for i in members:
+            n = len(samples[i].response_ids)
+            if unit and size + n > max_tokens:
+                units.append(unit)
+                unit, size = [], len(prompt)
+            unit.append(i)
+            size += n
+        units.append(unit)
+    return units
+
+
+def unit_length(samples: Sequence[Sample], unit: Sequence[int]) -> int:
+    """Tokens of a unit: its prompt once plus every response."""
+    return len(samples[unit[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in unit)
+
+
+def make_shared_micro_batch(samples: Sequence[Sample], units: Sequence[Sequence[int]], *, pad_to_multiple_of: int = 1,
+                            pad_token_id: int = 0) -> MicroBatch:
+    """Pack shared-prompt ``units`` (lists of sample ids with one prompt) into one row, as `make_micro_batch` packs
+    samples. A micro-batch whose units all hold one sample comes out exactly as `make_micro_batch` makes it."""
+    if all(len(u) == 1 for u in units):
+        return make_micro_batch(samples, [u[0] for u in units], pad_to_multiple_of=pad_to_multiple_of,
+                                pad_token_id=pad_token_id)
+    tokens: list[int] = []
+    positions: list[int] = []
+    cu = [0]
+    logit_positions: list[int] = []
+    targets: list[int] = []
+    row: list[int] = []
+    col: list[int] = []
+    sample_ids: list[int] = []
+    gather: list[int] = []   # rows end to end, as micro-batch token indices
+    row_cu = [0]
+    pick: list[int] = []     # per micro-batch token: its place in `gather`
+    for unit in units:
+        prompt = samples[unit[0]].prompt_ids
+        if not prompt:
+            raise ValueError(f"sample {unit[0]} has an empty prompt: its first response token would have no context")
+        if any(list(samples[i].prompt_ids) != list(prompt) for i in unit):
+            raise ValueError(f"samples {list(unit)} do not share one prompt")
+        start, p = len(tokens), len(prompt)
+        tokens.extend(prompt)
+        positions.extend(range(p))
+        pick.extend(range(len(gather), len(gather) + p))  # the prompt's outputs come from the unit's first row
+        for i in unit:
+            s = samples[i]
+            r, n = len(sample_ids), len(s.response_ids)
+            sample_ids.append(i)
+            first = len(tokens)
+            tokens.extend(s.response_ids)
+            positions.extend(range(p, p + n))
+            row_start = len(gather)
+            gather.extend(range(start, start + p))
+            gather.extend(range(first, first + n))
+            row_cu.append(len(gather))
+            pick.extend(range(row_start + p, row_start + p + n))
+            # the last prompt token predicts the first response token; response token j predicts token j + 1
+            if n:
+                logit_positions.extend([start + p - 1, *range(first, first + n - 1)])
+            targets.extend(s.response_ids)
+            row.extend([r] * n)
+            col.extend(range(n))
+        cu.append(len(tokens))
+    real = len(tokens)
+    multiple = max(pad_to_multiple_of, 1)
+    pad = (-real) % multiple if real else multiple
+    if pad:  # one more segment (and row), attended only by itself, never a target
+        pick.extend(range(len(gather), len(gather) + pad))
+        gather.extend(range(real, real + pad))
+        row_cu.append(len(gather))
+        tokens.extend([pad_token_id] * pad)
+        positions.extend(range(pad))
+        cu.append(len(tokens))
+    seg = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    shared = SharedPrompt(gather=long(gather), row_cu=torch.tensor(row_cu, dtype=torch.int32),
+                          row_max=max(b - a for a, b in zip(row_cu[:-1], row_cu[1:])), pick=long(pick))
+    return MicroBatch(
+        sample_ids=sample_ids, tokens=long(tokens).unsqueeze(0), position_ids=long(positions).unsqueeze(0),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(seg), logit_positions=long(logit_positions),
+        targets=long(targets), row=long(row), col=long(col),
+        response_lengths=[len(samples[i].response_ids) for i in sample_ids], num_real_tokens=real, shared=shared)

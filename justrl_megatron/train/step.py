@@ -30,10 +30,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..algo.rollout_correction import correction_metrics, correction_weights
-from ..model.build import output_weight, returning_hidden_states
+from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model.logprobs import logprobs_from_hidden
-from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, pack_micro_batches, \
-    response_offsets, split_over_dp
+from ..model.rope import rope_at_positions
+from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, make_shared_micro_batch, \
+    pack_micro_batches, prompt_units, response_offsets, split_over_dp, unit_length
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
@@ -66,14 +67,23 @@ def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.
 
 def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], max_tokens_per_micro_batch: int
                        ) -> list[MicroBatch]:
-    """This DP rank's packed micro-batches for the samples ``ids`` (same count on every DP rank)."""
-    lengths = [s.length for s in samples]
-    per_rank = split_over_dp(ids, lengths, ps.get_data_parallel_world_size())
+    """This DP rank's packed micro-batches for the samples ``ids`` (same count on every DP rank). With the policy's
+    `shared_prompt`, the units (a prompt and its responses, train/batching.py) are what is split and packed."""
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     multiple = ps.get_pipeline_model_parallel_world_size() if vpp else 1
-    plans = pack_micro_batches(per_rank, lengths, max_tokens_per_micro_batch, multiple_of=multiple)
     pad = policy.config.tensor_model_parallel_size if policy.config.sequence_parallel else 1
-    return [make_micro_batch(samples, b, pad_to_multiple_of=pad) for b in plans[ps.get_data_parallel_rank()]]
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if policy.shared_prompt:
+        units = prompt_units(samples, ids, max_tokens_per_micro_batch)
+        lengths = [unit_length(samples, u) for u in units]
+        plans = pack_micro_batches(split_over_dp(range(len(units)), lengths, dp), lengths, max_tokens_per_micro_batch,
+                                   multiple_of=multiple)
+        return [make_shared_micro_batch(samples, [units[u] for u in b], pad_to_multiple_of=pad)
+                for b in plans[dp_rank]]
+    lengths = [s.length for s in samples]
+    plans = pack_micro_batches(split_over_dp(ids, lengths, dp), lengths, max_tokens_per_micro_batch,
+                               multiple_of=multiple)
+    return [make_micro_batch(samples, b, pad_to_multiple_of=pad) for b in plans[dp_rank]]
 
 
 def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
@@ -83,7 +93,9 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        # shared-prompt units: RoPE from the position ids (responses restart at the prompt's end), not the segments
+        with rope_at_positions(unwrap(model), None if mb.shared is None else mb.position_ids[0]):
+            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
         return out, functools.partial(loss_fn, mb, model)
 
     chunks = policy.chunks
