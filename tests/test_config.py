@@ -239,6 +239,8 @@ def test_resume_lists_changes_that_take_effect(tmp_path):
     ("data.train=generated:chain_sum", "data.train"),
     ("++data.task_options.max_terms=3", "data.task_options.max_terms"),  # under a pinned dict
     ("trainer.seed=2", "trainer.seed"),
+    ("model.lora.enabled=true", "model.lora.enabled"),  # a full run's checkpoint has no adapters (issue 20)
+    ("model.lora.rank=8", "model.lora.rank"),
 ])
 def test_resume_refuses_what_the_checkpoint_pins(tmp_path, override, key):
     record_launch(_launch(tmp_path), None)
