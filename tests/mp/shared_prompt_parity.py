@@ -3,7 +3,7 @@ tests/test_shared_prompt.py.
 
     python -m torch.distributed.run --standalone --nproc-per-node N shared_prompt_parity.py OUT MODE
 
-MODE one (1 process): TP1. MODE two (2 processes): TP2 + SP, PP2, DP2. In each layout two policies start from the
+MODE one (1 process): TP1. MODE two (2 processes): TP2 + SP, PP2, DP2. MODE one_bf16: TP1 in bf16 (tests/gpu). In each layout two policies start from the
 same seed, one packing samples (trainer.shared_prompt=off), one packing shared-prompt units (on), and both run the
 same GRPO step: logprobs before the step, the loss and metrics, the gradients (after their reduction, before the
 optimizer step) and the weights after it must agree to fp32 rounding. The samples come in groups of 4 that share a
@@ -44,8 +44,8 @@ def grouped_samples(groups=4, n=4, seed=11):
 
 # lr 1e-4: Adam's first step is ~lr * g / |g| per weight, which turns gradient rounding (~1e-8 here) on weights with a
 # near-zero gradient into weight differences ~lr x 1e-3; at 1e-4 those stay below the 1e-6 the weights are held to
-def build(shape, shared, tp=1, pp=1, sp=False, distopt=True):
-    return Policy.build(SHAPES[shape], tp=tp, pp=pp, sequence_parallel=sp, dtype="fp32", transformer_impl="local",
+def build(shape, shared, tp=1, pp=1, sp=False, distopt=True, dtype="fp32"):
+    return Policy.build(SHAPES[shape], tp=tp, pp=pp, sequence_parallel=sp, dtype=dtype, transformer_impl="local",
                         lr=1e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, distributed_optimizer=distopt,
                         seed=1234, shared_prompt="on" if shared else "off")
 
@@ -94,7 +94,8 @@ def compare(shape, **layout):
 
 
 LAYOUTS = {"one": {"tp1": {}},
-           "two": {"tp2_sp": dict(tp=2, sp=True), "pp2": dict(pp=2), "dp2": dict(distopt=False)}}
+           "two": {"tp2_sp": dict(tp=2, sp=True), "pp2": dict(pp=2), "dp2": dict(distopt=False)},
+           "one_bf16": {"tp1_bf16": dict(dtype="bf16")}}  # tests/gpu: CUDA's varlen flash over the gathered rows
 
 
 def main():
