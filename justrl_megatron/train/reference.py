@@ -30,6 +30,7 @@ class _FrozenModel:
     config: object
     shape: object
     device: torch.device
+    shared_prompt: bool = False  # the policy's packing (train/batching.py: shared-prompt units)
 
 
 class Reference:
@@ -88,4 +89,5 @@ def _frozen_copy(policy, model_dir, *, progress: bool) -> _FrozenModel:
     load_hf_weights(chunks, model_dir, progress=progress)
     if device.type != "cpu":
         chunks = [c.to("cpu") for c in chunks]
-    return _FrozenModel(chunks=chunks, config=config, shape=policy.shape, device=device)
+    return _FrozenModel(chunks=chunks, config=config, shape=policy.shape, device=device,
+                        shared_prompt=policy.shared_prompt)
