@@ -254,15 +254,8 @@ def shared_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     (train/batching.SharedPrompt): the rows are gathered (a prompt's keys and values once per response, its queries
     too: attention FLOPs only), attended as packed causal sequences, and each token's output picked from its row.
     The gather's backward sums the rows' gradients into the one prompt copy."""
-    plan = getattr(shared, "plan", None)
-    if plan is None or plan.cu_seqlens is not shared.row_cu:
-        plan = PackedPlan(shared.row_cu)
-        try:
-            shared.plan = plan  # once per micro-batch, not per layer
-        except AttributeError:
-            pass
     rows = [x.index_select(0, shared.gather) for x in (q, k, v)]
-    out = packed_causal_attention(*rows, shared.row_cu, shared.row_max, scale, plan=plan)
+    out = packed_causal_attention(*rows, shared.row_cu, shared.row_max, scale, plan=packed_plan(shared, shared.row_cu))
     return out.index_select(0, shared.pick)
 
 

@@ -166,42 +166,10 @@ class MicroBatch:
 def make_micro_batch(samples: Sequence[Sample], ids: Sequence[int], *, pad_to_multiple_of: int = 1,
                      pad_token_id: int = 0) -> MicroBatch:
     """Pack ``samples[i] for i in ids`` into one row (on the CPU; `.to(device)` moves it), padded to a multiple of
-    ``pad_to_multiple_of`` tokens (sequence parallelism splits the row over TP ranks)."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    cu = [0]
-    logit_positions: list[int] = []
-    targets: list[int] = []
-    row: list[int] = []
-    col: list[int] = []
-    for r, i in enumerate(ids):
-        s = samples[i]
-        if not s.prompt_ids:
-            raise ValueError(f"sample {i} has an empty prompt: its first response token would have no context")
-        start, p = len(tokens), len(s.prompt_ids)
-        seq = list(s.prompt_ids) + list(s.response_ids)
-        tokens.extend(seq)
-        positions.extend(range(len(seq)))
-        cu.append(len(tokens))
-        n = len(s.response_ids)
-        logit_positions.extend(range(start + p - 1, start + p - 1 + n))
-        targets.extend(s.response_ids)
-        row.extend([r] * n)
-        col.extend(range(n))
-    real = len(tokens)
-    multiple = max(pad_to_multiple_of, 1)
-    pad = (-real) % multiple if real else multiple
-    if pad:  # one more segment, attended only by itself, never a target
-        tokens.extend([pad_token_id] * pad)
-        positions.extend(range(pad))
-        cu.append(len(tokens))
-    seg = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    return MicroBatch(
-        sample_ids=list(ids), tokens=long(tokens).unsqueeze(0), position_ids=long(positions).unsqueeze(0),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(seg), logit_positions=long(logit_positions),
-        targets=long(targets), row=long(row), col=long(col),
-        response_lengths=[len(samples[i].response_ids) for i in ids], num_real_tokens=real)
+    ``pad_to_multiple_of`` tokens (sequence parallelism splits the row over TP ranks): each sample a unit of its own
+    (`make_shared_micro_batch`), prompt + response, one cu_seqlens segment each."""
+    return make_shared_micro_batch(samples, [[i] for i in ids], pad_to_multiple_of=pad_to_multiple_of,
+                                   pad_token_id=pad_token_id)
 
 
 def gather_per_target(values: Sequence[torch.Tensor | Sequence[float]], mb: MicroBatch) -> torch.Tensor:
@@ -263,11 +231,10 @@ def unit_length(samples: Sequence[Sample], unit: Sequence[int]) -> int:
 
 def make_shared_micro_batch(samples: Sequence[Sample], units: Sequence[Sequence[int]], *, pad_to_multiple_of: int = 1,
                             pad_token_id: int = 0) -> MicroBatch:
-    """Pack shared-prompt ``units`` (lists of sample ids with one prompt) into one row, as `make_micro_batch` packs
-    samples. A micro-batch whose units all hold one sample comes out exactly as `make_micro_batch` makes it."""
-    if all(len(u) == 1 for u in units):
-        return make_micro_batch(samples, [u[0] for u in units], pad_to_multiple_of=pad_to_multiple_of,
-                                pad_token_id=pad_token_id)
+    """Pack ``units`` (lists of sample ids with one prompt: its copy, then each response) into one row, a cu_seqlens
+    segment per unit. Only when some unit holds several responses does attention need the rows (`SharedPrompt`);
+    units of one sample are plain packed samples, and the row layout is not built."""
+    sharing = any(len(u) > 1 for u in units)
     tokens: list[int] = []
     positions: list[int] = []
     cu = [0]
@@ -288,7 +255,8 @@ def make_shared_micro_batch(samples: Sequence[Sample], units: Sequence[Sequence[
         start, p = len(tokens), len(prompt)
         tokens.extend(prompt)
         positions.extend(range(p))
-        pick.extend(range(len(gather), len(gather) + p))  # the prompt's outputs come from the unit's first row
+        if sharing:
+            pick.extend(range(len(gather), len(gather) + p))  # the prompt's outputs come from the unit's first row
         for i in unit:
             s = samples[i]
             r, n = len(sample_ids), len(s.response_ids)
@@ -296,11 +264,12 @@ def make_shared_micro_batch(samples: Sequence[Sample], units: Sequence[Sequence[
             first = len(tokens)
             tokens.extend(s.response_ids)
             positions.extend(range(p, p + n))
-            row_start = len(gather)
-            gather.extend(range(start, start + p))
-            gather.extend(range(first, first + n))
-            row_cu.append(len(gather))
-            pick.extend(range(row_start + p, row_start + p + n))
+            if sharing:
+                row_start = len(gather)
+                gather.extend(range(start, start + p))
+                gather.extend(range(first, first + n))
+                row_cu.append(len(gather))
+                pick.extend(range(row_start + p, row_start + p + n))
             # the last prompt token predicts the first response token; response token j predicts token j + 1
             if n:
                 logit_positions.extend([start + p - 1, *range(first, first + n - 1)])
@@ -312,16 +281,19 @@ def make_shared_micro_batch(samples: Sequence[Sample], units: Sequence[Sequence[
     multiple = max(pad_to_multiple_of, 1)
     pad = (-real) % multiple if real else multiple
     if pad:  # one more segment (and row), attended only by itself, never a target
-        pick.extend(range(len(gather), len(gather) + pad))
-        gather.extend(range(real, real + pad))
-        row_cu.append(len(gather))
+        if sharing:
+            pick.extend(range(len(gather), len(gather) + pad))
+            gather.extend(range(real, real + pad))
+            row_cu.append(len(gather))
         tokens.extend([pad_token_id] * pad)
         positions.extend(range(pad))
         cu.append(len(tokens))
     seg = [b - a for a, b in zip(cu[:-1], cu[1:])]
     long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    shared = SharedPrompt(gather=long(gather), row_cu=torch.tensor(row_cu, dtype=torch.int32),
-                          row_max=max(b - a for a, b in zip(row_cu[:-1], row_cu[1:])), pick=long(pick))
+    shared = None
+    if sharing:
+        shared = SharedPrompt(gather=long(gather), row_cu=torch.tensor(row_cu, dtype=torch.int32),
+                              row_max=max(b - a for a, b in zip(row_cu[:-1], row_cu[1:])), pick=long(pick))
     return MicroBatch(
         sample_ids=sample_ids, tokens=long(tokens).unsqueeze(0), position_ids=long(positions).unsqueeze(0),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(seg), logit_positions=long(logit_positions),

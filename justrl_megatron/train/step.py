@@ -33,7 +33,7 @@ from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
-from .batching import MicroBatch, Sample, gather_per_target, make_micro_batch, make_shared_micro_batch, \
+from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, make_shared_micro_batch, \
     pack_micro_batches, prompt_units, response_offsets, split_over_dp, unit_length
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
@@ -72,18 +72,16 @@ def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], ma
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     multiple = ps.get_pipeline_model_parallel_world_size() if vpp else 1
     pad = policy.config.tensor_model_parallel_size if policy.config.sequence_parallel else 1
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     if policy.shared_prompt:
         units = prompt_units(samples, ids, max_tokens_per_micro_batch)
-        lengths = [unit_length(samples, u) for u in units]
-        plans = pack_micro_batches(split_over_dp(range(len(units)), lengths, dp), lengths, max_tokens_per_micro_batch,
-                                   multiple_of=multiple)
-        return [make_shared_micro_batch(samples, [units[u] for u in b], pad_to_multiple_of=pad)
-                for b in plans[dp_rank]]
-    lengths = [s.length for s in samples]
-    plans = pack_micro_batches(split_over_dp(ids, lengths, dp), lengths, max_tokens_per_micro_batch,
-                               multiple_of=multiple)
-    return [make_micro_batch(samples, b, pad_to_multiple_of=pad) for b in plans[dp_rank]]
+    else:  # every sample a unit of its own
+        check_samples_fit(ids, [s.length for s in samples], max_tokens_per_micro_batch)
+        units = [[i] for i in ids]
+    lengths = [unit_length(samples, u) for u in units]
+    plans = pack_micro_batches(split_over_dp(range(len(units)), lengths, ps.get_data_parallel_world_size()), lengths,
+                               max_tokens_per_micro_batch, multiple_of=multiple)
+    return [make_shared_micro_batch(samples, [units[u] for u in b], pad_to_multiple_of=pad)
+            for b in plans[ps.get_data_parallel_rank()]]
 
 
 def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
