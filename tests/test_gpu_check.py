@@ -261,6 +261,7 @@ def test_after_a_stage_its_whole_process_group_is_killed():
     assert gpu_check._kill_group(leader.pid, leader.pid) == 1
     assert not _alive(worker)
     assert leader.wait() == 0
+    leader.stdout.close()
 
 
 STAGE_THAT_HANGS = """
@@ -281,7 +282,7 @@ def test_a_stage_past_its_cap_keeps_its_partial_record(tmp_path):
     record = gpu_check._run_stage("hangs", 3, tmp_path, seen.append, cmd=[sys.executable, "-c", STAGE_THAT_HANGS])
     assert time.monotonic() - t0 < 15
     assert record["ok"] is False and record["error"] == "timed out after 3 s (partial record kept)"
-    assert record["tries"] >= 2 and record["killed_leftover_processes"] >= 1
+    assert record["tries"] >= 1 and record["killed_leftover_processes"] >= 1
     assert not _alive(record["worker"])
     # the driver saw the partial records while the stage ran (and rewrote the report with each)
     assert seen and all(p["status"] == "running" for p in seen) and seen[-1]["tries"] <= record["tries"]
