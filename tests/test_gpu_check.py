@@ -228,10 +228,13 @@ def test_pytest_log_cut_off_names_the_running_test():
         "=========================== short test summary info ============================",
         "SKIPPED [1] tests/gpu/test_gpu_te.py:14: needs transformer-engine",
         "FAILED tests/gpu/test_gpu_step.py::test_bf16 - AssertionError: x",
+        "============================== slowest durations ===============================",
+        "41.02s setup    tests/gpu/test_gpu_step.py::test_fp32_step_on_cuda_matches_cpu[qwen]",
         "============= 1 failed, 2 passed, 1 skipped, 1 error in 81.20s (0:01:21) =============="])
     seen = read_pytest_log(full)
     assert seen["counts"] == {"failed": 1, "passed": 2, "skipped": 1, "errors": 1}
     assert seen["skip_reasons"] == {"needs transformer-engine": 1}
+    assert seen["last_test_started"] == "tests/gpu/test_gpu_step.py::test_fp32_step_on_cuda_matches_cpu[qwen]"
 
 
 # --- the driver: process groups, partial records, the report after every stage ----------------------------------------

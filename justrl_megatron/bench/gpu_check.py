@@ -282,8 +282,8 @@ def read_pytest_log(text: str) -> dict:
     skips = {}
     for count, reason in re.findall(r"^SKIPPED \[(\d+)\] [^\n]*?:\d+: (.*)$", text, flags=re.M):
         skips[reason] = skips.get(reason, 0) + int(count)
-    started = [ln.split(" ", 1)[0] for ln in lines if "::" in ln and not ln.startswith(_OUTCOME_WORDS)
-               and not ln.startswith(" ")]
+    started = [ln.split(" ", 1)[0] for ln in lines  # `-v` writes "path::test " before the test runs
+               if "::" in ln.split(" ", 1)[0] and not ln.startswith(_OUTCOME_WORDS)]
     return {"summary": summary, "counts": pytest_counts(summary), "skip_reasons": skips,
             "last_test_started": started[-1] if started else None}
 
