@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download into .whl/ (git-ignored) exactly the wheels tools/gpu_check.sh needs on a bare GPU box: Python 3.12,
 # torch/triton/transformers/pytest present, no internet, no megatron-core or hydra. The list is tools/gpu_wheels.txt.
-# Run it here, on a machine with PyPI; carry .whl/ to the GPU box with the checkout.
+# Run it here, on a machine with PyPI; carry .whl/ to the GPU box with the checkout (git-ignored: a device call
+# needs carry: [".whl"], or the box exits 2 after its whole start-up).
 #
 #   bash tools/gpu_wheels.sh            # -> .whl/*.whl, prints each wheel and the total (fails over 20 MB)
 set -euo pipefail
@@ -47,4 +48,5 @@ if [[ $total -gt $LIMIT_BYTES ]]; then
   echo "gpu_wheels: the bundle is $total bytes, over the $LIMIT_BYTES-byte limit; trim tools/gpu_wheels.txt" >&2
   exit 1
 fi
-echo "gpu_wheels: ready in $DEST/; carry it to the GPU box and run: bash tools/gpu_check.sh"
+echo "gpu_wheels: ready in $DEST/ (git-ignored): carry it to the GPU box with the checkout (a device call:"
+echo "  carry: [\".whl\"]) and run there: bash tools/gpu_check.sh; then bash tools/gpu_check.sh --stages budget"

@@ -1,29 +1,46 @@
-"""`tools/gpu_check.sh`: one command that tells what this stack does on a bare GPU box, in at most 9 minutes.
+"""`tools/gpu_check.sh`: one command that tells what this stack does on a bare GPU box, planned to fit one device call.
 
-Stages, each in a process of its own with its own time cap (a crash, hang or CUDA OOM in one is recorded and the next
-still runs; the exit code is non-zero if any failed):
-  probe   torch / CUDA / device / megatron-core versions, and which torch varlen flash-attention call works here
-  pytest  `python -m pytest -m gpu tests -q`: the CUDA-only tests
+A device call has a hard 10-minute limit; the kit plans each call at <= 8 minutes (CALL_PLAN_S): about a minute for
+installing the carried wheels and starting Python, the rest (TOTAL_CAP_S) for the stages. The stages that do not fit
+the first call run in a second one:
+
+    bash tools/gpu_check.sh                    # call 1: probe, train, pytest  (40 + 170 + 210 s)
+    bash tools/gpu_check.sh --stages budget    # call 2: the token-budget search (300 s)
+
+Any stage can be redone alone the same way (`--stages pytest`). Stages, each in a process group of its own with its
+own time cap (a crash, hang or CUDA OOM in one is recorded and the next still runs; the whole group is killed after
+every stage, so nothing a stage left behind holds the GPU into the next; the exit code is non-zero if any failed):
+  probe   torch / CUDA / device / megatron-core versions (CUDA as `compat` sees it), and which torch varlen
+          flash-attention call works here
   train   the train-phase benchmark (bench/train.py) on the DeepSeek-R1-Distill-Qwen-1.5B shape with random weights:
           one sample of 1,024 prompt + 15,360 response tokens, bf16, TP=1, the recompute mode the memory plan picks;
           tokens/s/GPU and MFU of the forward-only pass (old logprobs) and of the update (fwd + bwd + optimizer), and
           the peak allocated memory against the plan's prediction
+  pytest  `python -m pytest -m gpu tests/gpu`: the CUDA-only tests (nothing else is collected: tests/ imports vLLM,
+          wandb, ... which the box lacks), streamed to $OUT/pytest.log, a per-test timeout (pytest-timeout, carried
+          in .whl/), `-rA --durations=0`
   budget  the largest token budget per micro-batch that fits: upward from the plan's budget (one update per try,
-          catching torch.cuda.OutOfMemoryError), then bisection, within the stage's cap; each try's peak vs the plan
-Results: gpu_check.json and gpu_check.md in $OUT when set, else ./gpu_check_out/.
+          catching torch.cuda.OutOfMemoryError), then bisection in 1,024-token steps; it stops before a try that
+          would end past its deadline, with the best so far
+Results: gpu_check.json and gpu_check.md in $OUT when set, else ./gpu_check_out/, rewritten before and after every
+stage and after every budget try, so that a call killed at its limit still brings back what was measured.
 
-    python -m justrl_megatron.bench.gpu_check [--dry-run] [--out DIR] [--wheels DIR]
+    python -m justrl_megatron.bench.gpu_check [--dry-run] [--stages LIST] [--out DIR] [--wheels DIR]
 
-`--dry-run` (CPU, CI) checks the wheel bundle (.whl/, see tools/gpu_wheels.txt) and prints the stages and the memory
-plan computed for an 80 GB H100. Everything here runs through `python -m` (no console scripts on the box).
+`--dry-run` (CPU, CI) checks the wheel bundle (.whl/, see tools/gpu_wheels.txt) and prints the stages, the two calls
+and the memory plan computed for an 80 GB H100. Everything here runs through `python -m` (no console scripts on the
+box). The driver itself imports no torch and never touches CUDA: only the stages do, each in its own process.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import importlib.util
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -36,16 +53,27 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS_TXT = ROOT / "tools" / "gpu_wheels.txt"
 BUNDLE_LIMIT_BYTES = 20 * 1000 * 1000
+CARRY_HINT = ('.whl/ is git-ignored: it must travel to the GPU box with the checkout (a device call: carry: [".whl"]); '
+              'make it with `bash tools/gpu_wheels.sh` on a machine with PyPI')
 H100_80GB_BYTES = 81559 * 2**20  # what nvidia-smi reports for an H100 80GB HBM3
 MODEL = "deepseek-r1-distill-qwen-1.5b"
 PROMPT, RESPONSE = 1024, 15360
-TOTAL_CAP_S = 540  # 9 minutes for all stages
+CALL_PLAN_S = 480  # one device call, all of it (install + stages): 8 minutes, under the 10-minute hard limit
+TOTAL_CAP_S = 420  # the stages of one call; the other minute is pip installing .whl/ and Python/torch start-up
+MIN_STAGE_S = 15  # a stage with less time left than this is not started (it is named for a second call)
 STAGES = {  # name -> (time cap in seconds, what it does)
-    "probe": (60, "torch / CUDA / device / varlen flash attention probe"),
-    "pytest": (150, "python -m pytest -m gpu tests -q"),
-    "train": (180, f"train phase, {MODEL} shape, {PROMPT} + {RESPONSE} tokens, bf16, TP=1, under the memory plan"),
-    "budget": (140, "largest tokens per micro-batch that fit (upward from the plan, OOM caught)"),
+    "probe": (40, "torch / CUDA / device / megatron-core versions, varlen flash attention probe"),
+    "train": (170, f"train phase, {MODEL} shape, {PROMPT} + {RESPONSE} tokens, bf16, TP=1, under the memory plan"),
+    "pytest": (210, "python -m pytest -m gpu tests/gpu (log: pytest.log, per-test timeout, -rA --durations=0)"),
+    "budget": (300, "largest tokens per micro-batch that fit (upward from the plan, OOM caught, 1,024-token steps)"),
 }
+CALLS = (("probe", "train", "pytest"), ("budget",))  # each call's stages fit TOTAL_CAP_S; the first is the default
+PER_TEST_TIMEOUT_S = 120  # pytest-timeout, per test (setup and teardown included)
+BUDGET_STEP = 1024  # the budget search's resolution in tokens
+
+
+def call_command(names) -> str:
+    return "bash tools/gpu_check.sh" + ("" if tuple(names) == CALLS[0] else f" --stages {','.join(names)}")
 
 
 # --- the wheel bundle ------------------------------------------------------------------------------------------------
@@ -85,8 +113,7 @@ def check_bundle(path: str | os.PathLike, required: dict[str, str] | None = None
     required = required_wheels() if required is None else required
     path = Path(path)
     if not path.is_dir():
-        return BundleReport(str(path), False, [], 0, [f"bundle missing: no {path}/ (run `bash tools/gpu_wheels.sh` "
-                                                      f"on a machine with PyPI, then carry it)"])
+        return BundleReport(str(path), False, [], 0, [f"bundle missing: no {path}/ ({CARRY_HINT})"])
     problems, wheels, seen = [], [], {}
     for whl in sorted(path.glob("*.whl")):
         parts = whl.name[:-4].split("-")
@@ -120,21 +147,24 @@ def check_bundle(path: str | os.PathLike, required: dict[str, str] | None = None
 
 # --- the token-budget search (pure) -----------------------------------------------------------------------------------
 
-def search_budget(fits: Callable[[int], bool], start: int, *, multiple: int = 128, grow: float = 1.25,
+def search_budget(fits: Callable[[int], bool], start: int, *, multiple: int = BUDGET_STEP, grow: float = 1.25,
                   limit: int | None = None, deadline: float | None = None,
                   clock: Callable[[], float] = time.monotonic) -> tuple[int, list[tuple[int, bool]]]:
     """The largest multiple of ``multiple`` for which ``fits`` holds: from ``start`` upward by ``grow`` until the first
-    failure (downward if ``start`` fails), then bisection to one ``multiple``. Stops at ``limit`` or ``deadline``
-    (then the best found so far). Returns (best, 0 if none fits; [(tokens, fitted), ...] in trial order)."""
+    failure (downward if ``start`` fails), then bisection to one ``multiple``. Stops at ``limit``, or before a try
+    that would end past ``deadline`` (a try is assumed to take as long as the longest one so far), with the best found
+    so far. Returns (best, 0 if none fits; [(tokens, fitted), ...] in trial order)."""
     def down(x: float) -> int:
         return int(x) // multiple * multiple
 
-    best, failed, trials = 0, None, []
+    best, failed, trials, longest = 0, None, [], 0.0
     n = max(multiple, down(start))
     if limit is not None:
         n = min(n, down(limit))
-    while deadline is None or clock() < deadline:
+    while deadline is None or clock() + longest < deadline:
+        t0 = clock()
         ok = bool(fits(n))
+        longest = max(longest, clock() - t0)
         trials.append((n, ok))
         if ok:
             best = n
@@ -171,33 +201,54 @@ def memory_plan(device_bytes: int, *, max_tokens: int | None = None, impl: str =
                        min_tokens=PROMPT + RESPONSE, tp=1, pp=1, dp=1, impl=impl)
 
 
-# --- stages (each runs in its own process: `--stage NAME --result FILE`) ----------------------------------------------
+# --- stages (each runs in its own process group: `--stage NAME --result FILE --cap S --out DIR`) ----------------------
+# A stage returns its record (a dict; "ok": False and "error" where it failed but still has something to say) and may
+# call `progress(partial)` any time: the driver folds the partial record into the report while the stage still runs.
 
-def stage_probe() -> dict:
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically (a reader, or a kill, never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _cuda_available() -> bool:
+    from .. import compat  # imports torch only (and, without CUDA, megatron-core for its CPU redirections)
+
+    return compat.cuda_available()
+
+
+def stage_probe(progress, cap_s: float, out_dir: Path) -> dict:
     import inspect
-    import platform
+    from importlib.metadata import version
 
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cuda_available": torch.cuda.is_available()}
+           "cuda_available": _cuda_available()}
     try:
-        from importlib.metadata import version
-
         out["megatron_core"] = version("megatron-core")
     except Exception as err:  # noqa: BLE001
         out["megatron_core"] = f"missing ({err})"
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"no CUDA device visible to torch {torch.__version__}")
-    props = torch.cuda.get_device_properties(0)
-    out.update(device=props.name, device_total_gib=round(props.total_memory / 2**30, 2),
-               multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+    try:
+        from .cli import machine_info
+
+        out["machine"] = machine_info()
+    except Exception as err:  # noqa: BLE001
+        out["machine"] = {"error": f"{type(err).__name__}: {err}"}
     try:
         from torch.nn.attention.varlen import varlen_attn
 
         out["varlen_signature"] = str(inspect.signature(varlen_attn))
     except Exception as err:  # noqa: BLE001
         out["varlen_signature"] = f"unavailable ({type(err).__name__}: {err})"
+    if not out["cuda_available"]:
+        return {**out, "ok": False, "error": f"no CUDA device visible to torch {torch.__version__} (compat)"}
+    props = torch.cuda.get_device_properties(0)
+    out.update(device=props.name, device_total_gib=round(props.total_memory / 2**30, 2),
+               multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+    progress(out)
+    if out["varlen_signature"].startswith("unavailable"):
         return out
     # which call form the model's attention will use (the same probe, attention.varlen_choice), GQA and MHA
     from ..model.attention import probe_varlen, varlen_candidates
@@ -210,39 +261,84 @@ def stage_probe() -> dict:
     return out
 
 
-def stage_pytest(cap_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(cap_s - 10, 10))
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    summary = next((ln for ln in reversed(lines)
-                    if re.search(r"\b(passed|failed|errors?|skipped|deselected|no tests ran)\b", ln)), "")
-    print("\n".join(lines[-40:]))
-    out = {"returncode": proc.returncode, "summary": summary.strip("= ")}
-    if proc.returncode == 5:
-        out["summary"] = f"no gpu-marked tests were collected ({out['summary']})"
-    if proc.returncode != 0:
-        raise RuntimeError(f"pytest -m gpu exited {proc.returncode}: {out['summary'] or 'see the log'}")
+_SUMMARY_RE = re.compile(r"\b(passed|failed|errors?|skipped|deselected|xfailed|xpassed|no tests ran)\b")
+_OUTCOME_WORDS = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")
+
+
+def pytest_counts(summary: str) -> dict[str, int]:
+    """{'passed': 3, 'skipped': 2, 'errors': 1, ...} from pytest's final line."""
+    counts = {}
+    for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)\b", summary):
+        counts["errors" if word.startswith("error") else word] = int(n)
+    return counts
+
+
+def read_pytest_log(text: str) -> dict:
+    """What a (possibly cut-off) `pytest -v -rA --durations=0` log says: its final summary line and counts, the skip
+    reasons with their counts, and the last test that started (the one running when a log ends without a summary)."""
+    lines = text.splitlines()
+    summary = next((ln.strip("= ") for ln in reversed(lines)
+                    if ln.startswith("=") and _SUMMARY_RE.search(ln) and " in " in ln), "")
+    skips = {}
+    for count, reason in re.findall(r"^SKIPPED \[(\d+)\] [^\n]*?:\d+: (.*)$", text, flags=re.M):
+        skips[reason] = skips.get(reason, 0) + int(count)
+    started = [ln.split(" ", 1)[0] for ln in lines  # `-v` writes "path::test " before the test runs
+               if "::" in ln.split(" ", 1)[0] and not ln.startswith(_OUTCOME_WORDS)]
+    return {"summary": summary, "counts": pytest_counts(summary), "skip_reasons": skips,
+            "last_test_started": started[-1] if started else None}
+
+
+def stage_pytest(progress, cap_s: float, out_dir: Path) -> dict:
+    log = out_dir / "pytest.log"
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-v", "-rA", "--durations=0",
+           "-p", "no:cacheprovider", "--continue-on-collection-errors"]
+    # pytest-timeout is carried in .whl/ (tools/gpu_wheels.txt): the box has pytest but not it. Without it the stage
+    # cap is the only limit, and the record says so.
+    per_test = min(PER_TEST_TIMEOUT_S, max(int(cap_s) - 30, 10)) if importlib.util.find_spec("pytest_timeout") else None
+    if per_test:
+        cmd.append(f"--timeout={per_test}")
+    limit = max(cap_s - 15, 10)  # the rest is for reading the log and writing the record
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    with open(log, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its own children go with the stage's process group
+            proc.wait()
+            rc = None
+    seen = read_pytest_log(log.read_text(errors="replace"))
+    out = {"returncode": rc, "log": log.name, "per_test_timeout_s": per_test, **seen}
+    if rc is None:
+        out.update(ok=False, error=f"pytest ran past {limit:.0f} s; last test started: {seen['last_test_started']} "
+                                   f"(see {log.name})")
+    elif rc == 5:
+        out.update(ok=False, error=f"no gpu-marked tests were collected ({seen['summary']})")
+    elif rc != 0:
+        out.update(ok=False, error=f"pytest -m gpu tests/gpu exited {rc}: {seen['summary'] or 'see ' + log.name}")
     return out
 
 
 def _require_cuda() -> None:
-    import torch
+    if not _cuda_available():
+        import torch
 
-    if not torch.cuda.is_available():
         raise RuntimeError(f"needs a CUDA device (torch {torch.__version__} sees none)")
 
 
-def stage_train() -> dict:
+def stage_train(progress, cap_s: float, out_dir: Path) -> dict:
+    _require_cuda()
     import torch
 
-    _require_cuda()
     from ..model.spec import resolve_impl
     from .train import bench_train
 
     impl = resolve_impl("auto")
     plan = memory_plan(torch.cuda.get_device_properties(0).total_memory, impl=impl)
     print(plan.describe(), flush=True)
+    progress({"plan": plan.describe(), "recompute": plan.recompute, "predicted_peak_gib": plan.peak_bytes / 2**30})
     tokens = PROMPT + RESPONSE
     raw = bench_train(model=MODEL, tokens=tokens, seq_len=tokens, prompt_len=PROMPT, dtype="bf16", tp=1,
                       transformer_impl=impl, recompute=plan.recompute, steps=2, warmup=1,
@@ -260,7 +356,8 @@ def _phase(p: dict) -> dict:
             "tflops_per_gpu": p["tflops_per_device"], "mfu": p["mfu"]}
 
 
-def stage_budget(cap_s: float) -> dict:
+def stage_budget(progress, cap_s: float, out_dir: Path) -> dict:
+    _require_cuda()
     import gc
     import random
 
@@ -274,7 +371,6 @@ def stage_budget(cap_s: float) -> dict:
     from ..train.step import grpo_update_on_policy
     from .train import BUILTIN_SHAPES
 
-    _require_cuda()
     t_end = time.monotonic() + cap_s - 20  # leave time to write the result
     shape, impl = BUILTIN_SHAPES[MODEL], resolve_impl("auto")
     device_bytes = torch.cuda.get_device_properties(0).total_memory
@@ -284,6 +380,12 @@ def stage_budget(cap_s: float) -> dict:
                           distributed_optimizer=True, max_sequence_length=PROMPT + RESPONSE)
     rng = random.Random(0)
     records = []
+
+    def record() -> dict:
+        best = max((r["tokens"] for r in records if r["fits"]), default=0)
+        return {"recompute": plan.recompute, "plan_budget": plan.max_tokens_per_micro_batch, "step": BUDGET_STEP,
+                "largest_fitting": best, "measured_over_plan": best / plan.max_tokens_per_micro_batch,
+                "trials": list(records)}
 
     def samples(tokens: int) -> list:  # full 16K samples, the rest as one shorter sample
         out, left = [], tokens
@@ -316,84 +418,201 @@ def stage_budget(cap_s: float) -> dict:
                         "peak_allocated_gib": round(peak / 2**30, 2),
                         "predicted_peak_gib": round(predicted / 2**30, 2)})
         print(records[-1], flush=True)
+        progress(record())  # the report is rewritten after every try
         return ok
 
-    best, _ = search_budget(fits, plan.max_tokens_per_micro_batch, grow=1.25, limit=1 << 20, deadline=t_end)
-    return {"recompute": plan.recompute, "plan_budget": plan.max_tokens_per_micro_batch, "largest_fitting": best,
-            "measured_over_plan": best / plan.max_tokens_per_micro_batch if best else 0.0, "trials": records}
+    progress(record())
+    search_budget(fits, plan.max_tokens_per_micro_batch, grow=1.25, limit=1 << 20, deadline=t_end)
+    return record()
 
 
-# --- driver ----------------------------------------------------------------------------------------------------------
+STAGE_FUNCTIONS = {"probe": stage_probe, "pytest": stage_pytest, "train": stage_train, "budget": stage_budget}
 
-def _run_stage(name: str, cap_s: float, out_dir: Path) -> dict:
-    result = out_dir / f".{name}.json"
-    result.unlink(missing_ok=True)
-    t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "justrl_megatron.bench.gpu_check", "--stage", name, "--result", str(result),
-           "--cap", str(cap_s)]
-    print(f"\n=== gpu_check: {name} (cap {cap_s:.0f} s): {STAGES[name][1]}", flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)  # its own group: a timeout kills pytest too
+
+def _stage_main(name: str, result: Path, cap_s: float, out_dir: Path) -> int:
     try:
-        rc = proc.wait(timeout=cap_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        rc = None
-    record = {"stage": name, "seconds": round(time.monotonic() - t0, 1), "cap_s": cap_s}
-    if result.exists():
-        record.update(json.loads(result.read_text()))
-        result.unlink()
-    if rc is None:
-        record.update(ok=False, error=f"timed out after {cap_s:.0f} s")
-    elif rc != 0 and record.get("ok", True):
-        record.update(ok=False, error=record.get("error") or f"exited {rc}")
-    print(f"=== gpu_check: {name} {'ok' if record.get('ok') else 'FAILED'}: {json.dumps(record, default=str)}",
-          flush=True)
-    return record
+        if name != "pytest":  # its own process runs no torch (pytest is a child of it)
+            import justrl_megatron.compat  # noqa: F401  (first, as every entry point)
 
-
-def _stage_main(name: str, result: Path, cap_s: float) -> int:
-    try:
-        import justrl_megatron.compat  # noqa: F401  (first, as every entry point)
-
-        fn = {"probe": stage_probe, "pytest": lambda: stage_pytest(cap_s), "train": stage_train,
-              "budget": lambda: stage_budget(cap_s)}[name]
-        data = {"ok": True, **fn()}
+        data = {"ok": True, **STAGE_FUNCTIONS[name](lambda partial: _write_json(result, partial), cap_s, out_dir)}
     except Exception as err:  # noqa: BLE001  (recorded, the driver goes on with the next stage)
         import traceback
 
         traceback.print_exc()
         data = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:2000]}"}
-    result.write_text(json.dumps(data, default=str))
+    _write_json(result, {**data, "final": True})
     return 0 if data["ok"] else 1
+
+
+# --- driver: no torch here --------------------------------------------------------------------------------------------
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid`` (Linux /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _kill_group(pgid: int, leader: int) -> int:
+    """SIGKILL the whole process group and wait (up to 10 s) until it is gone, so that nothing a stage started (a
+    hung pytest child, torchrun or vLLM workers) holds the GPU into the next stage. Returns how many processes
+    besides the leader were still there."""
+    left = [p for p in _group_members(pgid) if p != leader]
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    t_end = time.monotonic() + 10
+    while time.monotonic() < t_end and [p for p in _group_members(pgid) if p != leader]:
+        time.sleep(0.1)
+    return len(left)
+
+
+def _run_stage(name: str, cap_s: float, out_dir: Path, on_progress: Callable[[dict], None],
+               cmd: list[str] | None = None) -> dict:
+    """Run one stage (``cmd``: its command, by default this module's `--stage NAME`; it writes its record, partial
+    or final, to the file given after `--result`) in a process group of its own, at most ``cap_s`` seconds."""
+    result = out_dir / f".{name}.json"
+    result.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    cmd = (cmd or [sys.executable, "-m", "justrl_megatron.bench.gpu_check", "--stage", name]) + [
+        "--result", str(result), "--cap", str(cap_s), "--out", str(out_dir)]
+    print(f"\n=== gpu_check: {name} (cap {cap_s:.0f} s): {STAGES.get(name, ('', cmd))[1]}", flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)  # its own process group (pgid = its pid)
+    seen, timed_out, stopped = None, False, None
+    try:
+        while True:
+            # exited? (WNOWAIT: not reaped yet, so its pid, the group's id, cannot be reused before the kill below)
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+            if time.monotonic() - t0 >= cap_s:
+                timed_out = True
+                break
+            time.sleep(0.5)
+            if result.exists() and result.stat().st_mtime_ns != seen:  # a partial record: into the report now
+                seen = result.stat().st_mtime_ns
+                try:
+                    on_progress({"stage": name, "status": "running", "cap_s": cap_s,
+                                 "seconds": round(time.monotonic() - t0, 1), **json.loads(result.read_text())})
+                except (OSError, ValueError):
+                    pass
+    except _Stopped as err:  # the driver was told to stop (the shell's backstop): the stage goes too
+        stopped = err
+    leftovers = _kill_group(proc.pid, proc.pid)  # after every stage, not only a timed-out one
+    rc = proc.wait()
+    record = {"stage": name, "status": "done", "seconds": round(time.monotonic() - t0, 1), "cap_s": cap_s}
+    data = {}
+    if result.exists():
+        try:
+            data = json.loads(result.read_text())
+        except ValueError:
+            pass
+        result.unlink()
+    record.update({k: v for k, v in data.items() if k != "final"})
+    if leftovers:
+        record["killed_leftover_processes"] = leftovers
+    if stopped is not None:
+        record.update(ok=False, error=f"stopped by {stopped} after {record['seconds']:.0f} s"
+                                      + (" (partial record kept)" if data else ""))
+    elif timed_out:
+        record.update(ok=False, error=f"timed out after {cap_s:.0f} s" + (" (partial record kept)" if data else ""))
+    elif not data.get("final"):
+        record.update(ok=False, error=f"exited {rc} without a final record")
+    elif rc != 0 and record.get("ok", True):
+        record.update(ok=False, error=record.get("error") or f"exited {rc}")
+    print(f"=== gpu_check: {name} {'ok' if record.get('ok') else 'FAILED'}: {json.dumps(record, default=str)[:3000]}",
+          flush=True)
+    if stopped is not None:
+        raise _Stopped(str(stopped), record)
+    return record
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGINT reached the driver (`timeout` in gpu_check.sh, or a person): the stage's group is killed, the
+    report written, and the driver exits."""
+
+    def __init__(self, why: str, record: dict | None = None):
+        super().__init__(why)
+        self.record = record
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _machine() -> dict:
+    """What the driver can say without torch (the probe stage adds the rest: GPU, versions)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, capture_output=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "python": platform.python_version(), "git_commit": commit}
+
+
+def write_report(out_dir: Path, report: dict) -> None:
+    stages = report["stages"]
+    report["device"] = next((s.get("device") for s in stages if s.get("device")), None)
+    report["complete"] = all(s.get("status") in ("done", "not run") for s in stages)
+    report["ok"] = report["complete"] and all(s.get("ok") for s in stages)
+    _write_json(out_dir / "gpu_check.json", report)
+    tmp = out_dir / "gpu_check.md.tmp"
+    tmp.write_text(markdown(report))
+    os.replace(tmp, out_dir / "gpu_check.md")
 
 
 def markdown(report: dict) -> str:
     rows = ["| stage | ok | seconds | result |", "| --- | --- | --- | --- |"]
     for s in report["stages"]:
-        rows.append(f"| {s['stage']} | {'yes' if s.get('ok') else 'NO'} | {s.get('seconds', '')} | "
-                    f"{_summary(s)} |")
+        status = s.get("status", "done")
+        ok = {"pending": "pending", "running": "running"}.get(status, "yes" if s.get("ok") else "NO")
+        rows.append(f"| {s['stage']} | {ok} | {s.get('seconds', '')} | {_summary(s)} |")
     head = f"# gpu_check {report['date']} on {report.get('device') or 'unknown device'} (commit {report['commit']})"
-    return "\n".join([head, "", *rows, ""])
+    lines = [head, "", *rows, ""]
+    later = report.get("plan", {}).get("second_call")
+    if later:
+        lines += [f"Not in this call: `{later}`", ""]
+    return "\n".join(lines)
 
 
 def _summary(s: dict) -> str:
-    if not s.get("ok"):
-        return f"failed: {s.get('error', '')}".replace("|", "/").replace("\n", " ")[:300]
-    if s["stage"] == "probe":
-        return (f"torch {s['torch']} CUDA {s['cuda']}, {s['device']} {s['device_total_gib']} GiB, megatron-core "
-                f"{s['megatron_core']}, varlen: {s.get('varlen_choice') or s.get('varlen_signature')}")
-    if s["stage"] == "pytest":
-        return s["summary"]
-    if s["stage"] == "train":
+    try:
+        text = _result(s)
+    except (KeyError, TypeError, ValueError) as err:  # a partial record: say what is there
+        text = f"(partial: {type(err).__name__} {err})"
+    if s.get("status", "done") in ("done", "not run") and not s.get("ok"):
+        text = f"failed: {s.get('error', '')}" + (f"; {text}" if text else "")
+    return text.replace("|", "/").replace("\n", " ")[:400]
+
+
+def _result(s: dict) -> str:
+    if s["stage"] == "probe" and "torch" in s:
+        text = f"torch {s['torch']} CUDA {s['cuda']}, megatron-core {s['megatron_core']}"
+        if "device" in s:
+            text += (f", {s['device']} {s['device_total_gib']} GiB, varlen: "
+                     f"{s.get('varlen_choice') or s.get('varlen_signature')}")
+        return text
+    if s["stage"] == "pytest" and "summary" in s:
+        return s["summary"] + (f"; last test started: {s['last_test_started']}" if s.get("returncode") is None else "")
+    if s["stage"] == "train" and "update" in s:
         f, u = s["forward_only"], s["update"]
         mfu = lambda p: "n/a" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"  # noqa: E731
         return (f"{s['tokens']} tokens, recompute={s['recompute']}: forward {f['tokens_per_s_per_gpu']:,.0f} tok/s "
                 f"(MFU {mfu(f)}), update {u['tokens_per_s_per_gpu']:,.0f} tok/s (MFU {mfu(u)}); peak "
                 f"{s['peak_allocated_gib']:.1f} GiB vs plan {s['predicted_peak_gib']:.1f} GiB")
-    if s["stage"] == "budget":
-        return (f"largest fitting {s['largest_fitting']} tokens/micro-batch (recompute={s['recompute']}), plan "
-                f"{s['plan_budget']}")
+    if s["stage"] == "budget" and "largest_fitting" in s:
+        return (f"largest fitting {s['largest_fitting']} tokens/micro-batch (recompute={s['recompute']}, "
+                f"{len(s['trials'])} tries, {s['step']}-token steps), plan {s['plan_budget']}")
     return ""
 
 
@@ -408,11 +627,73 @@ def dry_run(wheels: Path) -> int:
         print(f"gpu_check --dry-run: bundle {'ok' if bundle.ok else 'BROKEN'}")
         for p in bundle.problems:
             print(f"  - {p}")
-    print(f"stages (all within {TOTAL_CAP_S} s):")
-    for name, (cap, what) in STAGES.items():
-        print(f"  {name:7s} cap {cap:3d} s  {what}")
+    print(f"each call is planned at <= {CALL_PLAN_S} s: pip install + start-up, then at most {TOTAL_CAP_S} s of stages")
+    for i, names in enumerate(CALLS, 1):
+        total = sum(STAGES[n][0] for n in names)
+        print(f"call {i}: {call_command(names)}   ({total} s of stages)")
+        for name in names:
+            cap, what = STAGES[name]
+            print(f"  {name:7s} cap {cap:3d} s  {what}")
     print(f"on an 80 GB H100 at TP=1, {PROMPT} + {RESPONSE} tokens: {memory_plan(H100_80GB_BYTES).describe()}")
     return 1 if bundle.present and not bundle.ok else 0
+
+
+def run_stages(names: list[str], out_dir: Path, *, call_started: float | None = None,
+               clock: Callable[[], float] = time.monotonic) -> int:
+    """Run ``names`` in order within TOTAL_CAP_S (and CALL_PLAN_S of the whole call, counted from ``call_started``,
+    a time.time() taken when the call began), rewriting gpu_check.json/.md before and after each stage."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on the box; every test model is a local folder
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_end = clock() + TOTAL_CAP_S
+    if call_started is not None:
+        t_end = min(t_end, clock() + CALL_PLAN_S - 15 - (time.time() - call_started))
+    before = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run_stages(names, out_dir, t_end, clock)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _run_stages(names: list[str], out_dir: Path, t_end: float, clock: Callable[[], float]) -> int:
+    machine = _machine()
+    stages = [{"stage": n, "status": "pending"} for n in names]
+    report = {"date": machine["date"], "commit": machine["git_commit"], "device": None, "machine": machine,
+              "plan": {"call_s": CALL_PLAN_S, "stages_s": TOTAL_CAP_S, "this_call": names, "second_call": None},
+              "stages": stages}
+    write_report(out_dir, report)
+    for i, name in enumerate(names):
+        cap = min(STAGES[name][0], t_end - clock())
+        if cap < MIN_STAGE_S:
+            rest = names[i:]
+            report["plan"]["second_call"] = call_command(rest)
+            for j in range(i, len(names)):
+                stages[j] = {"stage": names[j], "status": "not run", "ok": False,
+                             "error": f"no time left in this call's {TOTAL_CAP_S} s; run it as a second call: "
+                                      f"{call_command(rest)}"}
+            write_report(out_dir, report)
+            break
+        stages[i] = {"stage": name, "status": "running", "cap_s": round(cap)}
+        write_report(out_dir, report)
+
+        def on_progress(partial, i=i):
+            stages[i] = partial
+            write_report(out_dir, report)
+
+        try:
+            stages[i] = _run_stage(name, cap, out_dir, on_progress)
+        except _Stopped as err:
+            stages[i] = err.record or {"stage": name, "status": "done", "ok": False, "error": f"stopped by {err}"}
+            for j in range(i + 1, len(names)):
+                stages[j] = {"stage": names[j], "status": "not run", "ok": False, "error": f"stopped by {err}"}
+            write_report(out_dir, report)
+            print(f"gpu_check: stopped by {err}; wrote {out_dir}/gpu_check.json", flush=True)
+            return 124
+        write_report(out_dir, report)
+    print("\n" + markdown(report))
+    verdict = "all stages ok" if report["ok"] else "FAILED"
+    print(f"gpu_check: wrote {out_dir}/gpu_check.json and gpu_check.md; {verdict}")
+    return 0 if report["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,14 +702,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="check the bundle and print the plan (CPU)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(Path.cwd() / "gpu_check_out"))
     p.add_argument("--wheels", default=str(ROOT / ".whl"))
-    p.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ", ".join(STAGES))
+    p.add_argument("--stages", default=",".join(CALLS[0]),
+                   help=f"comma-separated, run in this order (default: {','.join(CALLS[0])}); known: "
+                        + ", ".join(STAGES))
     p.add_argument("--check-bundle", action="store_true", help="only check the wheel bundle (exit 2 if unusable)")
     p.add_argument("--stage", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--cap", type=float, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.stage:
-        return _stage_main(a.stage, Path(a.result), a.cap)
+        return _stage_main(a.stage, Path(a.result), a.cap, Path(a.out))
     if a.check_bundle:  # before installing it: stdlib only
         bundle = check_bundle(a.wheels)
         for problem in bundle.problems:
@@ -436,41 +719,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if bundle.ok else 2
     if a.dry_run:
         return dry_run(Path(a.wheels))
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = [s for s in a.stages.split(",") if s]
-    unknown = set(names) - set(STAGES)
-    if unknown:
-        print(f"gpu_check: unknown stages {sorted(unknown)}; known: {list(STAGES)}", file=sys.stderr)
+    names = [s.strip() for s in a.stages.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(STAGES))
+    if unknown or not names:
+        print(f"gpu_check: unknown stages {unknown}; known: {list(STAGES)}", file=sys.stderr)
         return 2
-    t_end = time.monotonic() + TOTAL_CAP_S
-    stages = []
-    for name in names:
-        cap = min(STAGES[name][0], t_end - time.monotonic())
-        if cap < 15:
-            stages.append({"stage": name, "ok": False, "error": "no time left in the 9-minute budget"})
-            continue
-        stages.append(_run_stage(name, cap, out_dir))
-    probe = next((s for s in stages if s["stage"] == "probe"), {})
-    try:  # the report is written whatever is broken on this machine
-        from .cli import machine_info
-
-        machine = machine_info()
-    except Exception as err:  # noqa: BLE001
-        import datetime
-
-        machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                                capture_output=True).stdout.strip() or None,
-                   "error": f"{type(err).__name__}: {err}"}
-    report = {"date": machine["date"], "commit": machine["git_commit"], "device": probe.get("device"),
-              "machine": machine, "stages": stages, "ok": all(s.get("ok") for s in stages)}
-    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out_dir / "gpu_check.md").write_text(markdown(report))
-    print("\n" + markdown(report))
-    verdict = "all stages ok" if report["ok"] else "FAILED"
-    print(f"gpu_check: wrote {out_dir}/gpu_check.json and gpu_check.md; {verdict}")
-    return 0 if report["ok"] else 1
+    started = os.environ.get("JUSTRL_CALL_STARTED")  # set by tools/gpu_check.sh: the install counts too
+    return run_stages(names, Path(a.out), call_started=float(started) if started else None)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""tests/gpu: the CUDA-only tests (`pytest -m gpu`, run by tools/gpu_check.sh on a lent H100/H200).
+"""tests/gpu: the CUDA-only tests (`pytest -m gpu tests/gpu`, the pytest stage of tools/gpu_check.sh on a lent
+H100/H200, which collects this folder only).
+
+The box has no vllm, transformer_engine, wandb, datasets, trl, math_verify or reasoning_gym: nothing here may import
+one of them at collection time (import them inside the test, after `gpu_util.require`). tests/test_gpu_check.py
+rehearses that on the CPU: it runs the kit's pytest stage with those modules unimportable.
 
 Every test in this folder is marked `gpu` here and, where no CUDA device is present, skipped with the reason
 "needs CUDA" (only then), so a CPU checkout still collects them (`pytest --collect-only -m gpu`). Tests that also
