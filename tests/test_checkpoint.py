@@ -107,6 +107,7 @@ def resume(tmp_path_factory):
     return out, rank_verdicts(out, 2)
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 def test_exact_resume_is_bitwise(resume):
     """4 steps straight == 2 steps + save + fresh model (other init, other seeds) + load + 2 steps, bitwise: weights,
     Adam moments, LR schedule, every RNG draw, data position."""
@@ -125,6 +126,7 @@ def test_interrupted_save_is_never_latest(resume):
         assert v["latest_after_dead_save"] == 2  # a fully written but uncommitted step 3 and a junk temp folder
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 def test_keep_last_retention_and_cleanup(resume):
     for v in resume[1]:
         assert v["retained"] == ["latest", "step_00000003", "step_00000004"]  # step 2 dropped, dead temps removed

@@ -82,6 +82,7 @@ def parity(tmp_path_factory):
     return rank_verdicts(out, 2)
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 @pytest.mark.parametrize("layout", ["tp2", "tp2_sp", "pp2"])
 def test_layout_matches_tp1(parity, layout):
     last_stage_seen = False

@@ -121,6 +121,7 @@ LAYOUT_NAMES = ["tp1", "tp2", "pp2", "tp2pp2", "pp2vpp2"]
 FAMILIES = ["qwen2", "llama", *NEW_FAMILIES]
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_streaming_export_of_live_model_equals_hf(layouts, family, layout):
@@ -149,6 +150,7 @@ def test_megatron_logits_match_transformers(layouts, family, layout):
         assert v["logit_diff"] <= 1e-5, v
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3"])
 def test_tp2pp2_dist_checkpoint_back_to_hf_bitwise(layouts, models, tmp_path, family):
     """Live TP2xPP2 model -> dist checkpoint -> `mcore-to-hf` in one process (TP1: vocab re-padded, e.g. Qwen2's
@@ -160,6 +162,7 @@ def test_tp2pp2_dist_checkpoint_back_to_hf_bitwise(layouts, models, tmp_path, fa
 
 # --- the CLI ------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 def test_cli_torchrun_pp2_round_trip_tied_llama(models, tmp_path):
     """hf-to-mcore sharded over 2 ranks (PP2: the tied head's copy on the last stage) -> mcore-to-hf in one process
     (through the tools/ wrapper) -> same tensors; loads in transformers with the same logits."""
@@ -181,6 +184,7 @@ def test_cli_torchrun_pp2_round_trip_tied_llama(models, tmp_path):
     assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 def test_cli_single_process_bf16_qwen2_round_trip_and_verify(models, tmp_path):
     """bf16 (as trained on GPU), through the tools/ wrapper: the export equals the HF weights rounded to bf16, and
     verify compares against the HF model on the same bf16 weights."""
@@ -335,6 +339,7 @@ def _fail_writes_above(limit_bytes):
     return apply
 
 
+@pytest.mark.slow  # a multi-rank or multi-launch fixture: tens of seconds (docs/testing.md)
 @pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
 def test_a_conversion_that_dies_writing_leaves_the_old_output(models, mcore_qwen2, tmp_path, direction):
     """--force onto an existing output, killed while writing the new one: the old output is still there, unchanged;
