@@ -18,6 +18,8 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from .algo.loss_config import LossConfig
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -112,21 +114,19 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
+    """The RL algorithm. The loss settings' defaults (and what each means) are algo/loss_config.LossConfig's."""
+
     reward: str = "dapo"
     reward_options: dict = field(default_factory=dict)
     reward_workers: int = 2
-    norm_adv_by_std: bool = True
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip_c: Optional[float] = 10.0
-    # token-mean: over the mini-batch's response tokens (JustRL's intent; packing-independent) | verl04-dynbsz: what
-    # verl 0.4.0 computes with dynamic batch size (a token mean per micro-batch, weighted by its share of the mini-
-    # batch's sequences; depends on the packing) | seq-mean-token-mean | seq-mean-token-sum (Dr. GRPO, without its
-    # constant divisor). docs/algorithm.md compares them.
-    loss_agg: str = "token-mean"
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    norm_adv_by_std: bool = LossConfig.norm_adv_by_std
+    clip_low: float = LossConfig.clip_low
+    clip_high: float = LossConfig.clip_high
+    dual_clip_c: Optional[float] = LossConfig.dual_clip_c
+    loss_agg: str = LossConfig.loss_agg  # docs/algorithm.md compares the aggregations
+    kl_coef: float = LossConfig.kl_coef
+    kl_estimator: str = LossConfig.kl_estimator
+    entropy_coef: float = LossConfig.entropy_coef
     # The DAPO / off-policy extras (docs/algorithm.md; all off by default: the JustRL recipes use none of them).
     # dynamic sampling: drop groups whose rewards are all equal, draw and sample more prompt batches (at most
     # max_sampling_rounds per step, the first included) until trainer.prompts_per_step groups have reward variance
@@ -136,12 +136,12 @@ class AlgoConfig:
     # -overlong_penalty_factor at the limit, added to the reward (0: off; DAPO: 4096 of 20480, factor 1.0)
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = False  # overlong filtering: truncated responses leave the loss and its denominator
+    mask_truncated: bool = LossConfig.mask_truncated  # overlong filtering: truncated responses leave the loss
     # none | tis | mis | seq-tis | seq-mis: weights pi_trainer_old / pi_vllm on the policy loss, capped (tis) or
     # masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the geometric mean of
     # its tokens' ratios)
-    rollout_correction: str = "none"
-    tis_cap: float = 2.0  # ms-swift's default threshold; slime's MIS example keeps ratios in [0.5, 2]
+    rollout_correction: str = LossConfig.rollout_correction
+    tis_cap: float = LossConfig.tis_cap  # ms-swift's threshold; slime's MIS example keeps ratios in [0.5, 2]
 
 
 @dataclass
@@ -235,8 +235,10 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"{trainers} {train_world} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
             f"launch a multiple of {tp * pp} processes or change the parallel sizes"
         )
-    if ro.placement not in ("colocated", "split"):
-        problems.append(f"rollout.placement must be colocated or split, got {ro.placement!r}")
+    from .train.placement import PLACEMENTS  # the registry of placements (train/placement.py)
+
+    if ro.placement not in PLACEMENTS:
+        problems.append(f"rollout.placement must be one of {', '.join(PLACEMENTS)}, got {ro.placement!r}")
     if ro.n < 1:
         problems.append(f"rollout.n must be >= 1, got {ro.n}")
     if tr.resume not in ("auto", "strict"):

@@ -38,7 +38,7 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         if compat.cuda_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
@@ -155,9 +155,24 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_free_port = free_port  # its first name, still used by tests/mp
+
+
+def trainer_broadcast(obj):
+    """Trainer rank 0's object on every trainer rank (the default group: all ranks colocated, the trainers' in a
+    split job)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -148,11 +148,13 @@ def resume_check(cfg, shape):
 
 def apply_memory_plan(cfg, shape):
     """Resolve model.recompute (auto) and clamp trainer.max_tokens_per_micro_batch with the memory plan, so the loop
-    and Policy.build see concrete values. On a GPU the plan is printed in one line (rank 0); on the CPU auto becomes
-    none and the budget stays. Raises MemoryPlanError (a ValueError) when a manual setting cannot fit."""
+    and Policy.build see concrete values (the end of check_config: nothing writes into cfg after it). On a GPU the
+    plan is printed in one line (rank 0); on the CPU auto becomes none and the budget stays. Raises MemoryPlanError
+    (a ValueError) when a manual setting cannot fit."""
     from .model.memory import resolve_recompute
+    from .train.placement import trainer_world_size
 
-    plan = resolve_recompute(cfg, shape, _world_size())
+    plan = resolve_recompute(cfg, shape, trainer_world_size(cfg, _world_size()))
     if plan is not None and _is_rank0():
         print(f"justrl-train: {plan.describe()}", flush=True)
     return plan

@@ -1,4 +1,14 @@
-"""RL algorithms: GRPO advantages and the clipped policy loss."""
-from .grpo import AGG_MODES, KL_ESTIMATORS, aggregate, group_advantages, kl_penalty, policy_loss
+"""RL algorithms: the loss settings (`LossConfig`), GRPO advantages and the clipped policy loss.
 
-__all__ = ["AGG_MODES", "KL_ESTIMATORS", "aggregate", "group_advantages", "kl_penalty", "policy_loss"]
+`LossConfig` imports without torch (config.py takes its defaults from it); the torch names load on first use."""
+from .loss_config import LossConfig
+
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "LossConfig", "aggregate", "group_advantages", "kl_penalty", "policy_loss"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import grpo
+
+        return getattr(grpo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

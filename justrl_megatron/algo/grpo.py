@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .loss_config import LossConfig
+
 AGG_MODES = ("token-mean", "verl04-dynbsz", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # as verl: exp() of a larger log-ratio is inf; such tokens get no gradient either way
@@ -99,13 +101,13 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
     return per_seq.sum() / torch.as_tensor(n, dtype=values.dtype).clamp(min=1)
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                clip_low: float = 0.2, clip_high: float = 0.28, dual_clip_c: float | None = 10.0,
-                agg: str = "token-mean", denominator=None, num_sequences=None, num_rows=None, ref_logprobs=None,
-                kl_coef: float = 0.0, kl_estimator: str = "k3", entropy=None, entropy_coef: float = 0.0,
-                weights=None):
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                loss: LossConfig | None = None, *, denominator=None, num_sequences=None, num_rows=None,
+                ref_logprobs=None, entropy=None, weights=None, agg: str | None = None, **settings):
     """Clipped GRPO/PPO loss over response tokens; returns ``(loss, metrics)``.
 
+    Settings: ``loss`` (an algo.LossConfig; its defaults when None), with any of its fields replaced by keyword
+    (``clip_low=``, ``kl_coef=``, ...; ``agg=`` is short for ``loss_agg=``).
     Shapes: logprobs, old_logprobs, mask (and ref_logprobs, entropy) [B, T]; advantages [B] or [B, T]. ``mask`` marks
     response tokens. ``denominator`` / ``num_sequences``: see :func:`aggregate`. The KL penalty (``kl_coef`` > 0 with
     ``ref_logprobs``) and the entropy bonus (``entropy_coef`` > 0 with ``entropy``) use the same aggregation.
@@ -118,6 +120,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``clip_frac_low``, ``clip_frac_high``, ``clip_frac_dual``, ``approx_kl``, ``pg_loss``, ``kl_loss``,
     ``entropy_loss``.
     """
+    cfg = (loss or LossConfig()).but(**settings, **({} if agg is None else {"loss_agg": agg}))
+    agg, clip_low, clip_high, dual_clip_c = cfg.loss_agg, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
+    kl_coef, entropy_coef = cfg.kl_coef, cfg.entropy_coef
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; known: {AGG_MODES}")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -143,7 +148,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         pg = pg * weights.detach().float()
     agg_kw = dict(agg=agg, denominator=denominator, num_sequences=num_sequences, num_rows=num_rows)
     pg_loss = aggregate(pg, mask_f, **agg_kw)
-    loss = pg_loss
+    total = pg_loss
 
     with torch.no_grad():
         positive = adv > 0
@@ -169,14 +174,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         metrics["approx_kl"] = metrics["approx_kl_sum"] / denom
 
     if ref_logprobs is not None and kl_coef:
-        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
         kl_loss = aggregate(kl, mask_f, **agg_kw)
-        loss = loss + kl_coef * kl_loss
+        total = total + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
         metrics["ref_kl_sum"] = (kl.detach() * mask_f).sum()
     if entropy is not None and entropy_coef:
         entropy_loss = aggregate(entropy.float(), mask_f, **agg_kw)
-        loss = loss - entropy_coef * entropy_loss  # a bonus: higher entropy lowers the loss
+        total = total - entropy_coef * entropy_loss  # a bonus: higher entropy lowers the loss
         metrics["entropy_loss"] = entropy_loss.detach()
         metrics["entropy_sum"] = (entropy.detach().float() * mask_f).sum()
-    return loss, metrics
+    return total, metrics

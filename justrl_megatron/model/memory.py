@@ -317,16 +317,12 @@ def _no_fit_message(shape, recompute, fit, min_tokens, device_bytes, margin, kw)
 
 # --- the trainer's entry ----------------------------------------------------------------------------------------------
 
-def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: int | None = None,
-                      margin: float = 0.1) -> MemoryPlan | None:
-    """Make `cfg.model.recompute` concrete before the policy is built, and clamp
-    `cfg.trainer.max_tokens_per_micro_batch` to what fits.
-
-    With a device size (``device_bytes``, or the CUDA device's total memory when CUDA is there) the memory plan
-    decides and is returned; it raises MemoryPlanError when the configured mode cannot fit one full sample. Without
-    one (CPU) ``auto`` becomes ``none``, the budget stays as configured, and None is returned."""
-    from omegaconf import open_dict
-
+def memory_plan_for(cfg, shape: ModelShape, world_size: int, *, device_bytes: int | None = None,
+                    margin: float = 0.1) -> MemoryPlan | None:
+    """The memory plan of a config (reads `cfg`, writes nothing): `world_size` counts the ranks that train (the
+    placement's trainer world size). With a device size (``device_bytes``, or the CUDA device's total memory when
+    CUDA is there) the plan decides the recompute mode and clamps the token budget; it raises MemoryPlanError when
+    the configured mode cannot fit one full sample. Without one (CPU) there is no plan: None."""
     from .. import compat
     from ..dtypes import resolve_dtype
     from .spec import resolve_impl
@@ -337,22 +333,32 @@ def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: 
     if device_bytes is None and compat.cuda_available():
         device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if device_bytes is None:
-        with open_dict(cfg):
-            cfg.model.recompute = "none" if configured == "auto" else configured
         return None
     par, ro = cfg.parallel, cfg.rollout
     tp, pp = par.tensor, par.pipeline
-    train_world = world_size - (ro.num_rollout_ranks if ro.placement == "split" else 0)
     dtype = torch.bfloat16 if cfg.model.dtype == "auto" else resolve_dtype(cfg.model.dtype)  # auto: bf16 on a GPU
     impl = resolve_impl(cfg.model.transformer_impl) if compat.cuda_available() else (
         "te" if cfg.model.transformer_impl == "te" else "local")
-    plan = plan_memory(shape, device_bytes=device_bytes, recompute=configured,
+    return plan_memory(shape, device_bytes=device_bytes, recompute=configured,
                        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
                        min_tokens=cfg.data.max_prompt_length + ro.max_response_length, tp=tp, pp=pp,
-                       dp=max(train_world // (tp * pp), 1), dtype=dtype,
+                       dp=max(world_size // (tp * pp), 1), dtype=dtype,
                        sequence_parallel=bool(par.sequence_parallel and tp > 1),
                        distributed_optimizer=par.distributed_optimizer, impl=impl, margin=margin)
+
+
+def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: int | None = None,
+                      margin: float = 0.1) -> MemoryPlan | None:
+    """The last step of validating a config (train_entry.check_config), and the only place that writes into it:
+    `cfg.model.recompute` becomes concrete and `cfg.trainer.max_tokens_per_micro_batch` is clamped to what fits, as
+    `memory_plan_for` decides (returned). On the CPU (no plan) ``auto`` becomes ``none`` and the budget stays."""
+    from omegaconf import open_dict
+
+    plan = memory_plan_for(cfg, shape, world_size, device_bytes=device_bytes, margin=margin)
     with open_dict(cfg):
-        cfg.model.recompute = plan.recompute
-        cfg.trainer.max_tokens_per_micro_batch = plan.max_tokens_per_micro_batch
+        if plan is None:
+            cfg.model.recompute = "none" if cfg.model.recompute == "auto" else cfg.model.recompute
+        else:
+            cfg.model.recompute = plan.recompute
+            cfg.trainer.max_tokens_per_micro_batch = plan.max_tokens_per_micro_batch
     return plan

@@ -15,12 +15,12 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_engine(cfg, model_dir, *, seed: int = 0):
-    """The engine a config asks for, built on every rank that hosts one.
+def make_engine(cfg, model_dir, *, seed: int = 0, in_process: bool = True):
+    """The engine a config asks for, built on every rank that hosts one (the placement says where: train/placement.py).
 
-    Colocated (rollout.placement=colocated): EVERY rank must call this (vLLM's external_launcher builds its groups
-    over all of torch.distributed's WORLD), then `engine.generate_all(...)` on every rank. Split: the rollout ranks
-    call it (the engine runs in a child process) and receive weights with `receive_weights`.
+    ``in_process`` (colocated): EVERY rank must call this (vLLM's external_launcher builds its groups over all of
+    torch.distributed's WORLD), then `engine.generate_all(...)` on every rank. ``in_process=False`` (split): the
+    rollout ranks call it (the engine runs in a child process) and receive weights with `receive_weights`.
     Reads rollout.tensor_parallel, gpu_memory_utilization, cpu_kvcache_gib, enforce_eager, weight_sync_backend,
     weight_sync_bucket_mb, model.dtype; the context is data.max_prompt_length + rollout.max_response_length.
     """
@@ -35,6 +35,6 @@ def make_engine(cfg, model_dir, *, seed: int = 0):
         model_dir, dtype=dtype, tensor_parallel=ro.tensor_parallel, seed=seed,
         max_model_len=cfg.data.max_prompt_length + ro.max_response_length,
         gpu_memory_utilization=ro.gpu_memory_utilization, cpu_kvcache_gib=ro.cpu_kvcache_gib,
-        enforce_eager=ro.enforce_eager, in_process=ro.placement == "colocated",
+        enforce_eager=ro.enforce_eager, in_process=in_process,
         weight_sync_backend=ro.weight_sync_backend, bucket_bytes=int(ro.weight_sync_bucket_mb) << 20,
     )

@@ -28,8 +28,9 @@ import torch
 
 from ..dtypes import DTYPES, torch_name
 from .base import Rollouts, SamplingConfig, WeightStream
-from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, checkpoint_tensors,
-                              iter_buckets, tie_lm_head)
+from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, broadcast_object,
+                              checkpoint_tensors, iter_buckets, tie_lm_head, tied_embeddings)
+from .weight_transfer import send_weights  # noqa: F401  (its earlier home: tests/mp import it from here)
 
 
 
@@ -50,11 +51,6 @@ def model_eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
 def _physical_gpu(index: int) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return visible.split(",")[index] if visible else str(index)
-
-
-def _tied_embeddings(model_dir) -> bool:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
 
 
 class VLLMEngine:
@@ -96,7 +92,7 @@ class VLLMEngine:
         self.bucket_bytes = bucket_bytes
         self.progress = progress
         self.sleep_level = sleep_level
-        self.tied = _tied_embeddings(model_dir)
+        self.tied = tied_embeddings(model_dir)
         self.eos_token_ids = model_eos_token_ids(model_dir)
         numels = checkpoint_tensors(model_dir)
         self.checkpoint_names = set(numels)  # a sync must cover all of them
@@ -402,55 +398,6 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:
             pass
-
-
-def send_weights(sender, stream: WeightStream, version: int, control_group, *, tied: bool,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True,
-                 expected_names: set[str] | None = None) -> dict:
-    """Split placement, on the trainer: drive one sync into every rollout rank's `receive_weights`.
-
-    Every trainer rank iterates the stream (the export's gathers are collectives); only the sender (trainer rank 0,
-    holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors. With `expected_names` (the HF
-    checkpoint's tensors) a stream that missed some is refused on both ends instead of leaving mixed weights.
-    """
-    import torch.distributed as dist
-
-    src = 0 if hasattr(control_group, "broadcast_object") else dist.get_rank()
-    start = time.perf_counter()
-    nbytes = nbuckets = 0
-    sent: set[str] = set()
-    for bucket in tie_lm_head(iter_buckets(stream, bucket_bytes), tied):
-        if not is_sender:
-            continue
-        broadcast_object(("bucket", bucket_metadata(bucket)), src, control_group)
-        sender.send_bucket(bucket)
-        sent.update(n for n, _ in bucket)
-        nbytes += bucket_nbytes(bucket)
-        nbuckets += 1
-    missing = sorted(set(expected_names or ()) - sent) if is_sender else []
-    if missing:
-        message = (f"weight sync of version {version} missed {len(missing)} of the model's {len(expected_names)} "
-                   f"tensors, e.g. {missing[:4]}: the trainer's export does not cover the rollout model (a "
-                   f"different model.path, or a converter mapping gap)")
-        broadcast_object(("abort", message), src, control_group)
-        raise RuntimeError(message)
-    if is_sender:
-        broadcast_object(("done", int(version)), src, control_group)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
-            "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
-
-
-def broadcast_object(obj, src: int, group):
-    """`src`'s object on every member of a torch.distributed group or of a distributed.ObjectChannel (split
-    placement's control channel, outside the default group)."""
-    if hasattr(group, "broadcast_object"):
-        return group.broadcast_object(obj, src)
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def plan_calls(prompt_lens: Sequence[int], n: int, budget: tuple[int, int] | None) -> list[tuple[int, int, int, int]]:

@@ -29,7 +29,10 @@ import it too.
 from __future__ import annotations
 
 import datetime
+import json
 import math
+import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
@@ -369,3 +372,60 @@ class BroadcastSender:
         if self.group is not None and self.backend == "nccl":
             self.group.destroy()
         self.group = None
+
+
+def tied_embeddings(model_dir) -> bool:
+    """Whether the HF model shares its input embedding with the LM head (the stream then sends one copy)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+# --- the trainer's side of a split sync (control messages on the placement's channel, tensors on the group) ------
+
+def send_weights(sender, stream: WeightStream, version: int, control_group, *, tied: bool,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True,
+                 expected_names: set[str] | None = None) -> dict:
+    """Split placement, on the trainer: drive one sync into every rollout rank's `receive_weights`.
+
+    Every trainer rank iterates the stream (the export's gathers are collectives); only the sender (trainer rank 0,
+    holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors. With `expected_names` (the HF
+    checkpoint's tensors) a stream that missed some is refused on both ends instead of leaving mixed weights.
+    """
+    import torch.distributed as dist
+
+    src = 0 if hasattr(control_group, "broadcast_object") else dist.get_rank()
+    start = time.perf_counter()
+    nbytes = nbuckets = 0
+    sent: set[str] = set()
+    for bucket in tie_lm_head(iter_buckets(stream, bucket_bytes), tied):
+        if not is_sender:
+            continue
+        broadcast_object(("bucket", bucket_metadata(bucket)), src, control_group)
+        sender.send_bucket(bucket)
+        sent.update(n for n, _ in bucket)
+        nbytes += bucket_nbytes(bucket)
+        nbuckets += 1
+    missing = sorted(set(expected_names or ()) - sent) if is_sender else []
+    if missing:
+        message = (f"weight sync of version {version} missed {len(missing)} of the model's {len(expected_names)} "
+                   f"tensors, e.g. {missing[:4]}: the trainer's export does not cover the rollout model (a "
+                   f"different model.path, or a converter mapping gap)")
+        broadcast_object(("abort", message), src, control_group)
+        raise RuntimeError(message)
+    if is_sender:
+        broadcast_object(("done", int(version)), src, control_group)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
+            "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
+
+
+def broadcast_object(obj, src: int, group):
+    """`src`'s object on every member of a torch.distributed group or of a distributed.ObjectChannel (split
+    placement's control channel, outside the default group)."""
+    if hasattr(group, "broadcast_object"):
+        return group.broadcast_object(obj, src)
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -1,14 +1,17 @@
-"""Phases 1-3 of a GRPO step as one unit: sample prompts -> rollout -> rewards, started and collected apart.
+"""Phases 1-3 of a GRPO step: sample prompts -> rollout -> rewards, in as many rounds as the step needs.
 
-    inflight = pipeline.start(step)        # prompts sampled; with split placement the rollout ranks start generating
-    batch = pipeline.collect(inflight)     # rollouts + rewards, the same on every trainer rank
+    batch = pipeline.next_batch(step, version, timer)   # the step's scored groups, the same on every trainer rank
 
-On-policy (rollout.max_staleness=0) the loop starts and collects at once. One-step-off (max_staleness=1, split
-placement only: config.py refuses it colocated, where the engine shares the trainer's devices and nothing could
-overlap) it starts step k+1's unit before step k's update and collects it after the weight sync: the rollout ranks
-generate batch k+1 with weights k-1 while the trainer updates on batch k, so a step costs about max(rollout, update)
-plus the copy. Trainer rank 0 receives the rollouts and scores them in a background thread meanwhile; only
-collect() touches the trainer group (one broadcast), so the thread never interleaves with the update's collectives.
+Round 0 is one unit, started and collected apart. On-policy (rollout.max_staleness=0) it is started and collected at
+once. One-step-off (max_staleness=1, on a placement whose rollout overlaps training: config.py refuses it colocated,
+where the engine shares the trainer's devices and nothing could overlap) `next_batch` starts step k+1's unit before
+it returns step k's batch, and collects it in the next call: the rollout ranks generate batch k+1 with weights k-1
+while the trainer updates on batch k, so a step costs about max(rollout, update) plus the copy. Trainer rank 0
+receives those rollouts and scores them in a background thread meanwhile; only the collection touches the trainer
+group (one broadcast), so the thread never interleaves with the update's collectives.
+
+With algo.dynamic_sampling, groups whose rewards are all equal are dropped and more rounds are drawn and generated
+now (seeded per step and round: algo/dynamic_sampling.round_seed) until trainer.prompts_per_step groups are left.
 
 A unit in flight at a checkpoint is collected (its rollouts are already in: the weight sync waited for them) and saved
 with it (`state`); a resumed run trains on exactly that batch (`restore`), as the uninterrupted run did.
@@ -23,14 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rollout import Rollouts
+from ..algo.dynamic_sampling import SamplingStats, ScoredBatch, collect_groups, round_seed
+from ..distributed import trainer_broadcast
+from ..rollout import Rollouts, check_staleness
 from .sampler import Prompt
-from .split_rollout import trainer_broadcast
+from .scoring import generate_and_score, score
 
 
 @dataclass
 class StepBatch:
-    """What phases 1-3 hand to the update: the prompts, their rollouts and rewards."""
+    """Round 0 of a step, the unit that may be in flight: the prompts, their rollouts and rewards."""
 
     prompts: list[Prompt]
     rollouts: Rollouts
@@ -44,31 +49,84 @@ class StepBatch:
 class InFlight:
     step: int
     prompts: list[Prompt]
-    request: object = None  # SplitRollout's request
+    request: object = None  # the placement's request (`submit`), where rollout overlaps training
     thread: threading.Thread | None = None
     result: StepBatch | None = None  # set when collected (or restored from a checkpoint)
     leader_result: tuple | None = None  # trainer rank 0: (rollouts, rollout stats, rewards, seconds) from the thread
 
 
+@dataclass
+class ScoredStep:
+    """What phases 1-3 hand to the update: the step's groups, how they were sampled, how stale they are."""
+
+    batch: ScoredBatch
+    sampling_stats: SamplingStats | None  # None without dynamic sampling
+    staleness: int  # updates between the weights that generated the batch and the current ones
+
+
 class RolloutPipeline:
     def __init__(self, rollout, sampler, scorer, tokenizer, *, n: int, sampling, seed: int, leader: bool,
-                 max_staleness: int):
+                 max_staleness: int, num_groups: int, dynamic_sampling: bool = False, max_rounds: int = 1,
+                 last_step: int | None = None):
         self.rollout, self.sampler, self.scorer, self.tokenizer = rollout, sampler, scorer, tokenizer
         self.n, self.sampling, self.seed, self.leader = n, sampling, seed, leader
-        self.overlaps = getattr(rollout, "overlaps", False)
-        self.ahead = max_staleness >= 1 and self.overlaps  # start step k+1 before step k's update
+        self.max_staleness, self.num_groups = max_staleness, num_groups
+        self.dynamic_sampling, self.max_rounds, self.last_step = dynamic_sampling, max_rounds, last_step
+        self.ahead = max_staleness >= 1 and rollout.overlaps  # start step k+1 before step k's update
+        self._inflight: InFlight | None = None
 
-    def step_seed(self, step: int) -> int:
-        """Seeded per step, so that a resumed run samples what an uninterrupted one would have."""
-        return self.seed * 1_000_003 + step
+    @classmethod
+    def for_config(cls, cfg, rollout, sampler, scorer, tokenizer, *, leader: bool) -> "RolloutPipeline":
+        """The pipeline a config asks for (rollout.n, sampling and staleness; algo's dynamic sampling)."""
+        from ..rollout import SamplingConfig
 
-    def start(self, step: int) -> InFlight:
+        ro, tr, algo = cfg.rollout, cfg.trainer, cfg.algo
+        return cls(rollout, sampler, scorer, tokenizer, n=ro.n, sampling=SamplingConfig.from_rollout_config(ro),
+                   seed=tr.seed, leader=leader, max_staleness=ro.max_staleness, num_groups=tr.prompts_per_step,
+                   dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
+                   last_step=tr.total_steps)
+
+    def next_batch(self, step: int, version: int, timer) -> ScoredStep:
+        """Every sampling round of `step` (`version`: updates so far); `timer` (profiling.PhaseTimer) gets the
+        phases' seconds: wait_rollout, rollout, reward and the rollout ranks' waits."""
+        inflight = self._inflight or self._start(step)
+        with timer("wait_rollout"):
+            first = self._collect(inflight)
+        timer.seconds |= first.seconds
+        staleness = check_staleness(first.rollouts.weight_version, version, self.max_staleness)
+        first_round = [first.prompts]
+
+        def draw_batch():
+            return first_round.pop() if first_round else self.sampler.next_batch()
+
+        def rollout_round(prompts, round_index):
+            if round_index == 0:
+                return ScoredBatch(first.prompts, first.rollouts, first.rewards, first.correct, first.reward_stats)
+            return self._extra_round(prompts, round_seed(self.seed, step, round_index), version, timer)
+
+        scored, stats = collect_groups(draw_batch, rollout_round, group_size=self.n, num_groups=self.num_groups,
+                                       max_rounds=self.max_rounds, enabled=self.dynamic_sampling)
+        # one-step-off: the next step's round 0 starts now, generating with the current weights while this one updates
+        ahead = self.ahead and (self.last_step is None or step < self.last_step)
+        self._inflight = self._start(step + 1) if ahead else None
+        return ScoredStep(scored, stats, staleness)
+
+    def _extra_round(self, prompts, seed: int, version: int, timer) -> ScoredBatch:
+        """A dynamic-sampling round: generated now, scored on the leader, the scores broadcast."""
+        got = generate_and_score(self.rollout, prompts, self.n, self.sampling, seed=seed, scorer=self.scorer,
+                                 tokenizer=self.tokenizer, seconds=timer.seconds)
+        check_staleness(got.rollouts.weight_version, version, self.max_staleness)
+        rewards, correct, stats = trainer_broadcast((got.rewards, got.correct, got.reward_stats)
+                                                    if self.leader else None)
+        return ScoredBatch(got.prompts, got.rollouts, list(rewards), list(correct), stats)
+
+    def _start(self, step: int) -> InFlight:
         return self._launch(InFlight(step, self.sampler.next_batch()))
 
     def _launch(self, inflight: InFlight) -> InFlight:
-        if self.overlaps:
+        if self.rollout.overlaps:
             inflight.request = self.rollout.submit([p.ids for p in inflight.prompts], self.n, self.sampling,
-                                                   seed=self.step_seed(inflight.step))
+                                                   seed=round_seed(self.seed, inflight.step, 0))
             if self.leader:
                 inflight.thread = threading.Thread(target=self._receive_and_score, args=(inflight,), daemon=True,
                                                    name=f"rollout-step-{inflight.step}")
@@ -79,24 +137,17 @@ class RolloutPipeline:
         try:
             rollouts, stats = self.rollout.receive(inflight.request)
             t = time.perf_counter()
-            scored = self.score(inflight.prompts, rollouts)
+            scored = score(self.scorer, self.tokenizer, inflight.prompts, rollouts, self.n)
             inflight.leader_result = (rollouts, stats, scored, time.perf_counter() - t)
-        except BaseException as exc:  # noqa: BLE001  (re-raised by collect, in the loop's thread)
+        except BaseException as exc:  # noqa: BLE001  (re-raised by _collect, in the loop's thread)
             inflight.leader_result = exc
 
-    def score(self, prompts, rollouts) -> tuple:
-        """(rewards, correct, reward stats) of `rollouts` (n per prompt); on the leader, which holds the scorer."""
-        texts = self.tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
-        answers = [prompts[i // self.n].answer for i in range(len(texts))]
-        rewards, correct = self.scorer.evaluate(texts, answers)
-        return rewards, correct, dict(self.scorer.stats)
-
-    def collect(self, inflight: InFlight) -> StepBatch:
+    def _collect(self, inflight: InFlight) -> StepBatch:
         """Rollouts and rewards of `inflight`, on every trainer rank (each trainer rank calls it)."""
         if inflight.result is not None:
             return inflight.result
         prompts = inflight.prompts
-        if self.overlaps:
+        if self.rollout.overlaps:
             if inflight.request is None:
                 self._launch(inflight)
             payload = None
@@ -110,38 +161,38 @@ class RolloutPipeline:
                                               **{f"rollout_{k.removesuffix('_s')}": v for k, v in stats.items()
                                                  if k != "generate_s"}})
             rollouts, scored, seconds = trainer_broadcast(payload)
-        else:  # colocated: every rank's engine generates its share now (SPMD); rank 0 scores
-            t = time.perf_counter()
-            with torch.profiler.record_function("rollout"):  # named ranges in a profiler trace (train/profiling.py)
-                rollouts = self.rollout.generate([p.ids for p in prompts], self.n, self.sampling,
-                                                 seed=self.step_seed(inflight.step))
-            t_reward = time.perf_counter()
-            with torch.profiler.record_function("reward"):
-                scored = trainer_broadcast(self.score(prompts, rollouts) if self.leader else None)
-            seconds = {"rollout": t_reward - t, "reward": time.perf_counter() - t_reward}
+        else:  # every rank's engine generates its share now (SPMD); rank 0 scores
+            seconds = {}
+            got = generate_and_score(self.rollout, prompts, self.n, self.sampling,
+                                     seed=round_seed(self.seed, inflight.step, 0), scorer=self.scorer,
+                                     tokenizer=self.tokenizer, seconds=seconds)
+            rollouts = got.rollouts
+            scored = trainer_broadcast((got.rewards, got.correct, got.reward_stats) if self.leader else None)
         rewards, correct, reward_stats = scored
         inflight.result = StepBatch(prompts, rollouts, list(rewards), list(correct), reward_stats, seconds)
         return inflight.result
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
-    def state(self, inflight: InFlight | None) -> dict | None:
+    def state(self) -> dict | None:
         """The in-flight unit as plain data for the checkpoint (collected first: every trainer rank calls this)."""
+        inflight = self._inflight
         if inflight is None:
             return None
-        b = self.collect(inflight)
+        b = self._collect(inflight)
         return {"step": inflight.step, "prompts": [dataclasses.asdict(p) for p in b.prompts],
                 "rollouts": dataclasses.asdict(b.rollouts), "rewards": b.rewards, "correct": b.correct,
                 "reward_stats": b.reward_stats}
 
-    def restore(self, state: dict | None) -> InFlight | None:
-        """The saved unit; on-policy now (a run resumed with max_staleness=0), its prompts are generated again with
-        the current weights."""
+    def restore(self, state: dict | None) -> None:
+        """Take back the saved unit; on-policy now (a run resumed with max_staleness=0), its prompts are generated
+        again with the current weights."""
         if not state:
-            return None
+            return
         prompts = [Prompt(**p) for p in state["prompts"]]
         if not self.ahead:
-            return InFlight(state["step"], prompts)  # launched by collect, after the engines got the weights
+            self._inflight = InFlight(state["step"], prompts)  # launched by _collect, after the engines got weights
+            return
         batch = StepBatch(prompts, Rollouts(**state["rollouts"]), state["rewards"], state["correct"],
                           state["reward_stats"])
-        return InFlight(state["step"], prompts, result=batch)
+        self._inflight = InFlight(state["step"], prompts, result=batch)

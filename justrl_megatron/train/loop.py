@@ -6,50 +6,45 @@
     -> weight sync -> metrics (+ avg@n on data.val every trainer.eval_every steps, train/validation.py)
     -> checkpoint
 
-Every rank runs this same program (SPMD). Colocated (the default), each rank hosts a vLLM engine (one per rollout-TP
-group) that samples its share of the prompts; every rank gets the whole batch back. On GPU the engine sleeps while
-the policy trains and wakes after the weight sync (train/placement.py). Split (rollout.placement=split), the last
-rollout.num_rollout_ranks ranks run train/split_rollout.serve instead of this loop and the trainer ranks reach them
-through the same small interface. The reward pool lives on rank 0 and its results are broadcast, so all trainer
-ranks see the same batch and split it by data parallelism themselves. Phases 1-3 are one unit
-(train/async_rollout.py) so that one-step-off training (rollout.max_staleness=1) can start the next step's before
-this step's update.
+Every trainer rank runs this same program (SPMD). Where the rollout engines run is the placement's business
+(train/placement.py: colocated, the default, or split); the loop asks it for batches, for the devices and to publish
+weights. Phases 1-3 (every sampling round of a step, and one-step-off's batch in flight) are the rollout pipeline's
+(train/async_rollout.py); the reward pool lives on rank 0 and its results are broadcast, so all trainer ranks see the
+same batch and split it by data parallelism themselves. The loss settings travel as one algo.LossConfig.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
 
-from ..algo.dynamic_sampling import ScoredBatch, collect_groups, round_seed
 from ..algo.grpo import group_advantages
+from ..algo.loss_config import LossConfig
 from ..algo.overlong import shape_rewards
 from ..checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
-from ..distributed import init_distributed, init_split
+from ..distributed import init_distributed
 from ..metrics import MetricsLogger, plot_curves, step_metrics
 from ..model.lora import has_lora
 from ..model.policy import Policy
-from .reference import Reference
 from ..rewards import make_scorer
-from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap, make_engine
+from ..rollout import RolloutEngine, SamplingConfig, logprob_gap
 from ..slurm import StopSignal, current_job, describe, requeue_message
 from .async_rollout import RolloutPipeline
 from .batching import Sample
-from .placement import ColocatedRollout
-from .profiling import StepProfiler
+from .placement import make_placement
+from .profiling import PhaseTimer, StepProfiler
+from .reference import Reference
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
-from .split_rollout import SplitRollout, serve, trainer_broadcast
+from .scoring import generate_and_score
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
 from .validation import Validation
 
@@ -58,13 +53,11 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     """Train; returns the last completed step. `engine` replaces the vLLM engine the config asks for (tests)."""
     tr, ro, algo = cfg.trainer, cfg.rollout, cfg.algo
     quiet_console(verbose=cfg.logging.verbose)
-    roles = init_split(ro.num_rollout_ranks) if ro.placement == "split" else None
-    if roles is not None and not roles.is_trainer:
-        serve(cfg, model_dir, roles)  # a rollout rank: generate and take weights until the trainer says stop
+    rollout = make_placement(cfg, model_dir, engine=engine)
+    if not rollout.join():  # a rollout-only rank: it generated and took weights until the trainer said stop
         return 0
     rank, _ = init_distributed()
-    is_leader = rank == 0
-    run_dir = Path(tr.run_dir)
+    is_leader, run_dir = rank == 0, Path(tr.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = StopSignal().install()  # SIGTERM / SIGUSR1 (Slurm's warning): finish the step, checkpoint, exit 0
 
@@ -74,33 +67,17 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     sampler = PromptSampler(prompts, tr.prompts_per_step, seed=tr.seed, shuffle=cfg.data.shuffle)
     heldout = _heldout_prompts(cfg, tokenizer)
     validation = Validation(cfg, tokenizer, enabled=is_leader)  # data.val, every trainer.eval_every steps
-
     policy = Policy.from_config(cfg, shape)
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
-    # the KL penalty's reference policy: adapters off with LoRA, else a frozen copy of the initial weights
-    reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None
-
-    def export(bucket_bytes):
-        return export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes, include_tied_lm_head=True)
-
-    if roles is not None:
-        rollout = SplitRollout(roles, export, model_dir=model_dir, bucket_mb=ro.weight_sync_bucket_mb)
-    else:
-        rollout = ColocatedRollout(engine or make_engine(cfg, model_dir, seed=tr.seed), export,
-                                   bucket_mb=ro.weight_sync_bucket_mb)
+    reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None  # for the KL penalty
+    rollout.start(_weight_stream(policy, shape))
     scorer = make_scorer(algo, enabled=is_leader)
-    sampling = SamplingConfig.from_rollout_config(ro)
-    pipeline = RolloutPipeline(rollout, sampler, scorer, tokenizer, n=ro.n, sampling=sampling, seed=tr.seed,
-                               leader=is_leader, max_staleness=ro.max_staleness)
-    inflight = pipeline.restore(inflight_state)  # a batch that was in flight at the checkpoint (one-step-off)
+    loss = LossConfig.from_algo(algo)
+    pipeline = RolloutPipeline.for_config(cfg, rollout, sampler, scorer, tokenizer, leader=is_leader)
+    pipeline.restore(inflight_state)  # a batch that was in flight at the checkpoint (one-step-off)
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
-    if start_step > 0:
-        logger.print(f"resumed from {run_dir} at step {start_step} ({describe(current_job())})")
-    if too_long:
-        logger.print(f"{too_long} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} were dropped")
-    if validation.sets:
-        logger.print(validation.describe())
+    _announce(logger, cfg, run_dir, start_step, too_long, validation)
     profiler = StepProfiler(tr.profile_steps, run_dir, rank)
 
     version = start_step
@@ -113,91 +90,49 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     while step < tr.total_steps:
         step += 1
         profiler.step_started(step)
-        timer = _PhaseTimer()
+        timer = PhaseTimer()
 
-        # 1-3. sample prompts -> rollout (version = number of updates so far; seeded per step and round) -> rewards.
-        #      Round 0 is one unit (train/async_rollout.py): on-policy it runs now; one-step-off
-        #      (rollout.max_staleness=1) it was started before the previous step's update, and the trainer waits only
-        #      for what is not done yet (time/wait_rollout_s). With algo.dynamic_sampling, groups whose rewards are
-        #      all equal are dropped and more rounds are drawn and generated now until trainer.prompts_per_step groups
-        #      are left (at most algo.max_sampling_rounds; algo/dynamic_sampling.py).
-        if inflight is None:
-            inflight = pipeline.start(step)
-        with timer("wait_rollout"):
-            first = pipeline.collect(inflight)
-        timer.seconds |= first.seconds
-        staleness = check_staleness(first.rollouts.weight_version, version, ro.max_staleness)
-        first_round = [first.prompts]
+        # 1-3. sample prompts -> rollout (weights of `version` updates) -> rewards, in as many rounds as the step needs
+        scored = pipeline.next_batch(step, version, timer)
+        batch, rollouts = scored.batch.prompts, scored.batch.rollouts
+        if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
+            logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
 
-        def draw_batch():
-            return first_round.pop() if first_round else sampler.next_batch()
-
-        def generate_and_score(prompts, round_index):
-            if round_index == 0:
-                return ScoredBatch(first.prompts, first.rollouts, first.rewards, first.correct, first.reward_stats)
-            return _rollout_and_score(rollout, pipeline, prompts, ro, sampling, timer, version,
-                                      seed=round_seed(tr.seed, step, round_index))
-
-        scored, sampling_stats = collect_groups(draw_batch, generate_and_score, group_size=ro.n,
-                                                num_groups=tr.prompts_per_step, max_rounds=algo.max_sampling_rounds,
-                                                enabled=algo.dynamic_sampling)
-        batch, rollouts, rewards, correct, reward_stats = (scored.prompts, scored.rollouts, scored.rewards,
-                                                           scored.correct, scored.reward_stats)
-        if sampling_stats is not None and sampling_stats.shortfall():
-            logger.print(f"step {step}: {sampling_stats.shortfall()}")
-        # one-step-off: the next step's round 0 starts now, generating with the current weights while this step updates
-        inflight = pipeline.start(step + 1) if pipeline.ahead and step < tr.total_steps else None
-
-        # 4. reward shaping (algo.overlong_buffer: a length penalty; algo.mask_truncated: truncated responses leave
-        #    the loss, in the update) and group advantages. reward/mean stays the verifier's reward.
+        # 4. reward shaping (algo.overlong_buffer) and group advantages; reward/mean stays the verifier's reward
         shaped, shaping_metrics = shape_rewards(
-            rewards, [len(t) for t in rollouts.token_ids], rollouts.truncated, max_length=ro.max_response_length,
-            buffer=algo.overlong_buffer, factor=algo.overlong_penalty_factor, mask_truncated=algo.mask_truncated)
-        advantages = group_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n,
-                                      norm_by_std=algo.norm_adv_by_std)
-        samples = [Sample(prompt_ids=batch[i // ro.n].ids, response_ids=rollouts.token_ids[i],
-                          advantage=float(advantages[i]), rollout_logprobs=rollouts.logprobs[i], group=i // ro.n,
-                          truncated=bool(rollouts.truncated[i]))
-                   for i in range(len(rollouts.token_ids))]
+            scored.batch.rewards, [len(t) for t in rollouts.token_ids], rollouts.truncated,
+            max_length=ro.max_response_length, buffer=algo.overlong_buffer, factor=algo.overlong_penalty_factor,
+            mask_truncated=loss.mask_truncated)
+        advantages = group_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n, norm_by_std=loss.norm_adv_by_std)
+        samples = _samples(batch, rollouts, advantages, ro.n)
 
-        # 5-6. the trainer's turn on the devices (a colocated engine sleeps): old logprobs (the policy that sampled,
-        #      recomputed by the trainer), then mini-batch GRPO updates. One optimizer step on fresh samples needs no
-        #      separate pass: the update's forward gives them.
-        step_kw = dict(max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch, clip_low=algo.clip_low,
-                       clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg,
-                       kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef,
-                       mask_truncated=algo.mask_truncated, rollout_correction=algo.rollout_correction,
-                       tis_cap=algo.tis_cap)
+        # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step on fresh
+        #      samples needs no separate old-logprob pass: the update's forward gives them.
+        budget = tr.max_tokens_per_micro_batch
         one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
         with rollout.training():
+            ref = None
             if reference is not None:
                 with timer("ref_logprob"):
-                    step_kw["ref_logprobs"] = reference.logprobs(
-                        samples, max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
+                    ref = reference.logprobs(samples, max_tokens_per_micro_batch=budget)
             if one_fresh_step and tr.old_logprobs == "auto":
                 with timer("update"):
-                    update, old_logprobs = grpo_update_on_policy(policy, samples, **step_kw)
+                    update, old_logprobs = grpo_update_on_policy(policy, samples, max_tokens_per_micro_batch=budget,
+                                                                 loss=loss, ref_logprobs=ref)
             else:
                 with timer("old_logprob"):
-                    old_logprobs = compute_logprobs(policy, samples,
-                                                    max_tokens_per_micro_batch=tr.max_tokens_per_micro_batch)
+                    old_logprobs = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
                 with timer("update"):
                     update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * ro.n,
-                                         **step_kw)
+                                         max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref)
 
-        # 7. weight sync into the rollout engine, which wakes up for the next step
+        # 7. weight sync into the rollout engine, which is ready to generate the next step after it
         with timer("sync"):
             version = step
             rollout.publish(version)
 
         # 8. metrics, and when due the validation of the new weights (avg@n on data.val) in the same record
-        metrics = step_metrics(
-            rewards=rewards, correct=correct, reward_stats=reward_stats, rollouts=rollouts,
-            prompt_tokens=sum(len(s.prompt_ids) for s in samples),
-            logprob_gap=logprob_gap(rollouts.logprobs, old_logprobs), update=update,
-            phase_seconds=timer.seconds, step_seconds=timer.elapsed())
-        metrics |= shaping_metrics | (sampling_stats.metrics() if sampling_stats is not None else {})
-        metrics["rollout/staleness"] = staleness
+        metrics = _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics)
         if validation.due(step):
             metrics |= validation.run(rollout, step)
         logger.log(step, metrics)
@@ -208,7 +143,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         stopping = stop.agreed() or diverged is not None
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
-                            {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state(inflight)},
+                            {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state()},
                             keep_last=tr.keep_last, shape=shape, hf_source=model_dir)
         trace = profiler.step_finished(step, stopping)
         if trace is not None:
@@ -217,19 +152,9 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             logger.print(diverged or requeue_message(step))
             break
 
-    if step == tr.total_steps:
-        end_accuracy = _evaluate(rollout, heldout, scorer, tokenizer, ro)
-    if is_leader and step == tr.total_steps:
-        if start_accuracy is not None:
-            logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
-                         f"end {end_accuracy:.3f}")
-        _write_heldout(run_dir, start_accuracy, end_accuracy)
-        logger.print(f"curves: {plot_curves(run_dir)}")
-    logger.close()
-    validation.close()
-    if scorer is not None:
-        scorer.close()
-    rollout.shutdown()
+    if step == tr.total_steps:  # held-out accuracy at the end (and at the start: heldout_accuracy.json), curves
+        _report_end(logger, run_dir, heldout, start_accuracy, _evaluate(rollout, heldout, scorer, tokenizer, ro))
+    _close(logger, validation, scorer, rollout)
     if diverged is not None:  # a failed run, not a requeue: exit non-zero (the message was printed above)
         raise SystemExit(1)
     return step
@@ -237,33 +162,57 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 
 # --- helpers (each small; the loop above is the algorithm) ------------------------------------------------------------
 
-class _PhaseTimer:
-    """Seconds per phase of one step; each phase is also a named range in a profiler trace."""
-
-    def __init__(self):
-        self.seconds, self._t0 = {}, time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, phase):
-        t = time.perf_counter()
-        with torch.profiler.record_function(phase):
-            yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._t0
+def _samples(prompts, rollouts, advantages, n: int) -> list[Sample]:
+    """The update's samples: sample i answers prompt i // n (its group) and carries its advantage."""
+    return [Sample(prompt_ids=prompts[i // n].ids, response_ids=rollouts.token_ids[i], advantage=float(advantages[i]),
+                   rollout_logprobs=rollouts.logprobs[i], group=i // n, truncated=bool(rollouts.truncated[i]))
+            for i in range(len(rollouts.token_ids))]
 
 
-def _rollout_and_score(rollout, pipeline, prompts, ro, sampling, timer, version, *, seed) -> ScoredBatch:
-    """One extra round of phases 2-3: rollouts of ``prompts`` (ro.n each), checked for staleness, scored on rank 0
-    (the pipeline's scoring) and broadcast."""
-    with timer("rollout"):
-        rollouts = rollout.generate([p.ids for p in prompts], ro.n, sampling, seed=seed)
-    check_staleness(rollouts.weight_version, version, ro.max_staleness)
-    with timer("reward"):
-        rewards, correct, reward_stats = trainer_broadcast(
-            pipeline.score(prompts, rollouts) if pipeline.leader else None)
-    return ScoredBatch(list(prompts), rollouts, list(rewards), list(correct), reward_stats)
+def _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics) -> dict[str, float]:
+    """A step's metrics: rewards, lengths, trainer vs rollout logprobs, the update's, timings, shaping, rounds."""
+    b, stats = scored.batch, scored.sampling_stats
+    metrics = step_metrics(rewards=b.rewards, correct=b.correct, reward_stats=b.reward_stats, rollouts=b.rollouts,
+                           prompt_tokens=sum(len(s.prompt_ids) for s in samples),
+                           logprob_gap=logprob_gap(b.rollouts.logprobs, old_logprobs), update=update,
+                           phase_seconds=timer.seconds, step_seconds=timer.elapsed())
+    metrics |= shaping_metrics | (stats.metrics() if stats is not None else {})
+    return metrics | {"rollout/staleness": scored.staleness}
+
+
+def _weight_stream(policy, shape):
+    """bucket bytes -> the policy's full HF-named tensors, as the rollout engines load them (every rank iterates)."""
+    return lambda bucket_bytes: export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes,
+                                                 include_tied_lm_head=True)
+
+
+def _close(logger, validation, scorer, rollout) -> None:
+    logger.close()
+    validation.close()
+    if scorer is not None:
+        scorer.close()
+    rollout.shutdown()
+
+
+def _announce(logger, cfg, run_dir, start_step: int, too_long: int, validation) -> None:
+    """The run's opening lines: a resume, dropped prompts, the validation sets."""
+    if start_step > 0:
+        logger.print(f"resumed from {run_dir} at step {start_step} ({describe(current_job())})")
+    if too_long:
+        logger.print(f"{too_long} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} were dropped")
+    if validation.sets:
+        logger.print(validation.describe())
+
+
+def _report_end(logger, run_dir, heldout, start_accuracy, end_accuracy) -> None:
+    """Rank 0 at the last step: the held-out accuracy (printed and in heldout_accuracy.json) and the curves."""
+    if not logger.enabled:
+        return
+    if start_accuracy is not None:
+        logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
+                     f"end {end_accuracy:.3f}")
+    _write_heldout(run_dir, start_accuracy, end_accuracy)
+    logger.print(f"curves: {plot_curves(run_dir)}")
 
 
 def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str = "auto") -> tuple[int, dict | None]:
@@ -317,11 +266,8 @@ def _evaluate(rollout, prompts, scorer, tokenizer, ro) -> float | None:
     if not prompts:
         return None
     greedy = SamplingConfig(temperature=0.0, max_tokens=ro.max_response_length)
-    out = rollout.generate([p.ids for p in prompts], 1, greedy, seed=0)
-    if scorer is None:
-        return None
-    texts = tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)
-    return sum(scorer.evaluate(texts, [p.answer for p in prompts])[1]) / len(prompts)
+    got = generate_and_score(rollout, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
+    return None if scorer is None else sum(got.correct) / len(prompts)
 
 
 def _plain_config(cfg) -> dict:

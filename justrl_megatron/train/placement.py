@@ -1,5 +1,13 @@
-"""Where the rollout engine runs relative to the trainer, behind one small object the loop asks three things of:
-"generate this batch", "the trainer needs the devices now" and "publish weights version v".
+"""Where the rollout engine runs relative to the trainer: one seam, chosen by `rollout.placement`.
+
+The loop asks a placement six things: "does this rank train?" (`join`; a rank that does not serves the engine until
+the trainer says stop), "build or reach the engine" (`start`), "generate this batch" (`generate`; where rollout
+overlaps training, `submit` now and `receive` later), "the trainer needs the devices now" (`training`), "publish
+weights version v" (`publish`) and `shutdown`. Nothing outside this seam asks which placement it is (config.py
+validates the names and the rank split).
+
+Adding a placement: one class that implements `Placement`, in its own module, and one line in `PLACEMENTS` (the
+registry names a class by import path, so that a placement's module may import this one), plus its tests.
 
 Colocated (rollout.placement=colocated, the default): every rank hosts an engine on the trainer's own device. On GPU
 vLLM holds `rollout.gpu_memory_utilization` of it (~47 GiB of an 80 GB H100 at 0.6), which a 16K-token update cannot
@@ -9,43 +17,122 @@ spare, so one step's cycle is
              -> sync (the engine wakes its weights buffers, then loads the new weights) -> wake (KV cache) -> generate
 
 On CPU vLLM's sleep mode does not exist and these calls are no-ops; the order is the same (tests record it).
+Split (rollout.placement=split): train/split_rollout.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+import importlib
+from typing import Callable, ContextManager, Protocol, Sequence
 
 from .. import compat
+from ..distributed import init_distributed
 from ..rollout import RolloutEngine, Rollouts, SamplingConfig
+from ..rollout.base import WeightStream
+
+# rollout.placement -> "module:Class"
+PLACEMENTS = {
+    "colocated": f"{__name__}:ColocatedPlacement",
+    "split": "justrl_megatron.train.split_rollout:SplitPlacement",
+}
+
+ExportWeights = Callable[[int], WeightStream]  # bucket bytes -> the policy's full HF-named tensors (every rank)
 
 
-class ColocatedRollout:
-    """A rollout engine that shares the trainer's devices and sleeps while the policy trains."""
+class Placement(Protocol):
+    overlaps: bool  # True: `submit` returns at once and the batch generates while the trainer works
 
-    def __init__(self, engine: RolloutEngine, export_weights, bucket_mb: int):
-        """`export_weights(bucket_bytes)` yields the policy's full HF-named tensors (every rank takes part)."""
-        self.engine = engine
-        self._export_weights = export_weights
-        self._bucket_bytes = int(bucket_mb) << 20
+    @staticmethod
+    def trainer_world_size(rollout_cfg, world_size: int) -> int:
+        """How many of `world_size` ranks train (the rest only roll out)."""
+
+    def join(self) -> bool:
+        """Set up this rank's process groups; True on a trainer rank. A rollout-only rank serves its engine here
+        until the trainer says stop, then returns False."""
+
+    def start(self, export_weights: ExportWeights) -> None:
+        """Build (or connect to) the engine; every trainer rank, after the policy holds its first weights."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
                  seed: int | None = None) -> Rollouts:
-        """`n` samples per prompt, the whole batch on every rank (each engine samples its share)."""
+        """`n` samples per prompt, the whole batch on every trainer rank."""
+
+    def submit(self, prompt_ids, n: int, sampling: SamplingConfig, *, seed: int | None = None):
+        """(overlaps only) start generating; returns a request for `receive`."""
+
+    def receive(self, request) -> tuple[Rollouts, dict] | None:
+        """(overlaps only) trainer rank 0: the request's rollouts and the engines' timings; None elsewhere."""
+
+    def training(self) -> ContextManager:
+        """The trainer's turn on the devices."""
+
+    def publish(self, version: int) -> dict:
+        """The policy's current weights into the engine(s) as `version`; the engine is ready to generate after."""
+
+    def shutdown(self) -> None: ...
+
+
+def placement_class(name: str) -> type:
+    if name not in PLACEMENTS:
+        raise ValueError(f"rollout.placement must be one of {', '.join(PLACEMENTS)}, got {name!r}")
+    module, cls = PLACEMENTS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_placement(cfg, model_dir, *, engine: RolloutEngine | None = None) -> Placement:
+    """The placement `cfg.rollout.placement` names. `engine`: a ready engine in place of vLLM (tests; colocated)."""
+    return placement_class(cfg.rollout.placement)(cfg, model_dir, engine=engine)
+
+
+def trainer_world_size(cfg, world_size: int) -> int:
+    return placement_class(cfg.rollout.placement).trainer_world_size(cfg.rollout, world_size)
+
+
+class ColocatedPlacement:
+    """A rollout engine that shares the trainer's devices and sleeps while the policy trains."""
+
+    overlaps = False  # the engine and the trainer take turns on the same devices
+
+    def __init__(self, cfg, model_dir, *, engine: RolloutEngine | None = None):
+        self.cfg, self.model_dir, self.engine = cfg, model_dir, engine
+        self._export_weights = None
+        self._bucket_bytes = int(cfg.rollout.weight_sync_bucket_mb) << 20
+
+    @staticmethod
+    def trainer_world_size(rollout_cfg, world_size: int) -> int:
+        return world_size
+
+    def join(self) -> bool:
+        init_distributed()
+        return True
+
+    def start(self, export_weights: ExportWeights) -> None:
+        """Every rank builds its engine (vLLM's external_launcher spans the whole world)."""
+        from ..rollout import make_engine
+
+        self._export_weights = export_weights
+        if self.engine is None:
+            self.engine = make_engine(self.cfg, self.model_dir, seed=self.cfg.trainer.seed, in_process=True)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+                 seed: int | None = None) -> Rollouts:
+        """Each engine samples its share; every rank gets the whole batch."""
         return self.engine.generate_all(prompt_ids, n, sampling, seed=seed)
 
     @contextlib.contextmanager
     def training(self):
-        """The trainer's turn: the engine gives its device memory back for the duration (wake-up is `publish`'s)."""
+        """The engine gives its device memory back for the duration (wake-up is `publish`'s)."""
         self.engine.sleep()
         yield
 
     def publish(self, version: int) -> dict:
-        """Sync the policy's current weights into the engine as `version` and make it ready to generate."""
         compat.release_cached_memory()
         stats = self.engine.update_weights(self._export_weights(self._bucket_bytes), version)
         self.engine.wake_up()
         return stats
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+

@@ -1,16 +1,35 @@
 """`trainer.profile_steps=[a,b]`: a torch profiler trace of steps a..b (inclusive), one Chrome trace per rank.
 
 Open `run_dir/profile/steps_a-b_rank{r}.json` in chrome://tracing or https://ui.perfetto.dev. The loop's phases
-(rollout, reward, old_logprob, update, sync) appear as named ranges (`_PhaseTimer` marks them with record_function).
+(rollout, reward, old_logprob, update, sync) appear as named ranges (`PhaseTimer` marks them with record_function).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 
 import torch
 
 from .. import compat
+
+
+class PhaseTimer:
+    """Seconds per phase of one step (`with timer("update"): ...`); each phase is also a named profiler range."""
+
+    def __init__(self):
+        self.seconds, self._t0 = {}, time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase):
+        t = time.perf_counter()
+        with torch.profiler.record_function(phase):
+            yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
 
 
 class StepProfiler:

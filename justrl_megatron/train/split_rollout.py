@@ -1,9 +1,9 @@
 """Split placement (rollout.placement=split): the last `rollout.num_rollout_ranks` ranks only roll out.
 
-Trainer side, `SplitRollout` (the same small interface as placement.ColocatedRollout: generate / training /
-publish / shutdown, plus submit / receive so that a batch can be in flight while the trainer updates). Rollout
-side, `serve`: the loop a rollout rank runs instead of the training loop. The two talk over the control channel
-(distributed.init_split: trainer rank 0 + every rollout rank), one conversation at a time:
+Trainer side, `SplitPlacement` (the train/placement.py seam; `overlaps`: a submitted batch generates on the rollout
+ranks while the trainer works). Rollout side, `serve`: the loop a rollout rank runs (inside `join`) instead of the
+training loop. The two talk over the control channel (distributed.init_split: trainer rank 0 + every rollout rank),
+one conversation at a time:
 
     trainer rank 0                                   rollout rank e (engine e of R, vLLM in a child process)
     ("init", receiver info); sender.open()     ->    engine.init_receiver (joins the weight-transfer group)
@@ -26,8 +26,7 @@ import time
 from collections import deque
 from typing import Sequence
 
-import torch.distributed as dist
-
+from ..distributed import backend, free_port, init_split, trainer_broadcast
 from ..rollout import Rollouts, SamplingConfig
 
 
@@ -40,31 +39,45 @@ class _Request:
         self.stats: dict = {}
 
 
-class SplitRollout:
+class SplitPlacement:
     """The trainer's handle on the rollout ranks (every trainer rank builds one; rank 0 holds the channel)."""
 
     overlaps = True  # a submitted batch generates on other ranks while the trainer works
 
-    def __init__(self, roles, export_weights, *, model_dir, bucket_mb: int):
-        from ..distributed import _free_port, backend
-        from ..rollout.vllm_engine import _tied_embeddings
-        from ..rollout.weight_transfer import BroadcastSender, checkpoint_tensors
-
-        self.roles = roles
-        self.leader = roles.control is not None
-        self._channel = roles.control
-        self._export_weights = export_weights
-        self._bucket_bytes = int(bucket_mb) << 20
-        self._tied = _tied_embeddings(model_dir)
-        self._expected = set(checkpoint_tensors(model_dir))  # a sync must cover all of them
+    def __init__(self, cfg, model_dir, *, engine=None):
+        if engine is not None:
+            raise ValueError("rollout.placement=split builds its engines on the rollout ranks; a ready engine can "
+                             "stand in only for a colocated one")
+        self.cfg, self.model_dir = cfg, model_dir
+        self._bucket_bytes = int(cfg.rollout.weight_sync_bucket_mb) << 20
         self._lock = threading.Lock()  # the channel carries one conversation at a time (a receiver thread, publish)
         self._pending: deque[_Request] = deque()
-        self.sender = None
+        self.roles = self.sender = None
+
+    @staticmethod
+    def trainer_world_size(rollout_cfg, world_size: int) -> int:
+        return world_size - rollout_cfg.num_rollout_ranks
+
+    def join(self) -> bool:
+        self.roles = init_split(self.cfg.rollout.num_rollout_ranks)
+        if not self.roles.is_trainer:
+            serve(self.cfg, self.model_dir, self.roles)  # generate and take weights until the trainer says stop
+            return False
+        return True
+
+    def start(self, export_weights) -> None:
+        from ..rollout.weight_transfer import BroadcastSender, checkpoint_tensors, tied_embeddings
+
+        self.leader = self.roles.control is not None
+        self._channel = self.roles.control
+        self._export_weights = export_weights
+        self._tied = tied_embeddings(self.model_dir)
+        self._expected = set(checkpoint_tensors(self.model_dir))  # a sync must cover all of them
         if self.leader:
             # the weight-transfer group's store lives on this rank's host: MASTER_ADDR under torchrun and the Slurm
             # scripts (rank 0 runs on the rendezvous node)
-            self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port(),
-                                          world_size=1 + roles.num_rollout_ranks, bucket_bytes=self._bucket_bytes)
+            self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port(),
+                                          world_size=1 + self.roles.num_rollout_ranks, bucket_bytes=self._bucket_bytes)
             self._channel.broadcast_object(("init", self.sender.receiver_init_info(rank_offset=1)), 0)
             self.sender.open()  # rendezvous with every engine's worker
 
@@ -115,7 +128,7 @@ class SplitRollout:
     def publish(self, version: int) -> dict:
         """Stream the policy's weights to every engine as `version` (every trainer rank iterates the export). The
         engines take it after the batch they are generating, whose rollouts are received first."""
-        from ..rollout.vllm_engine import send_weights
+        from ..rollout.weight_transfer import send_weights
 
         if self.leader:
             with self._lock:
@@ -149,22 +162,13 @@ def merge_parts(parts, num_prompts: int) -> Rollouts:
                     weight_version=min(r.weight_version for _, r, _ in parts))  # the oldest weights count
 
 
-def trainer_broadcast(obj):
-    """Trainer rank 0's object on every trainer rank (the default group is the trainers' in a split job)."""
-    if dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def serve(cfg, model_dir, roles) -> None:
     """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
     from ..rollout import make_engine
     from ..slurm import StopSignal
 
     StopSignal().install()  # SIGUSR1 / SIGTERM: the trainer checkpoints and sends stop; this rank must not die first
-    engine = make_engine(cfg, model_dir, seed=cfg.trainer.seed)
+    engine = make_engine(cfg, model_dir, seed=cfg.trainer.seed, in_process=False)
     channel, e, engines = roles.control, roles.engine_index, roles.num_rollout_ranks
     # idle time since this engine's previous batch: waiting for weights, and for the next prompts
     waits = {"wait_weights_s": 0.0, "wait_prompts_s": 0.0, "sync_s": 0.0}

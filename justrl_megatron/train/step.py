@@ -29,6 +29,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..algo.grpo import AGG_MODES, policy_loss
+from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model.logprobs import logprobs_from_hidden
@@ -186,25 +187,31 @@ def _empty_stats(device) -> dict:
 
 
 def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor], *, mini_batch_size: int,
-                max_tokens_per_micro_batch: int, **loss_kw) -> dict[str, float]:
+                max_tokens_per_micro_batch: int, loss: LossConfig | None = None,
+                ref_logprobs: Sequence[torch.Tensor] | None = None, on_grads: Callable | None = None,
+                **loss_settings) -> dict[str, float]:
     """One RL step of GRPO updates: ``ceil(len(samples) / mini_batch_size)`` optimizer steps over consecutive
     mini-batches, then one LR-scheduler step. Returns metrics, the same on every rank.
 
     ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
-    `compute_logprobs` before the first step). ``loss_kw``: clip_low, clip_high, dual_clip_c, loss_agg, kl_coef,
-    entropy_coef, ref_logprobs (needed only with ``kl_coef`` > 0), kl_estimator, mask_truncated (truncated samples
-    out of the loss and its denominator), rollout_correction and tis_cap (algo/rollout_correction.py: weights from
-    the old logprobs and each sample's ``rollout_logprobs``), and ``on_grads``: called as ``on_grads(policy,
-    step_index)`` after each backward (gradients reduced, before the optimizer step); for tests and diagnostics.
+    `compute_logprobs` before the first step). ``loss``: the algo.LossConfig (its defaults when None), with any of
+    its fields replaced by keyword (``clip_high=``, ``kl_coef=``, ...). ``ref_logprobs``: the reference policy's
+    (needed only with kl_coef > 0). mask_truncated takes truncated samples out of the loss and its denominator;
+    rollout_correction weighs the loss by the old logprobs over each sample's ``rollout_logprobs``.
+    ``on_grads``: called as ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the
+    optimizer step); for tests and diagnostics.
     """
     if len(old_logprobs) != len(samples):
         raise ValueError(f"{len(old_logprobs)} old logprob sequences for {len(samples)} samples")
     return _update(policy, samples, old_logprobs, mini_batch_size=mini_batch_size,
-                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, **loss_kw)[0]
+                   max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                   loss=(loss or LossConfig()).but(**loss_settings), ref_logprobs=ref_logprobs, on_grads=on_grads)[0]
 
 
 def grpo_update_on_policy(policy, samples: Sequence[Sample], *, max_tokens_per_micro_batch: int,
-                          **loss_kw) -> tuple[dict[str, float], list[torch.Tensor]]:
+                          loss: LossConfig | None = None, ref_logprobs: Sequence[torch.Tensor] | None = None,
+                          on_grads: Callable | None = None,
+                          **loss_settings) -> tuple[dict[str, float], list[torch.Tensor]]:
     """`grpo_update` for the common case of ONE optimizer step over samples drawn from the current weights, without
     the separate old-logprob pass: the update's own forward pass gives the old logprobs (detached, so the ratio is
     exactly 1 and the gradient is the same as with a recomputation). Saves one forward pass over the batch.
@@ -213,16 +220,16 @@ def grpo_update_on_policy(policy, samples: Sequence[Sample], *, max_tokens_per_m
     as `compute_logprobs` would have returned them (for the trainer vs rollout-engine parity check).
     """
     return _update(policy, samples, None, mini_batch_size=max(len(samples), 1),
-                   max_tokens_per_micro_batch=max_tokens_per_micro_batch, **loss_kw)
+                   max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                   loss=(loss or LossConfig()).but(**loss_settings), ref_logprobs=ref_logprobs, on_grads=on_grads)
 
 
 def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor] | None, *, mini_batch_size: int,
-            max_tokens_per_micro_batch: int, clip_low: float = 0.2, clip_high: float = 0.28,
-            dual_clip_c: float | None = 10.0, loss_agg: str = "token-mean", kl_coef: float = 0.0,
-            entropy_coef: float = 0.0, ref_logprobs: Sequence[torch.Tensor] | None = None, kl_estimator: str = "k3",
-            mask_truncated: bool = False, rollout_correction: str = "none", tis_cap: float = 2.0,
-            on_grads: Callable | None = None) -> tuple[dict[str, float], list[torch.Tensor]]:
+            max_tokens_per_micro_batch: int, loss: LossConfig, ref_logprobs: Sequence[torch.Tensor] | None,
+            on_grads: Callable | None) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
+    kl_coef, loss_agg, mask_truncated = loss.kl_coef, loss.loss_agg, loss.mask_truncated
+    rollout_correction = loss.rollout_correction
     if mini_batch_size < 1:
         raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
     reuse_forward = old_logprobs is None
@@ -258,11 +265,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         micro_batch_counts.append(len(micro_batches))
         tokens_total += sum(samples[i].length for i in ids)
 
-        loss_fn = functools.partial(
-            _grpo_loss, policy, dict(clip_low=clip_low, clip_high=clip_high, dual_clip_c=dual_clip_c, agg=loss_agg,
-                                     kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-                                     rollout_correction=rollout_correction, tis_cap=tis_cap),
-            denom)
+        loss_fn = functools.partial(_grpo_loss, policy, loss, denom)
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
@@ -330,13 +333,13 @@ def skip_limit_message(skipped_in_a_row: int, limit: int) -> str | None:
             "trainer.max_skipped_steps (0: never stop)")
 
 
-def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output: torch.Tensor):
+def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, output: torch.Tensor):
     """Loss function of one micro-batch (last pipeline stage): returns (loss, tokens, stats) as megatron expects."""
     device = output.device
     if mb.num_targets == 0:  # an empty filler micro-batch: zero loss, but keep the graph for the pipeline backward
         return output.sum() * 0.0, torch.tensor(0, dtype=torch.int, device=device), \
             {**_empty_stats(device), "target_logprobs": torch.zeros(0, device=device)}
-    entropy_coef = loss_kw["entropy_coef"]
+    entropy_coef = loss_cfg.entropy_coef
     logp, ent = _target_logprobs(policy, mb, model, output, with_entropy=True)
     if not entropy_coef:
         ent = ent.detach()  # metric only: no backward through the entropy
@@ -347,16 +350,14 @@ def _grpo_loss(policy, loss_kw: dict, denom: int, mb: MicroBatch, model, output:
     num_rows = int(mb.extras["kept_rows"]) if "kept_rows" in mb.extras else None
     # rollout correction: weights pi_old / pi_vllm (both paths: `old` is recomputed or this forward's, detached)
     weights, rc = correction_weights(_padded(old, mb), _padded(mb.extras["rollout"], mb), mask,
-                                     loss_kw["rollout_correction"], loss_kw["tis_cap"]) \
+                                     loss_cfg.rollout_correction, loss_cfg.tis_cap) \
         if "rollout" in mb.extras else (None, {})
-    token_mean = loss_kw["agg"] == "token-mean"
+    token_mean = loss_cfg.loss_agg == "token-mean"
     loss, m = policy_loss(
-        _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), mask,
-        clip_low=loss_kw["clip_low"], clip_high=loss_kw["clip_high"], dual_clip_c=loss_kw["dual_clip_c"],
-        agg=loss_kw["agg"], denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,
+        _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), mask, loss_cfg,
+        denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,
         num_rows=num_rows, ref_logprobs=_padded(mb.extras["ref"], mb) if "ref" in mb.extras else None,
-        kl_coef=loss_kw["kl_coef"], kl_estimator=loss_kw["kl_estimator"],
-        entropy=_padded(ent, mb) if entropy_coef else None, entropy_coef=entropy_coef, weights=weights)
+        entropy=_padded(ent, mb) if entropy_coef else None, weights=weights)
     in_loss = (lambda t: t) if keep is None else (lambda t: t * keep)  # the token statistics cover the loss' tokens
     stats = _empty_stats(device)
     stats.update({

@@ -202,18 +202,17 @@ class Validation:
 
     def run(self, rollout, step: int) -> dict[str, float]:
         """Sample and score every set with the engine's current weights; the metrics on the leader, {} elsewhere."""
+        from .scoring import generate_and_score
+
         start, metrics = time.perf_counter(), {}
         with preserved_rng():
             for s in self.sets:
                 # sample k of prompt i is seeded seed + i * n + k however the engine cuts the set into calls
-                token_ids = rollout.generate([p.ids for p in s.prompts], s.n, s.sampling,
-                                             seed=val_seed(self.seed, step, s.name)).token_ids
-                if not self.enabled:
-                    continue
-                texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
-                answers = [s.prompts[i // s.n].answer for i in range(len(texts))]
-                _, correct = self._scorer(s.verifier).evaluate(texts, answers)
-                metrics.update(set_metrics(s.name, s.n, correct, [len(t) for t in token_ids]))
+                got = generate_and_score(rollout, s.prompts, s.n, s.sampling, seed=val_seed(self.seed, step, s.name),
+                                         scorer=self._scorer(s.verifier) if self.enabled else None,
+                                         tokenizer=self.tokenizer)
+                if self.enabled:
+                    metrics.update(set_metrics(s.name, s.n, got.correct, [len(t) for t in got.rollouts.token_ids]))
         _drop_prefix_cache(rollout)
         if metrics:
             metrics["val/time_s"] = time.perf_counter() - start

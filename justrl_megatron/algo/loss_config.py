@@ -1,0 +1,46 @@
+"""`LossConfig`: every setting of the policy loss (and of the advantages it weighs), in one frozen object.
+
+Built once from `cfg.algo` (`LossConfig.from_algo`), it travels whole: loop -> train/step.py's update -> the
+micro-batch loss -> `algo.grpo.policy_loss`. Each default is written here and only here: config.py's AlgoConfig and
+policy_loss's keywords read them from this class. Adding a loss knob: a field here (with its default and a comment),
+its use in algo/grpo.py, its check in config.py's validate if it has a range, and a test.
+
+Import-light on purpose (no torch): config.py imports it to take the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    # PPO-style clip range [1 - clip_low, 1 + clip_high]; JustRL's clip-higher keeps 0.28 above
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: Optional[float] = 10.0  # A < 0: the loss is capped at -A * c (None: off)
+    # token-mean: over the mini-batch's response tokens (JustRL's intent; packing-independent) | verl04-dynbsz: what
+    # verl 0.4.0 computes with dynamic batch size | seq-mean-token-mean | seq-mean-token-sum (docs/algorithm.md)
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0  # the KL penalty to the reference policy (JustRL: none)
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0  # an entropy bonus (JustRL: none)
+    mask_truncated: bool = False  # truncated responses leave the loss and its denominator
+    rollout_correction: str = "none"  # none | tis | mis | seq-tis | seq-mis (algo/rollout_correction.py)
+    tis_cap: float = 2.0
+    norm_adv_by_std: bool = True  # group advantages divided by the group's std (False: Dr. GRPO)
+
+    @classmethod
+    def from_algo(cls, algo) -> "LossConfig":
+        """The loss settings of a config's `algo` section (every field has a key of the same name there)."""
+        return cls(**{f.name: getattr(algo, f.name) for f in dataclasses.fields(cls)})
+
+    def but(self, **settings) -> "LossConfig":
+        """This config with some fields replaced; an unknown name is a TypeError that lists the known ones."""
+        unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown loss setting(s) {unknown}; LossConfig has "
+                            f"{', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **settings) if settings else self
