@@ -318,3 +318,56 @@ def test_check_config_reports_model_tokenizer_and_data_together(tmp_path):
     assert lines[2] == f"  - data.train: {tmp_path / 'no.jsonl'}: no such file or directory"
     assert lines[3].startswith("  - trainer.lr must be in (0, 1]") and lines[3].endswith("got 0.0")
     assert not (tmp_path / "run").exists()  # a refused launch is not recorded
+
+
+# --- issue 32: one line, exit 2, before anything is written --------------------------------------------------------
+
+def _main_exit(monkeypatch, capsys, *args):
+    from justrl_megatron import train_entry
+
+    monkeypatch.setattr("sys.argv", ["justrl-train", *args])
+    with pytest.raises(SystemExit) as exit_:
+        train_entry.main()
+    return exit_.value.code, capsys.readouterr().err
+
+
+def test_an_empty_run_dir_or_a_file_is_refused_before_hydra_writes(tmp_path, monkeypatch, capsys):
+    """An empty trainer.run_dir= was accepted and wrote into the current folder; a file gave hydra's traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    for value, says in (("", "trainer.run_dir is empty: name the folder"),
+                        (str(tmp_path / "a_file"), f"{tmp_path / 'a_file'} is an existing file, not a folder"),
+                        (str(tmp_path / "a_file" / "run"), f"{tmp_path / 'a_file'} is an existing file")):
+        code, err = _main_exit(monkeypatch, capsys, f"trainer.run_dir={value}")
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_read_only_run_dir_is_one_line(tmp_path):
+    """A read-only bind mount (as root, chmod alone does not stop writes); a real launch, refused before hydra."""
+    import subprocess
+    import sys
+
+    from helpers import ENV
+
+    (tmp_path / "ro").mkdir()
+    script = (f"mount --bind -o ro {tmp_path / 'ro'} {tmp_path / 'ro'} || exit 77; exec {sys.executable} -m "
+              f"justrl_megatron.cli train trainer.run_dir={tmp_path / 'ro' / 'run'}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "unshare:" in proc.stderr:
+        pytest.skip(f"no private read-only mount here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"justrl-train: invalid config: trainer.run_dir={tmp_path / 'ro' / 'run'}: "
+                                   f"{tmp_path / 'ro'} is not writable (read-only); choose a writable folder")
+
+
+def test_every_prompt_too_long_is_found_before_the_run_dir_is_written(tmp_path, tiny_llama):
+    """Found only after config_history was written (issue 32)."""
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tiny_llama}", "data.max_prompt_length=8",
+                   "rollout.max_response_length=8", "data.num_generated=16"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert lines == ["  - data.max_prompt_length=8: all 16 prompts of data.train are longer (with "
+                     "data.template=boxed); raise it or use shorter prompts"], lines
+    assert not (tmp_path / "run").exists()
