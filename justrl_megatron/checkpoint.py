@@ -58,7 +58,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from . import compat
 from .dtypes import torch_name
 from .model import lora
-from .model.build import unwrap
+from .model.build import nonfinite_parameters, unwrap
 from .model.hf_config import ModelShape, copy_side_files, model_shape
 
 META_FILE = "justrl_megatron.json"
@@ -173,8 +173,8 @@ def latest_step(run_dir: str | os.PathLike) -> int | None:
 
 
 class CheckpointError(Exception):
-    """No checkpoint can be resumed (damaged, with trainer.resume=strict, or all of them): the message says which file
-    and what to do."""
+    """No checkpoint can be resumed (damaged, with trainer.resume=strict, or all of them), or one cannot be written
+    (non-finite weights): the message says which file and what to do."""
 
 
 def _crc32(path: Path) -> int:
@@ -482,10 +482,17 @@ def save_checkpoint(
     """Save a complete training checkpoint for `step` (all ranks call it). Returns the step folder.
 
     `extra` is the caller's picklable state (data position, metrics, ...), saved from rank 0. `shape` and `hf_source`
-    (the HF model folder) make the checkpoint self-describing for `justrl-convert mcore-to-hf`.
+    (the HF model folder) make the checkpoint self-describing for `justrl-convert mcore-to-hf`. Weights holding a NaN or
+    inf on any rank are refused (CheckpointError) before anything is written.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+    bad = nonfinite_parameters(chunks)
+    problem = _agreed(f"{len(bad)} weight tensors hold NaN or inf ({', '.join(bad[:3])}"
+                      f"{', ...' if len(bad) > 3 else ''})" if bad else None)
+    if problem is not None:  # a checkpoint is never written with non-finite weights
+        raise CheckpointError(f"refusing to save step {step} in {checkpoint_root(run_dir)}: {problem}; the "
+                              f"checkpoints already there are kept")
     tmp = _stage(run_dir, step, chunks, optimizer, scheduler, extra, shape, hf_source)
     return _commit(run_dir, step, tmp, keep_last)
 

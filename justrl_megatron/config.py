@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,7 +285,8 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
 
     if algo.loss_agg not in AGG_MODES:
         problems.append(f"algo.loss_agg must be one of {', '.join(AGG_MODES)}, got {algo.loss_agg!r}")
-    if not (0 <= algo.clip_low < 1 and algo.clip_high >= 0):
+    clips_finite = math.isfinite(algo.clip_low) and math.isfinite(algo.clip_high)  # else nonfinite_problems says
+    if clips_finite and not (0 <= algo.clip_low < 1 and algo.clip_high >= 0):
         problems.append(f"algo.clip_low must be in [0, 1) and algo.clip_high >= 0 "
                         f"(got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
@@ -392,7 +394,8 @@ _POSITIVE = _between(0, None, low_open=True)
 RANGES = {
     "trainer.total_steps": (_AT_LEAST_1, ">= 1"),
     "trainer.prompts_per_step": (_AT_LEAST_1, ">= 1"),
-    "trainer.lr": (_POSITIVE, "> 0"),
+    "trainer.lr": (_between(0, 1, low_open=True), "in (0, 1] (Adam moves each weight by about lr per step; "
+                   "JustRL: 1e-6)"),
     "trainer.warmup_steps": (_AT_LEAST_0, ">= 0"),
     "trainer.weight_decay": (_AT_LEAST_0, ">= 0"),
     "trainer.grad_clip": (_POSITIVE, "> 0 (JustRL clips at 1.0; a large value clips nothing)"),
@@ -417,6 +420,7 @@ RANGES = {
     "rollout.weight_sync_bucket_mb": (_AT_LEAST_1, ">= 1"),
     "algo.reward_workers": (_AT_LEAST_0, ">= 0 (0: score in the trainer's process)"),
     "algo.kl_coef": (_AT_LEAST_0, ">= 0"),
+    "algo.entropy_coef": (_AT_LEAST_0, ">= 0 (a bonus for entropy; 0: off, as JustRL)"),
     "algo.max_sampling_rounds": (_AT_LEAST_1, ">= 1 (prompt batches sampled per step with algo.dynamic_sampling, "
                                  "the first included)"),
     "algo.overlong_buffer": (_AT_LEAST_0, ">= 0 (tokens before rollout.max_response_length where the length "
@@ -437,11 +441,45 @@ CHOICES = {
 }
 
 
+def nonfinite_problems(cfg) -> list[str]:
+    """Every float anywhere in the config (schema fields, free-form dicts such as algo.reward_options, list items such
+    as data.val) must be finite: NaN passes every comparison and inf every lower bound. One line per key."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - an interpolation that fails: read the values as written
+        plain = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+
+    def walk(node, path):
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            key = f"{path}.{k}" if path and not isinstance(k, int) else f"{path}[{k}]" if path else str(k)
+            if isinstance(v, float) and not math.isfinite(v):
+                default = _schema_default(key)
+                hint = f" (the default is {default})" if isinstance(default, (int, float)) else ""
+                yield f"{key} must be a finite number, got {v!r}; write a number{hint}"
+            else:
+                yield from walk(v, key)
+
+    return list(walk({k: v for k, v in plain.items() if k != "hydra"}, ""))
+
+
+def _schema_default(key: str):
+    """The schema's default of a dotted key, or None (free-form keys, list items, required fields)."""
+    node = JustRLConfig()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node
+
+
 def value_problems(cfg, world_size: int) -> list[str]:
-    """Ranges, names, the reward and its options, and the placement's rank split."""
-    problems = []
+    """Finiteness, ranges, names, the reward and its options, and the placement's rank split."""
+    problems = nonfinite_problems(cfg)
     for key, (test, rule) in RANGES.items():
         value = OmegaConf.select(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            continue  # said by nonfinite_problems
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not test(value)):
             problems.append(f"{key} must be {rule}, got {value!r}")
     for key, names in CHOICES.items():

@@ -68,9 +68,12 @@ def check_config(cfg, *, also=()):
 
     launched = copy.deepcopy(cfg)  # the history keeps what was asked for, not what the memory plan made of it
     problems = list(also)
+    run_dir = run_dir_problem(cfg.trainer.run_dir)
+    problems += [run_dir] if run_dir else []
     model_dir, shape = _model(cfg, problems)
     if not data_name_problems(cfg.data):  # a bad format or template is reported once, by validate
-        problems += data_problems(cfg)
+        found = data_problems(cfg)
+        problems += found or (prompt_length_problems(cfg, model_dir) if model_dir is not None else [])
     resume = resume_check(cfg, shape) if _is_rank0() else None  # rank 0 decides; torchrun stops the others
     if resume is not None:
         problems += resume.problems
@@ -132,6 +135,56 @@ def data_problems(cfg) -> list[str]:
     return problems
 
 
+def run_dir_problem(run_dir) -> str | None:
+    """Why trainer.run_dir cannot hold a run (empty: hydra would write into the current folder; an existing file;
+    not writable), else None. Writes nothing."""
+    text = "" if run_dir is None else str(run_dir).strip()
+    if not text:
+        return ("trainer.run_dir is empty: name the folder that holds the run (checkpoints, metrics, logs), e.g. "
+                "trainer.run_dir=runs/my_run")
+    path = Path(text).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"trainer.run_dir={run_dir}: {existing} is an existing file, not a folder; choose another path"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"trainer.run_dir={run_dir}: {existing} is not writable (read-only); choose a writable folder"
+    return None
+
+
+def _run_dir_of(args: list[str]) -> str | None:
+    """trainer.run_dir as the command line's overrides compose it (None where they do not compose: hydra says why)."""
+    from omegaconf import OmegaConf
+
+    from .config import compose
+
+    overrides = [a for a in args if not a.startswith("-") and "=" in a
+                 and not a.lstrip("+~").startswith("hydra.")]
+    try:
+        return OmegaConf.select(compose(overrides), "trainer.run_dir", default=None)
+    except Exception:  # noqa: BLE001 - hydra reports a bad override itself
+        return None
+
+
+def prompt_length_problems(cfg, model_dir) -> list[str]:
+    """A problem when every training prompt is longer than data.max_prompt_length (after the chat template): a few
+    rows first, all of them only when none of those fits."""
+    from transformers import AutoTokenizer
+
+    from .train.sampler import load_training_rows, tokenize_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    with contextlib.redirect_stderr(io.StringIO()):
+        rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, limit=DATA_SAMPLE_ROWS)
+        if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
+            return []
+        rows = load_training_rows(cfg.data, seed=cfg.trainer.seed)
+        prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
+    if prompts:
+        return []
+    return [f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of data.train are longer "
+            f"(with data.template={cfg.data.template}); raise it or use shorter prompts"]
+
+
 def resume_check(cfg, shape):
     """A run_config.ResumeCheck of this launch against the run dir's checkpoint and config history."""
     from .run_config import ResumeCheck
@@ -177,4 +230,10 @@ def main() -> None:
     """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
     every other problem is found too) and reported with them."""
     _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
+    # before hydra, which creates the run dir and writes into it (an empty value: into the current folder)
+    run_dir = _run_dir_of(sys.argv[1:]) if not _cli_problems else None
+    problem = run_dir_problem(run_dir) if run_dir is not None else None
+    if problem is not None:
+        print(f"justrl-train: invalid config: {problem}", file=sys.stderr)
+        sys.exit(2)
     _hydra_main()

@@ -47,6 +47,19 @@ def test_keep_last_must_be_positive(tmp_path):
         ckpt.save_checkpoint(tmp_path, 1, [], None, None, {}, keep_last=0)
 
 
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    """lr=inf wrote a checkpoint whose every tensor was NaN, announced as "the last good weights" (issue 32)."""
+    from test_step import _policy
+
+    policy = _policy()
+    with torch.no_grad():
+        next(policy.chunks[0].parameters()).view(-1)[3] = float("nan")
+    with pytest.raises(ckpt.CheckpointError, match=r"refusing to save step 2 in .*: 1 weight tensors hold NaN or "
+                                                   r"inf \(module\..*\); the checkpoints already there are kept"):
+        ckpt.save_checkpoint(tmp_path, 2, policy.chunks, policy.optimizer, policy.scheduler, {})
+    assert not (tmp_path / "checkpoints").exists()
+
+
 def _fake_checkpoint(folder, manifest=True):
     folder.mkdir(parents=True)
     (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')

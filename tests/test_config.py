@@ -125,7 +125,8 @@ def test_command_line_typos_are_taken_off_before_hydra_composes():
 @pytest.mark.parametrize("override,message", [
     ("trainer.save_every=0", "trainer.save_every must be >= 1"),
     ("trainer.keep_last=0", "trainer.keep_last must be >= 1"),
-    ("trainer.lr=-1e-6", "trainer.lr must be > 0, got -1e-06"),
+    ("trainer.lr=-1e-6", "trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step; JustRL: "
+                          "1e-6), got -1e-06"),
     ("trainer.warmup_steps=-1", "trainer.warmup_steps must be >= 0"),
     ("trainer.total_steps=0", "trainer.total_steps must be >= 1"),
     ("trainer.grad_clip=0", "trainer.grad_clip must be > 0"),
@@ -149,6 +150,49 @@ def test_each_bad_value_is_named_with_its_rule(override, message):
     with pytest.raises(ConfigError) as err:
         validate(compose([override]), world_size=1)
     assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+@pytest.mark.parametrize("override,message", [  # issue 32: each of these was accepted
+    ("trainer.lr=inf", "trainer.lr must be a finite number, got inf; write a number (the default is 1e-06)"),
+    ("rollout.temperature=inf", "rollout.temperature must be a finite number, got inf"),
+    ("trainer.adam_eps=inf", "trainer.adam_eps must be a finite number, got inf"),
+    ("trainer.weight_decay=inf", "trainer.weight_decay must be a finite number, got inf"),
+    ("algo.kl_coef=inf", "algo.kl_coef must be a finite number, got inf"),
+    ("algo.entropy_coef=nan", "algo.entropy_coef must be a finite number, got nan"),
+    ("algo.entropy_coef=-5", "algo.entropy_coef must be >= 0"),
+    ("algo.dual_clip_c=nan", "algo.dual_clip_c must be a finite number, got nan; write a number (the default is 10.0)"),
+    ("algo.clip_low=nan", "algo.clip_low must be a finite number, got nan"),
+    ("+algo.reward_options.correct=nan", "algo.reward_options.correct must be a finite number, got nan"),
+    ("+algo.reward_options.wrong=-inf", "algo.reward_options.wrong must be a finite number, got -inf"),
+    ("model.lora.alpha=inf", "model.lora.alpha must be a finite number, got inf"),
+    ("trainer.lr=10", "trainer.lr must be in (0, 1]"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused(override, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose([override]), world_size=1)
+    assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+def test_every_float_of_the_schema_is_checked_for_finiteness():
+    """Generic: the walk covers every float field of the schema, not a hand-kept list."""
+    import dataclasses
+    import typing
+
+    from justrl_megatron.config import JustRLConfig, nonfinite_problems, schema_keys
+
+    def floats(cls, prefix=""):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                yield from floats(kind, f"{prefix}{f.name}.")
+            elif float in (kind, *typing.get_args(kind)):
+                yield prefix + f.name
+
+    keys = list(floats(JustRLConfig))
+    assert len(keys) >= 15 and set(keys) <= set(schema_keys())
+    cfg = compose([f"{k}=nan" for k in keys])
+    assert sorted(p.split(" ")[0] for p in nonfinite_problems(cfg)) == sorted(keys)
 
 
 def test_reward_options_must_fit_the_verifier():
@@ -272,5 +316,58 @@ def test_check_config_reports_model_tokenizer_and_data_together(tmp_path):
     assert lines[0].startswith(f"  - model.tokenizer={tmp_path / 'no_tok'}: no such folder")
     assert lines[1].startswith(f"  - model.path={tmp_path / 'no_model'}: no such folder")
     assert lines[2] == f"  - data.train: {tmp_path / 'no.jsonl'}: no such file or directory"
-    assert lines[3] == "  - trainer.lr must be > 0, got 0.0"
+    assert lines[3].startswith("  - trainer.lr must be in (0, 1]") and lines[3].endswith("got 0.0")
     assert not (tmp_path / "run").exists()  # a refused launch is not recorded
+
+
+# --- issue 32: one line, exit 2, before anything is written --------------------------------------------------------
+
+def _main_exit(monkeypatch, capsys, *args):
+    from justrl_megatron import train_entry
+
+    monkeypatch.setattr("sys.argv", ["justrl-train", *args])
+    with pytest.raises(SystemExit) as exit_:
+        train_entry.main()
+    return exit_.value.code, capsys.readouterr().err
+
+
+def test_an_empty_run_dir_or_a_file_is_refused_before_hydra_writes(tmp_path, monkeypatch, capsys):
+    """An empty trainer.run_dir= was accepted and wrote into the current folder; a file gave hydra's traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    for value, says in (("", "trainer.run_dir is empty: name the folder"),
+                        (str(tmp_path / "a_file"), f"{tmp_path / 'a_file'} is an existing file, not a folder"),
+                        (str(tmp_path / "a_file" / "run"), f"{tmp_path / 'a_file'} is an existing file")):
+        code, err = _main_exit(monkeypatch, capsys, f"trainer.run_dir={value}")
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_read_only_run_dir_is_one_line(tmp_path):
+    """A read-only bind mount (as root, chmod alone does not stop writes); a real launch, refused before hydra."""
+    import subprocess
+    import sys
+
+    from helpers import ENV
+
+    (tmp_path / "ro").mkdir()
+    script = (f"mount --bind -o ro {tmp_path / 'ro'} {tmp_path / 'ro'} || exit 77; exec {sys.executable} -m "
+              f"justrl_megatron.cli train trainer.run_dir={tmp_path / 'ro' / 'run'}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
+    if proc.returncode == 77 or "unshare:" in proc.stderr:
+        pytest.skip(f"no private read-only mount here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"justrl-train: invalid config: trainer.run_dir={tmp_path / 'ro' / 'run'}: "
+                                   f"{tmp_path / 'ro'} is not writable (read-only); choose a writable folder")
+
+
+def test_every_prompt_too_long_is_found_before_the_run_dir_is_written(tmp_path, tiny_llama):
+    """Found only after config_history was written (issue 32)."""
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tiny_llama}", "data.max_prompt_length=8",
+                   "rollout.max_response_length=8", "data.num_generated=16"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    lines = str(err.value).splitlines()[1:]
+    assert lines == ["  - data.max_prompt_length=8: all 16 prompts of data.train are longer (with "
+                     "data.template=boxed); raise it or use shorter prompts"], lines
+    assert not (tmp_path / "run").exists()

@@ -272,6 +272,54 @@ def test_cli_errors_before_any_work(models, tmp_path, capsys):
     assert not dist.is_initialized()  # refused before any set-up
 
 
+def _broken_copies(hf, root) -> dict:
+    """Copies of `hf` broken as users break them (issue 32), each with what the one-line error must say."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    def copy(name):
+        shutil.copytree(hf, root / name)
+        return root / name
+
+    missing = copy("missing_shard")
+    t = load_file(str(missing / "model.safetensors"))
+    names = sorted(t)
+    save_file({k: t[k] for k in names[:5]}, str(missing / "model-00001-of-00002.safetensors"))
+    (missing / "model.safetensors").unlink()
+    (missing / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 if i < 5 else 2}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    corrupt = copy("corrupt_header")
+    raw = (corrupt / "model.safetensors").read_bytes()
+    (corrupt / "model.safetensors").write_bytes(raw[:8] + b"{garbage" + raw[16:])
+    mismatch = copy("shape_mismatch")
+    config = json.loads((mismatch / "config.json").read_text())
+    (mismatch / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    bad_json = copy("bad_config")
+    (bad_json / "config.json").write_text("{ not json")
+    return {missing: "model-00002-of-00002.safetensors listed in model.safetensors.index.json but missing",
+            corrupt: "model.safetensors: not a readable safetensors file (Error while deserializing header",
+            mismatch: "the weights do not match config.json: model.layers.0.mlp.gate_proj.weight is",
+            bad_json: "config.json: It looks like the config file at"}
+
+
+def test_cli_broken_hf_folders_are_one_line_before_any_work(tmp_path, capsys):
+    """A missing shard, a corrupt header, a config/weights mismatch, an invalid config.json: tracebacks before."""
+    import torch.distributed as dist
+
+    from justrl_megatron.convert.cli import main
+
+    broken = _broken_copies(tiny_model(tmp_path / "hf", "qwen2", num_layers=2), tmp_path)
+    capsys.readouterr()  # the model's own progress bars
+    for hf, says in broken.items():
+        out = tmp_path / f"out_{hf.name}"
+        assert main(["hf-to-mcore", "--hf", str(hf), "--out", str(out)]) == 2, hf
+        err = capsys.readouterr().err
+        assert err.startswith("justrl-convert hf-to-mcore: error: ") and err.count("\n") == 1, err
+        assert says in err and not out.exists(), (hf.name, err)
+    assert not dist.is_initialized()  # refused before any set-up
+
+
 def test_cli_verify_refuses_different_architectures(layouts, models, capsys):
     from justrl_megatron.convert.cli import main
 

@@ -118,6 +118,18 @@ def test_gsm8k_answers_and_malformed_rows(tmp_path, capsys):
     assert "skipped 7 malformed" in err and "non_utf8=1" in err
 
 
+@pytest.mark.parametrize("fmt", ["generic", "math", "aime", "dapo"])
+def test_a_none_ground_truth_is_an_invalid_row(tmp_path, fmt, capsys):
+    """A None ground truth written out as "None" scored \\boxed{None} as correct (issue 32)."""
+    problems = [{"problem": f"p{i}", "answer": a} for i, a in enumerate([None, "None", "nan", "3"])]
+    if fmt == "dapo":
+        problems = [{"prompt": p["problem"], "reward_model": {"ground_truth": p["answer"]}} for p in problems]
+    res = load_rows(write_jsonl(tmp_path / "rows.jsonl", problems), fmt)
+    assert [r["answer"] for r in res.rows] == ["3"]
+    assert res.skipped == {"missing_answer": 1, "null_answer": 2}
+    assert "skipped 3 malformed (missing_answer=1, null_answer=2)" in capsys.readouterr().err
+
+
 def test_missing_column_and_empty_results_name_the_file(tmp_path):
     path = write_jsonl(tmp_path / "q_only.jsonl", [{"question": "a?"}, {"question": "b?"}])
     with pytest.raises(ValueError, match=r"q_only\.jsonl: missing column 'answer'"):

@@ -122,6 +122,60 @@ def test_math_verify_values_and_threads():
     assert out == [1]
 
 
+# --- issue 32: math-verify's work is bounded on both sides -----------------------------------------------------------
+
+def _nested(levels: int, inner: str = "1") -> str:
+    return "{" * levels + inner + "}" * levels
+
+
+@pytest.mark.parametrize("levels", [12, 14, 20])
+def test_math_verify_deep_braces_score_correct_fast(levels):
+    """12 levels took 5.8 s and from 14 levels correct answers timed out and scored wrong (issue 32)."""
+    fn, answer = MathVerifyReward(), _nested(levels)
+    for response in (f"so \\boxed{{{answer}}}", f"so \\boxed{{{answer}+0}}", "so \\boxed{1}"):
+        start = time.monotonic()
+        assert fn.evaluate(response, answer) == (1.0, True), response
+        assert time.monotonic() - start < 1.0, (response, time.monotonic() - start)
+
+
+def test_math_verify_refuses_deep_nesting_before_sympy():
+    start = time.monotonic()  # 20 levels that no doubled pair can flatten: not parsed at all, so no answer
+    assert MathVerifyReward(no_answer=-0.5)("\\boxed{" + "{1" * 20 + "}" * 20 + "}", "2") == -0.5
+    assert time.monotonic() - start < 0.5
+
+
+def test_math_verify_bounds_a_huge_ground_truth():
+    """A 5 MB ground truth took 5 s (only the response side was clipped)."""
+    fn, huge = MathVerifyReward(), "1" * (5 * MB)
+    start = time.monotonic()
+    assert fn("\\boxed{1}", huge) == 0.0 and fn("no answer", huge) == 0.0
+    assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.parametrize("text,flat,depth", [
+    ("{{{1}}}", "{1}", 1), ("\\frac{{1}}{((2))}", "\\frac{1}{(2)}", 2), ("{{1}{2}}", "{{1}{2}}", 2),
+    ("[0, 1)", "[0, 1)", 1), ("\\{\\{1\\}\\}", "\\{\\{1\\}\\}", 0), ("x)) + ((", "x)) + ((", 2),
+])
+def test_flatten_nesting_drops_only_redundant_pairs(text, flat, depth):
+    from justrl_megatron.rewards.mathverify import flatten_nesting
+
+    assert flatten_nesting(text) == (flat, depth)
+
+
+# --- issue 32: a missing ground truth is never the text "None" -----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["dapo", "math_verify"])
+def test_none_ground_truth_is_refused(name):
+    fn = get_reward_fn(name)
+    for missing in (None, "None", "nan"):
+        with pytest.raises(ValueError, match="no ground truth"):
+            fn.grade("\\boxed{None}", missing)
+    with BatchScorer(fn, num_workers=0) as scorer:
+        with pytest.raises(ValueError, match=r"1 of 2 answers are missing .* positions \[1\]"):
+            scorer.score(["\\boxed{1}", "\\boxed{None}"], ["1", None])
+        assert scorer.stats["items"] == 0  # refused before anything was scored
+
+
 def test_dapo_then_math_verify():
     fn = get_reward_fn("dapo_then_math_verify")
     assert fn("\\boxed{42}", "42") == 1.0  # dapo alone

@@ -356,6 +356,24 @@ def test_non_finite_gradient_skips_the_step(dtype, distopt, inject):
     assert any(not torch.equal(moved[k], before[k]) for k in before if k.startswith("w"))
 
 
+@pytest.mark.parametrize("dtype,distopt", [("fp32", True), ("bf16", False)])
+def test_a_step_that_makes_the_weights_non_finite_is_taken_back(dtype, distopt):
+    """lr=inf (issue 32): a finite gradient, but every new weight NaN / inf. The step is taken back (weights and
+    master weights as before, all finite) and counted as skipped, like a non-finite gradient."""
+    from justrl_megatron.model.build import nonfinite_parameters
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    policy = _policy(dtype, distopt, lr=float("inf"))
+    samples = _batch([5, 3, 7, 2])
+    before = {k: v for k, v in _snapshot(policy).items() if k.count(".") <= 2 or k.startswith("w")}  # no Adam state
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=32)
+    bad = grpo_update(policy, samples, old, mini_batch_size=4, **STEP_KW)
+    assert bad["skipped_steps"] == 1 and math.isnan(bad["grad_norm"])  # as a skipped step logs it
+    assert policy.skipped_in_a_row == 1 and nonfinite_parameters(policy.chunks) == []
+    after = _snapshot(policy)
+    assert [k for k in before if not torch.equal(after[k], before[k])] == []
+
+
 @pytest.mark.slow
 def test_all_ranks_skip_together(tmp_path):
     """2 ranks (DP2, DP2 with the distributed optimizer, TP2): a NaN in one rank's gradients skips the step on both."""

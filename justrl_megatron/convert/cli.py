@@ -102,7 +102,10 @@ def _hf_shape(hf_dir: str | os.PathLike, what: str = "--hf"):
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").exists():
         raise UsageError(f"{what} {hf_dir}: no config.json (expected a Hugging Face model folder)")
-    config = AutoConfig.from_pretrained(hf_dir)
+    try:
+        config = AutoConfig.from_pretrained(hf_dir)
+    except (OSError, ValueError) as exc:  # not JSON, or not a config transformers knows
+        raise UsageError(f"{what} {hf_dir}/config.json: {str(exc).splitlines()[0]}") from None
     try:
         return model_shape(config), config
     except ValueError as exc:
@@ -242,15 +245,17 @@ def _hf_dtype(config) -> torch.dtype:
 # --- subcommands ------------------------------------------------------------------------------------------------------
 
 def hf_to_mcore(args) -> int:
-    from .load import SafetensorsFolder, load_hf_weights
+    from .load import SafetensorsFolder, load_hf_weights, weights_problem
 
     shape, config = _hf_shape(args.hf)
     _check_layout(shape, args.tp, args.pp, args.vpp)
     _check_out(args.out, args.force, {"--hf": args.hf})
-    try:
-        SafetensorsFolder(args.hf)
-    except FileNotFoundError as exc:
+    try:  # shards, headers and shapes, before any model is built
+        problem = weights_problem(SafetensorsFolder(args.hf), shape)
+    except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if problem is not None:
+        raise UsageError(f"--hf {args.hf}: {problem}")
     dtype = DTYPES[args.dtype] if args.dtype else _hf_dtype(config)
 
     chunks = _setup(shape, args.tp, args.pp, args.vpp, dtype, args.make_vocab_size_divisible_by)

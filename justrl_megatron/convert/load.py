@@ -17,17 +17,27 @@ from megatron.core import parallel_state as ps
 
 from ..model.build import unwrap
 from ..model.hf_config import ModelShape, model_shape
-from .mapping import Entry, entry_for, hf_to_shard, live_parameters, model_entries
+from .mapping import Entry, entry_for, hf_shapes, hf_to_shard, live_parameters, model_entries
 
 
 class SafetensorsFolder:
-    """Lazy, sliced access to the tensors of an HF folder (single file or sharded with an index)."""
+    """Lazy, sliced access to the tensors of an HF folder (single file or sharded with an index). Opening it reads
+    every file's header: a shard the index lists but the folder lacks, or a damaged header, fails here
+    (FileNotFoundError / ValueError), before any work."""
 
     def __init__(self, hf_dir: str | os.PathLike):
         self.dir = Path(hf_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
-            self.file_of = dict(json.loads(index.read_text())["weight_map"])
+            try:
+                self.file_of = dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+            missing = sorted({f for f in self.file_of.values() if not (self.dir / f).exists()})
+            if missing:
+                raise FileNotFoundError(f"{self.dir}: {', '.join(missing)} listed in {index.name} but missing")
+            for f in sorted(set(self.file_of.values())):
+                self._open(f)
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
@@ -35,13 +45,18 @@ class SafetensorsFolder:
                 raise FileNotFoundError(
                     f"{self.dir}: no *.safetensors weights (found: {found}). Re-save the model with "
                     f"save_pretrained(..., safe_serialization=True)")
-            from safetensors import safe_open
-
             self.file_of = {}
             for f in files:
-                with safe_open(str(f), "pt") as handle:
-                    self.file_of.update({k: f.name for k in handle.keys()})
+                self.file_of.update({k: f.name for k in self._open(f.name).keys()})
         self._handles: dict[str, object] = {}
+
+    def _open(self, file: str):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            return safe_open(str(self.dir / file), "pt")
+        except SafetensorError as exc:
+            raise ValueError(f"{self.dir / file}: not a readable safetensors file ({exc})") from None
 
     def names(self) -> set[str]:
         return set(self.file_of)
@@ -54,7 +69,7 @@ class SafetensorsFolder:
             path = self.dir / file
             if not path.exists():
                 raise FileNotFoundError(f"{path} is listed in the index but missing")
-            self._handles[file] = safe_open(str(path), "pt")
+            self._handles[file] = self._open(file)
         return self._handles[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -67,6 +82,22 @@ class SafetensorsFolder:
         if dim == 0:
             return sl[start:stop]
         return sl[:, start:stop]
+
+
+def weights_problem(files: SafetensorsFolder, shape: ModelShape) -> str | None:
+    """What in the weights does not fit the config (a tensor missing, or of another shape), from the headers only."""
+    expected = hf_shapes(shape)
+    if shape.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    names = files.names()
+    missing = sorted(set(expected) - names)
+    wrong = [f"{n} is {files.shape(n)}, the config says {s}" for n, s in expected.items()
+             if n in names and files.shape(n) != s]
+    if not missing and not wrong:
+        return None
+    what = [f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"] if missing else []
+    what += [f"{wrong[0]}{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}"] if wrong else []
+    return "the weights do not match config.json: " + "; ".join(what)
 
 
 def check_model_matches(shape: ModelShape, config) -> None:

@@ -23,8 +23,9 @@ A ground truth stored as one ``\\boxed{X}`` (JustRL's AIME24 parquet) becomes ``
 (verl's layout, JustRL's eval parquets) gives the problem as its last user turn. The summary line names the columns
 used.
 
-Malformed rows (missing answer, empty problem, non-UTF-8 text, wrong types, bad JSON lines) are skipped and counted
-by reason; a source with a missing column or with zero usable rows is an error naming the file and the column.
+Malformed rows (missing answer or one written as "None" / "nan", empty problem, non-UTF-8 text, wrong types, bad
+JSON lines) are skipped and counted by reason; a source with a missing column or with zero usable rows is an error
+naming the file and the column.
 Exact duplicates (same problem and answer) are dropped when ``dedup`` is on: DAPO-Math-17k on the hub repeats each of
 its ~17k prompts ~100 times, and the summary reports that factor.
 """
@@ -40,7 +41,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from ..boxed import last_boxed_content
+from ..boxed import is_null_answer, last_boxed_content
 from .builtin import BUILTIN_PREFIX, builtin_records
 
 FORMATS = ("dapo", "gsm8k", "math", "aime", "countdown", "mbpp", "generic", "prepared")
@@ -247,7 +248,10 @@ def _scalar_answer(value) -> str:
         if value != value or value in (float("inf"), float("-inf")):
             raise _Skip("bad_type_answer")
         return str(int(value)) if value.is_integer() else repr(value)
-    return _text(value, "answer")
+    text = _text(value, "answer")
+    if is_null_answer(text):  # "None" / "nan" written out by str() or a dataframe: no ground truth
+        raise _Skip("null_answer")
+    return text
 
 
 def _ground_truth(rec: dict, names: tuple[str, ...]):

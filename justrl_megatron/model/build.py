@@ -6,6 +6,7 @@ import contextlib
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
 
+import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
@@ -102,3 +103,14 @@ def returning_hidden_states(chunks):
     finally:
         for layer in layers:
             layer.justrl_return_hidden = False
+
+
+def nonfinite_parameters(chunks, *, trainable_only: bool = False) -> list[str]:
+    """Names of this rank's parameters holding a NaN or inf: one fused max-|x| pass and one host sync."""
+    named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()
+             if p.requires_grad or not trainable_only]
+    if not named:
+        return []
+    worst = torch.stack(torch._foreach_norm([p.detach() for _, p in named], float("inf")))
+    bad = (~torch.isfinite(worst)).nonzero().flatten().tolist()
+    return [named[i][0] for i in bad]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 
+from ..boxed import is_null_answer
+
 
 class VerifierTimeout(Exception):
     """A verifier's own time limit fired (math-verify's alarm, the code sandbox's deadline)."""
@@ -90,6 +92,22 @@ def evaluate_with(fn, response: str, answer) -> tuple[float, bool]:
 def reward_range(fn) -> tuple[float, float]:
     """The range ``fn`` declares; unbounded for a plain function that declares none."""
     return getattr(fn, "reward_range", (-math.inf, math.inf))
+
+
+def ground_truth_text(answer) -> str:
+    """A text ground truth as the math verifiers compare it; None (or the text of a missing value) is refused."""
+    if is_null_answer(answer):
+        raise ValueError(f"no ground truth ({answer!r}): a row without an answer cannot be scored")
+    return str(answer)
+
+
+def check_answers(answers: list) -> None:
+    """The batch form's refusal: every answer must be a ground truth (see ``is_null_answer``)."""
+    missing = [i for i, a in enumerate(answers) if is_null_answer(a)]
+    if missing:
+        raise ValueError(f"{len(missing)} of {len(answers)} answers are missing (None, or the text of a missing "
+                         f"value), at positions {missing[:8]}{' ...' if len(missing) > 8 else ''}: the data "
+                         f"loaders skip such rows; a row without a ground truth cannot be scored")
 
 
 def structured_answer(answer) -> dict:

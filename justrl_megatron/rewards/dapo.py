@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from ..boxed import BOXED_ONLY, last_boxed_content
-from .base import Verifier
+from .base import Verifier, ground_truth_text
 
 def strict_box_answer(response: str) -> str | None:
     """What the strict verifier compares: the content of the last complete box in the last 100 characters."""
@@ -72,7 +72,7 @@ class DapoReward(Verifier):
         self.strict = bool(strict)
 
     def grade(self, response: str, answer) -> float | None:
-        gt = str(answer)
+        gt = ground_truth_text(answer)
         if self.strict:
             pred = strict_box_answer(response)
             if pred is None:

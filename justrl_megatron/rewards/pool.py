@@ -40,7 +40,7 @@ from collections import Counter, deque
 from multiprocessing.connection import wait
 
 from ..lifeline import exit_with_starter
-from .base import VerifierTimeout, evaluate_with, reward_range
+from .base import VerifierTimeout, check_answers, evaluate_with, reward_range
 
 MAX_CHUNK = 512
 DEFAULT_TIMEOUT_S = 10.0
@@ -200,9 +200,11 @@ class BatchScorer:
         return self.evaluate(responses, answers)[0]
 
     def evaluate(self, responses: list[str], answers: list) -> tuple[list[float], list[bool]]:
-        """(rewards, fully-correct flags) in input order; a failed item is (failure_value, False)."""
+        """(rewards, fully-correct flags) in input order; a failed item is (failure_value, False). A missing ground
+        truth (None) is refused (ValueError) before any scoring."""
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        check_answers(answers)  # a None ground truth would be compared as the text "None"
         self.stats["items"] += len(responses)
         if not responses:
             return [], []

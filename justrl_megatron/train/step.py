@@ -11,7 +11,8 @@ modes) is computed locally, with no collective. Each micro-batch's loss is `poli
 partial sum that adds up to the mini-batch loss; megatron is configured not to rescale it (model/policy.py).
 
 Non-finite gradients (as verl 0.4.0): an optimizer step whose global grad norm is NaN or inf is skipped — gradients
-zeroed, weights and optimizer state untouched — and counted (`skipped_steps`, `Policy.skipped_in_a_row`).
+zeroed, weights and optimizer state untouched — and counted (`skipped_steps`, `Policy.skipped_in_a_row`). A step whose
+new weights are NaN or inf is taken back and counted the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
-from ..model.build import output_weight, returning_hidden_states, unwrap
+from ..model.build import nonfinite_parameters, output_weight, returning_hidden_states, unwrap
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
 from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, make_shared_micro_batch, \
@@ -318,9 +319,30 @@ def optimizer_step_if_finite(policy) -> tuple[bool, float]:
             chunk.zero_grad_buffer()
         policy.skipped_in_a_row += 1
         return False, norm
-    ok, grad_norm, _ = optimizer.step()
+    ok, grad_norm, weights_ok = _step_keeping_finite_weights(policy)
+    if not weights_ok:  # the new weights were not finite: taken back, a skipped step like a non-finite norm
+        policy.skipped_in_a_row += 1
+        return False, norm
     policy.skipped_in_a_row = 0
     return bool(ok), float(grad_norm) if grad_norm is not None else norm
+
+
+def _step_keeping_finite_weights(policy) -> tuple[bool, float | None, bool]:
+    """``optimizer.step()`` -> (ok, grad norm, weights finite). A step that leaves any trainable weight NaN or inf on
+    any training rank (a finite gradient times a huge learning rate) is taken back: the weights before it are
+    restored from a host copy (its only cost: one device-to-host copy of the trainable weights per optimizer step,
+    and a fused max-|w| check). Adam's moments keep that step's (finite) gradient."""
+    params = [p for chunk in policy.chunks for p in chunk.parameters() if p.requires_grad]
+    before = [p.detach().to("cpu", copy=True) for p in params]
+    ok, grad_norm, _ = policy.optimizer.step()
+    bad = torch.tensor([float(bool(nonfinite_parameters(policy.chunks, trainable_only=True)))], device=policy.device)
+    if not _reduce_over_training_ranks(bad, dist.ReduceOp.MAX).item():
+        return ok, grad_norm, True
+    with torch.no_grad():
+        for p, saved in zip(params, before):
+            p.copy_(saved)
+    policy.optimizer.reload_model_params()  # mixed precision: the fp32 main copies from the restored weights
+    return ok, grad_norm, False
 
 
 def skip_limit_message(skipped_in_a_row: int, limit: int) -> str | None:
