@@ -1,5 +1,7 @@
 """The hydra entry point of justrl-train: the command line's keys -> compose -> every check that needs neither megatron
-nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the launch recorded -> the GRPO loop."""
+nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the run dir locked (run_lock.py: a
+second trainer on it exits 2) -> the launch recorded -> the GRPO loop. Every process the run starts dies with it
+(lifeline.py); Ctrl-C saves, twice aborts (train/interrupt.py); a full disk is one line (exit 1)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import hydra
 
+from . import lifeline, run_lock
 from .config import CONFIG_DIR, ConfigError, data_name_problems, key_problem, register, validate
 from .console import quiet_console
 
@@ -67,6 +70,8 @@ def check_config(cfg, *, also=()):
     from .run_config import record_launch
 
     launched = copy.deepcopy(cfg)  # the history keeps what was asked for, not what the memory plan made of it
+    if Path(cfg.trainer.run_dir).is_dir():
+        lock_run_dir(cfg)  # a second trainer on a run dir in use stops at once, before the slow checks
     problems = list(also)
     model_dir, shape = _model(cfg, problems)
     if not data_name_problems(cfg.data):  # a bad format or template is reported once, by validate
@@ -80,8 +85,21 @@ def check_config(cfg, *, also=()):
         note = resume.describe(cfg.trainer.run_dir)
         if note:
             print(f"justrl-train: {note}", flush=True)
+        lock_run_dir(cfg)  # before the first write into the run dir
         record_launch(launched, resume.step)
     return model_dir, shape
+
+
+def lock_run_dir(cfg) -> None:
+    """Rank 0 takes the run dir's lock for the process' life (run_lock.py). Raises RunDirBusy (another trainer holds
+    it) or ConfigError (the lock file cannot be created)."""
+    if not _is_rank0():
+        return
+    try:
+        run_lock.hold(cfg.trainer.run_dir)
+    except OSError as exc:
+        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: cannot write there "
+                          f"({exc.strerror or exc})") from None
 
 
 def _model(cfg, problems: list[str]):
@@ -165,14 +183,28 @@ def _hydra_main(cfg) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    except run_lock.RunDirBusy as exc:
+        print(f"justrl-train: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     quiet_console(verbose=cfg.logging.verbose)  # the composed config decides (a recipe may set it)
+    from .checkpoint import CheckpointWriteError
     from .train.loop import run
 
-    run(cfg, model_dir, shape)
+    try:
+        run(cfg, model_dir, shape)
+    except CheckpointWriteError as exc:  # a full disk: the message says where and how much (every rank raises it)
+        if _is_rank0():
+            print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def main() -> None:
     """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
     every other problem is found too) and reported with them."""
+    lifeline.bind_helpers_to_this_process()  # before any helper process exists
     _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt:  # Ctrl-C before the loop's own handler (train/interrupt.py) is in place
+        print("justrl-train: interrupted before training started; nothing was saved", file=sys.stderr)
+        sys.exit(130)

@@ -43,9 +43,11 @@ from ..model.policy import Policy
 from .reference import Reference
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, SamplingConfig, check_staleness, logprob_gap, make_engine
-from ..slurm import StopSignal, current_job, describe, requeue_message
+from ..slurm import current_job, describe
 from .async_rollout import RolloutPipeline
 from .batching import Sample
+from .hf_snapshots import HFSnapshots
+from .interrupt import Interruptible
 from .placement import ColocatedRollout
 from .profiling import StepProfiler
 from .sampler import PromptSampler, load_training_rows, tokenize_prompts
@@ -66,7 +68,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     is_leader = rank == 0
     run_dir = Path(tr.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    stop = StopSignal().install()  # SIGTERM / SIGUSR1 (Slurm's warning): finish the step, checkpoint, exit 0
+    stop = Interruptible().install()  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
 
     # --- set-up: prompts, policy, rollout engine, verifier ----------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
@@ -79,6 +81,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
     # the KL penalty's reference policy: adapters off with LoRA, else a frozen copy of the initial weights
     reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None
+    hf_snapshots = HFSnapshots(run_dir, tr.hf_every, tr.keep_last, tr.total_steps, policy.chunks, shape, model_dir)
 
     def export(bucket_bytes):
         return export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes, include_tied_lm_head=True)
@@ -210,11 +213,12 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
                             {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state(inflight)},
                             keep_last=tr.keep_last, shape=shape, hf_source=model_dir)
+        hf_snapshots.maybe_save(step)  # trainer.hf_every: run_dir/hf/step_N, an HF folder of the live weights
         trace = profiler.step_finished(step, stopping)
         if trace is not None:
             logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")
         if stopping:
-            logger.print(diverged or requeue_message(step))
+            logger.print(diverged or stop.message(step))
             break
 
     if step == tr.total_steps:
