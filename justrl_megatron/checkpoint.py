@@ -514,9 +514,11 @@ def save_checkpoint(
             return _commit(run_dir, step, tmp, keep_last)
         except BaseException as exc:
             full = _disk_full(exc, root)
+            if full:  # measured before the staging folder goes: what the save had, and how far it got
+                free, written = shutil.disk_usage(root).free, _folder_bytes(tmp) if tmp.is_dir() else 0
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (it would keep the disk full)
             if full:
-                raise CheckpointWriteError(_full_message(run_dir, step, needed)) from None
+                raise CheckpointWriteError(_full_message(run_dir, step, needed, free=free, written=written)) from None
             raise
 
 
@@ -536,6 +538,10 @@ def _writer_errors_raised_only():
         writer_log.removeFilter(drop)
 
 
+FULL_BYTES = 16 << 20  # a failed save with less free space than this (before its staging is removed) ran out of it
+MARGIN = 0.05, 1 << 20  # a save needs the last checkpoint's size + 5% + 1 MiB (metadata, optimizer steps grow it)
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -547,21 +553,27 @@ def _space_problem(run_dir, step: int) -> tuple[str | None, int | None]:
         return None, None  # the first save: its size is not known yet (a failure is still caught while writing)
     needed = _folder_bytes(step_dir(run_dir, last))
     free = shutil.disk_usage(checkpoint_root(run_dir)).free
-    if free >= needed * 1.05 + (16 << 20):  # a margin: checkpoints grow a little (metadata, optimizer steps)
+    if free >= _with_margin(needed):
         return None, needed
-    return _full_message(run_dir, step, needed, free=free, written=False), needed
+    return _full_message(run_dir, step, needed, free=free, written=None), needed
 
 
-def _full_message(run_dir, step: int, needed: int | None, *, free: int | None = None, written: bool = True) -> str:
-    root = checkpoint_root(run_dir)
-    free = shutil.disk_usage(root).free if free is None else free
+def _with_margin(nbytes: int) -> float:
+    return nbytes * (1 + MARGIN[0]) + MARGIN[1]
+
+
+def _full_message(run_dir, step: int, needed: int | None, *, free: int, written: int | None) -> str:
+    """`written`: the bytes staged when the disk filled (None: refused before writing)."""
     last = latest_step(run_dir)
-    need = (f"about {_size(needed * 1.05)} needed (the step-{last} checkpoint's size)" if needed else
-            "the size of one checkpoint needed")
-    what = "stopped: the disk is full" if written else "not started: too little free space"
+    if needed:
+        need = f"about {_size(_with_margin(needed))} needed: the step-{last} checkpoint's size and a margin"
+    else:  # a first save: only a lower bound is known
+        need = f"more than the {_size(written or 0)} written before it filled are needed"
+    what, left = (("not started: too little free space", "nothing was written") if written is None else
+                  ("stopped: the disk is full", "the partial checkpoint was removed"))
     kept = f"`latest` still points to step {last}" if last is not None else "no checkpoint exists yet"
-    return (f"checkpoint step {step} in {root}: {what} ({_size(free)} free, {need}); the partial checkpoint was "
-            f"removed and {kept}: free some space (or move trainer.run_dir) and rerun the same command to resume")
+    return (f"checkpoint step {step} in {checkpoint_root(run_dir)}: {what} ({_size(free)} free, {need}); {left} and "
+            f"{kept}: free some space (or move trainer.run_dir) and rerun the same command to resume")
 
 
 def _size(nbytes: float) -> str:
@@ -570,9 +582,6 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return ""
-
-
-FULL_BYTES = 16 << 20  # a failed save with less free space than this (before its staging is removed) ran out of it
 
 
 def _disk_full(exc: BaseException, root: Path) -> bool:
