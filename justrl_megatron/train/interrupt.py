@@ -4,6 +4,8 @@
   saved and the run exits 0. One line says so at once (a step can take minutes).
 - A second SIGINT aborts at once: helper processes are killed, the staging folder of a save in progress is removed
   (run_lock.py; `latest` still points to the last complete checkpoint) and the process exits 130, without a traceback.
+A SIGINT within REPEAT_S of the first counts as the same press: torchrun forwards the terminal's Ctrl-C to its
+ranks, which the terminal already sent it to (torchrun then kills the ranks after its shutdown timeout, 30 s).
 Both act when Python next runs the main thread (between bytecodes: a long C call finishes first); `kill -9` always works
 and leaves no helpers behind either (lifeline.py).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from .. import run_lock
 from ..slurm import STOP_SIGNALS, StopSignal, requeue_message
@@ -19,6 +22,7 @@ from ..slurm import STOP_SIGNALS, StopSignal, requeue_message
 INTERRUPTED = ("justrl-train: interrupted: finishing this step, then saving a checkpoint and exiting "
                "(Ctrl-C again aborts without saving)")
 ABORTED = "justrl-train: aborted by a second Ctrl-C: {what}; `latest` is unchanged"
+REPEAT_S = 1.0  # SIGINTs this close to the first are one press (a terminal's and torchrun's copy of it)
 
 
 class Interruptible(StopSignal):
@@ -26,17 +30,18 @@ class Interruptible(StopSignal):
 
     def __init__(self):
         super().__init__((*STOP_SIGNALS, signal.SIGINT))
-        self.interrupts = 0
+        self.first_interrupt: float | None = None  # time.monotonic() of the first SIGINT
 
     def _handle(self, signum, frame) -> None:
         if signum != signal.SIGINT:
             return super()._handle(signum, frame)
-        self.interrupts += 1
-        if self.interrupts == 1:
+        now = time.monotonic()
+        if self.first_interrupt is None:
+            self.first_interrupt = now
             super()._handle(signum, frame)
             _say(INTERRUPTED)
-            return
-        abort()
+        elif now - self.first_interrupt > REPEAT_S:
+            abort()
 
     def message(self, step: int) -> str:
         """The last line of a stopped run."""
