@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.experimental.callback import Callback
 
 from . import lifeline, run_lock
 from .config import CONFIG_DIR, ConfigError, data_name_problems, key_problem, register, validate
@@ -70,8 +71,6 @@ def check_config(cfg, *, also=()):
     from .run_config import record_launch
 
     launched = copy.deepcopy(cfg)  # the history keeps what was asked for, not what the memory plan made of it
-    if Path(cfg.trainer.run_dir).is_dir():
-        lock_run_dir(cfg)  # a second trainer on a run dir in use stops at once, before the slow checks
     problems = list(also)
     model_dir, shape = _model(cfg, problems)
     if not data_name_problems(cfg.data):  # a bad format or template is reported once, by validate
@@ -85,14 +84,14 @@ def check_config(cfg, *, also=()):
         note = resume.describe(cfg.trainer.run_dir)
         if note:
             print(f"justrl-train: {note}", flush=True)
-        lock_run_dir(cfg)  # before the first write into the run dir
+        lock_run_dir(cfg)  # (held since hydra started: RunDirLock; a no-op then) before the launch is recorded
         record_launch(launched, resume.step)
     return model_dir, shape
 
 
 def lock_run_dir(cfg) -> None:
-    """Rank 0 takes the run dir's lock for the process' life (run_lock.py). Raises RunDirBusy (another trainer holds
-    it) or ConfigError (the lock file cannot be created)."""
+    """Rank 0 takes the run dir's lock for the process' life (run_lock.py; idempotent). Raises RunDirBusy (another
+    trainer holds it) or ConfigError (the lock file cannot be created)."""
     if not _is_rank0():
         return
     try:
@@ -100,6 +99,18 @@ def lock_run_dir(cfg) -> None:
     except OSError as exc:
         raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: cannot write there "
                           f"({exc.strerror or exc})") from None
+
+
+class RunDirLock(Callback):
+    """hydra callback (configs/config.yaml): the lock is taken when the run starts, before hydra writes its files
+    (run_dir/hydra/) and before any slow check, so a second trainer on the run dir exits 2 at once, in one line."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        try:
+            lock_run_dir(config)
+        except (run_lock.RunDirBusy, ConfigError) as exc:
+            print(f"justrl-train: {'error: ' if isinstance(exc, run_lock.RunDirBusy) else ''}{exc}", file=sys.stderr)
+            sys.exit(2)  # (SystemExit passes hydra's error reporting, which would print a traceback)
 
 
 def _model(cfg, problems: list[str]):

@@ -131,6 +131,7 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama,
     # only the trainer, as the OOM killer does: every helper it started (reward workers, megatron's checkpoint-writer
     # manager and its resource tracker) must leave with it
     _kill_owner_and_assert_no_orphans(proc, min_children=3)
+    assert _started_by(proc.pid) == []  # the whole process table: nothing that carries the trainer's pid is left
     assert latest_step(killed) == 2
     assert [r["step"] for r in metrics(killed)] == [1, 2]  # the refused launch wrote nothing
 
@@ -413,6 +414,21 @@ def _kill_owner_and_assert_no_orphans(proc, min_children: int):
     for c in alive:  # do not leave them behind for the next test
         c.kill()
     assert not alive, [names[c.pid] for c in alive]
+
+
+def _started_by(trainer: int) -> list[str]:
+    """Every live process in /proc whose environment names `trainer` as its trainer (lifeline.TRAINER_ENV: every
+    process a trainer spawned inherits it), as "pid cmdline"."""
+    mark = f"JUSTRL_TRAINER_PID={trainer}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(f"{entry.name} {(entry / 'cmdline').read_bytes().replace(bytes(1), b' ')[:100]!r}")
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
 
 
 def test_reward_workers_die_with_a_killed_owner(tmp_path):
