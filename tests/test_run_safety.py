@@ -5,6 +5,7 @@ that saves, HF snapshots) share the launches of tests/test_train.py's SIGKILL te
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_never_bl
     assert (run_dir / run_lock.LOCK_FILE).exists()
     run_lock.hold(run_dir)  # the kernel released the dead holder's lock
     try:
-        assert run_lock.holds(run_dir) and f"pid {__import__('os').getpid()}," in (run_dir / run_lock.LOCK_FILE).read_text()
+        assert run_lock.holds(run_dir) and f"pid {os.getpid()}," in (run_dir / run_lock.LOCK_FILE).read_text()
     finally:
         run_lock.release(run_dir)
 
