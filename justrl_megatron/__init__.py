@@ -6,3 +6,8 @@ if _os.environ.get("JUSTRL_QUIET_CONSOLE") == "1":  # a child of a quiet run (e.
     from .console import install_from_env as _install_from_env
 
     _install_from_env()
+
+if _os.environ.get("JUSTRL_TRAINER_PID"):  # a helper a trainer started (lifeline.py): it dies with the trainer
+    from .lifeline import watch_from_env as _watch_from_env
+
+    _watch_from_env()

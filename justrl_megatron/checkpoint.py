@@ -16,7 +16,8 @@ Layout (all under `run_dir/checkpoints/`):
                            tokenizer, so `justrl-convert mcore-to-hf` needs nothing else), trainer_state.pt (step,
                            scheduler, caller's extra state), rng/rank00000.pt ... (every rank's RNG states)
   latest                   "step_00000020": written last, by atomic replace
-  .tmp_step_00000030/      a save in progress (or one that died): never read; the next save removes it
+  .tmp_step_00000030.<pid>/  a save in progress (or one that died): never read; named by its writer, removed by the
+                           next save of the run dir's lock holder (run_lock.py), or at once when the save fails
 
 Atomicity: every rank writes into the temp folder and fsyncs; after a barrier rank 0 writes manifest.json (every file
 with its size, and a CRC32 of the small ones), renames the folder to step_N, fsyncs, then replaces `latest`. A crash
@@ -27,6 +28,10 @@ counts for all (a collective), so every rank resumes the same step. `load_latest
 checkpoint (step, file, what is wrong) and falls back to the newest intact one, or stops (strict). Checkpoints from
 before manifests are checked for their required files, against their own shard index (.metadata), and by loading.
 Retention: after each save only the newest `keep_last` step folders are kept.
+One writer: rank 0 takes the run dir's lock (run_lock.py) before its first save (justrl-train already holds it).
+A full disk: the free space is checked before a save against the last checkpoint's size; a save that still fails
+for lack of space (or fails in any way) removes its staging folder, leaves `latest` alone and raises
+CheckpointWriteError, whose one-line message names the folder and the space needed.
 
 Resharding: model weights and the optimizer state (megatron's reshardable formats) load at any TP / PP. RNG states are
 per rank, so they are restored only when the layout is the same (resharded runs get a warning).
@@ -36,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -55,7 +62,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from . import compat
+from . import compat, run_lock
 from .dtypes import torch_name
 from .model import lora
 from .model.build import nonfinite_parameters, unwrap
@@ -175,6 +182,11 @@ def latest_step(run_dir: str | os.PathLike) -> int | None:
 class CheckpointError(Exception):
     """No checkpoint can be resumed (damaged, with trainer.resume=strict, or all of them), or one cannot be written
     (non-finite weights): the message says which file and what to do."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk): one line saying where, how much space is needed, and that
+    `latest` is unchanged. Its staging folder is already removed."""
 
 
 def _crc32(path: Path) -> int:
@@ -410,19 +422,15 @@ def _sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
     return sd
 
 
-def _stage(run_dir, step: int, chunks, optimizer, scheduler, extra: dict, shape: ModelShape | None,
-           hf_source) -> Path:
-    """Phase 1 (all ranks): write everything into the temp folder, durably. Returns the temp folder."""
-    root = checkpoint_root(run_dir)
-    tmp = root / f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}"
+def _stage(run_dir, step: int, tmp: Path, chunks, optimizer, scheduler, extra: dict, shape: ModelShape | None,
+           hf_source) -> None:
+    """Phase 1 (all ranks): write everything into the temp folder `tmp`, durably."""
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):  # saves that died before (never read)
-            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)  # empty: dist_checkpointing warns "Overwriting old incomplete" into a non-empty one
     _barrier()
     # torch_dist writes (and fsyncs) one file per rank plus metadata; common (non-tensor) state on rank 0
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp))
+    with _writer_errors_raised_only():
+        dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     _save_durably({"layout": _layout(), "rng": rng_state()}, tmp / "rng" / f"rank{_rank():05d}.pt")
     if _rank() == 0:
@@ -436,7 +444,6 @@ def _stage(run_dir, step: int, chunks, optimizer, scheduler, extra: dict, shape:
             adapters = lora.settings(chunks)  # a LoRA checkpoint names its base model: it holds the adapters only
             extra_meta = {} if adapters is None else {"lora": adapters, "base_model": str(hf_source)}
             write_meta(tmp, layout_meta(chunks, shape, kind="train", step=step, **extra_meta), hf_source)
-    return tmp
 
 
 def _commit(run_dir, step: int, tmp: Path, keep_last: int | None) -> Path:
@@ -493,8 +500,128 @@ def save_checkpoint(
     if problem is not None:  # a checkpoint is never written with non-finite weights
         raise CheckpointError(f"refusing to save step {step} in {checkpoint_root(run_dir)}: {problem}; the "
                               f"checkpoints already there are kept")
-    tmp = _stage(run_dir, step, chunks, optimizer, scheduler, extra, shape, hf_source)
-    return _commit(run_dir, step, tmp, keep_last)
+    root = checkpoint_root(run_dir)
+    problem, needed = None, None
+    if _rank() == 0:
+        try:
+            run_lock.hold(run_dir)  # one writer per run dir (justrl-train already holds it: a no-op then)
+            root.mkdir(parents=True, exist_ok=True)
+            run_lock.remove_stale(root, f"{TMP_PREFIX}{STEP_PREFIX}*", run_dir)  # saves that died before (never read)
+            problem, needed = _space_problem(run_dir, step)
+        except (run_lock.RunDirBusy, OSError) as exc:
+            problem = str(exc)
+    problem = _agreed(problem)
+    if problem is not None:
+        raise CheckpointWriteError(problem)
+    # unique per writer; rank 0's name for every rank
+    tmp = root / _from_rank0(run_lock.staging_name(f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}"))
+    with run_lock.staging(tmp):
+        try:
+            _stage(run_dir, step, tmp, chunks, optimizer, scheduler, extra, shape, hf_source)
+            return _commit(run_dir, step, tmp, keep_last)
+        except BaseException as exc:
+            full = _disk_full(exc, root)
+            if full:  # measured before the staging folder goes: what the save had, and how far it got
+                free, written = shutil.disk_usage(root).free, _folder_bytes(tmp) if tmp.is_dir() else 0
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (it would keep the disk full)
+            if full:
+                raise CheckpointWriteError(_full_message(run_dir, step, needed, free=free, written=written)) from None
+            raise
+
+
+@contextlib.contextmanager
+def _writer_errors_raised_only():
+    """megatron's checkpoint-writer processes log each failed write at ERROR and then the save raises it again: keep
+    the log line off the console, the exception (which save_checkpoint reports) says it once."""
+    writer_log = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+
+    def drop(record):
+        return record.levelno < logging.ERROR
+
+    writer_log.addFilter(drop)  # (forked writers inherit it)
+    try:
+        yield
+    finally:
+        writer_log.removeFilter(drop)
+
+
+FULL_BYTES = 16 << 20  # a failed save with less free space than this (before its staging is removed) ran out of it
+MARGIN = 0.05, 1 << 20  # a save needs the last checkpoint's size + 5% + 1 MiB (metadata, optimizer steps grow it)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _space_problem(run_dir, step: int) -> tuple[str | None, int | None]:
+    """(a one-line problem when the free space is below the last checkpoint's size, that size)."""
+    last = latest_step(run_dir)
+    if last is None:
+        return None, None  # the first save: its size is not known yet (a failure is still caught while writing)
+    needed = _folder_bytes(step_dir(run_dir, last))
+    free = shutil.disk_usage(checkpoint_root(run_dir)).free
+    if free >= _with_margin(needed):
+        return None, needed
+    return _full_message(run_dir, step, needed, free=free, written=None), needed
+
+
+def _with_margin(nbytes: int) -> float:
+    return nbytes * (1 + MARGIN[0]) + MARGIN[1]
+
+
+def _full_message(run_dir, step: int, needed: int | None, *, free: int, written: int | None) -> str:
+    """`written`: the bytes staged when the disk filled (None: refused before writing)."""
+    last = latest_step(run_dir)
+    if needed:
+        need = f"about {_size(_with_margin(needed))} needed: the step-{last} checkpoint's size and a margin"
+    else:  # a first save: only a lower bound is known
+        need = f"more than the {_size(written or 0)} written before it filled are needed"
+    what, left = (("not started: too little free space", "nothing was written") if written is None else
+                  ("stopped: the disk is full", "the partial checkpoint was removed"))
+    kept = f"`latest` still points to step {last}" if last is not None else "no checkpoint exists yet"
+    return (f"checkpoint step {step} in {checkpoint_root(run_dir)}: {what} ({_size(free)} free, {need}); {left} and "
+            f"{kept}: free some space (or move trainer.run_dir) and rerun the same command to resume")
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def _disk_full(exc: BaseException, root: Path) -> bool:
+    """Whether a failed save ran out of space: ENOSPC / EDQUOT anywhere in the exception's causes (torch's
+    CheckpointException carries one per failed rank), or next to no space left (torch.save's zip writer reports a
+    short write only as "unexpected pos")."""
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(root).free < FULL_BYTES:
+            return True
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def _from_rank0(value):
+    """Rank 0's `value` on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, scheduler, *, strict: bool = False,

@@ -171,6 +171,7 @@ class TrainerConfig:
     run_dir: str = "runs/${recipe_name}"
     save_every: int = 50
     keep_last: int = 2
+    hf_every: int = 0  # an HF folder of the live weights in run_dir/hf/ every K steps and at the end (0: off)
     resume: str = "auto"  # a damaged latest checkpoint: auto = say so and resume the newest intact one | strict = stop
     eval_every: int = 0  # validate on data.val every K steps and at the last one (0: off)
     eval_before_train: bool = True  # with eval_every > 0: validate the initial weights too (logged as step 0)
@@ -405,6 +406,7 @@ RANGES = {
     "trainer.seed": (_AT_LEAST_0, ">= 0"),
     "trainer.save_every": (_AT_LEAST_1, ">= 1 (steps between checkpoints; the last step is always saved)"),
     "trainer.keep_last": (_AT_LEAST_1, ">= 1 (checkpoints kept; a resume needs at least one)"),
+    "trainer.hf_every": (_AT_LEAST_0, ">= 0 (steps between HF snapshots in run_dir/hf/; 0: off)"),
     "trainer.eval_every": (_AT_LEAST_0, ">= 0"),
     "trainer.eval_samples": (_AT_LEAST_0, ">= 0 (0: no held-out evaluation)"),
     "trainer.max_skipped_steps": (_AT_LEAST_0, ">= 0 (0: never stop on non-finite gradients)"),

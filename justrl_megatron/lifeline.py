@@ -9,6 +9,12 @@ A killed trainer cannot clean up, so the helpers must notice by themselves:
   spawns a worker; the trainer asks the worker (a collective_rpc into rollout/weight_transfer.py's WorkerExtension,
   right after start-up) to watch the trainer's pid through a pidfd; when it exits, the worker SIGKILLs the engine-core
   process between them, then itself.
+- everything else a run starts (`bind_helpers_to_this_process`, called by justrl-train before any helper exists):
+  megatron's checkpoint writers (forked) and the `multiprocessing.Manager` server that collects their results
+  (spawned), vLLM's engine processes, and whatever a library starts later. A forked child watches the trainer from an
+  at-fork hook; a spawned Python child that imports justrl_megatron (multiprocessing's spawn imports the trainer's
+  main module, so every spawned helper does) finds the trainer's pid in JUSTRL_TRAINER_PID and watches it from the
+  package's import. multiprocessing's resource tracker ends by itself once every process that holds its pipe has.
 A helper stuck in C code that holds the GIL is killed when it lets go of it.
 """
 
@@ -75,4 +81,51 @@ def exit_with_trainer(trainer: int) -> bool:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="justrl-trainer-watch").start()
+    return True
+
+
+TRAINER_ENV = "JUSTRL_TRAINER_PID"  # set by the trainer; inherited by every process it starts
+_hook_installed = False
+
+
+def _die_with(pid: int) -> None:
+    """A daemon thread that SIGKILLs this process when process `pid` exits."""
+    def watch():
+        _wait_for_exit(pid)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="justrl-trainer-watch").start()
+
+
+def _trainer_pid() -> int | None:
+    try:
+        pid = int(os.environ.get(TRAINER_ENV, ""))
+    except ValueError:
+        return None
+    return pid if pid > 0 and pid != os.getpid() else None
+
+
+def _after_fork_in_child() -> None:
+    pid = _trainer_pid()
+    if pid is not None:
+        _die_with(pid)
+
+
+def bind_helpers_to_this_process() -> None:
+    """In the trainer, before it starts any helper: every process it starts from now on (directly or not, forked or
+    spawned) dies with it, even when it is killed with SIGKILL."""
+    global _hook_installed
+    os.environ[TRAINER_ENV] = str(os.getpid())
+    if not _hook_installed:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _hook_installed = True
+
+
+def watch_from_env() -> bool:
+    """In a process that imports justrl_megatron: when a trainer started it (JUSTRL_TRAINER_PID), die with that
+    trainer. Returns whether a watch was started."""
+    pid = _trainer_pid()
+    if pid is None:
+        return False
+    _die_with(pid)
     return True

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -56,7 +58,9 @@ class MetricsLogger:
         self._progress = None
         if not enabled:
             return
-        drop_rows_after(self.path, start_step)  # a resumed run logs the steps after its checkpoint again
+        lost = drop_rows_after(self.path, start_step)  # a resumed run logs the steps after its checkpoint again
+        if lost:
+            print(f"justrl-train: warning: {lost}", file=sys.stderr, flush=True)
         if logging_cfg.wandb_mode != "disabled":
             import wandb
 
@@ -97,28 +101,69 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def drop_rows_after(path: Path, step: int) -> None:
+def drop_rows_after(path: Path, step: int) -> str | None:
     """Keep only the rows of steps <= `step` in metrics.jsonl, one per step (and no torn last line from a killed run),
     so that every step appears once however often a run resumes. Rewritten atomically; untouched when nothing
-    changes."""
+    changes. A torn row (a file cut short, a kill mid-write) is dropped, but an intact row glued behind it is kept;
+    returns one line naming what was dropped and the steps up to `step` left without a row (their checkpoint is
+    resumed, so they are not logged again), or None."""
     if not path.exists():
-        return
+        return None
     text = path.read_text()
     lines = text.splitlines()
-    by_step = {}
+    by_step, torn = {}, []
     for line in lines:
-        try:
-            row_step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            continue  # torn or foreign line
-        if row_step <= step:
-            by_step[row_step] = line  # a run dir from before this rule may repeat a step: its last row counts
+        for row in _rows(line, torn):
+            if row[0] <= step:
+                by_step[row[0]] = row[1]  # a run dir from before this rule may repeat a step: its last row counts
     keep = [by_step[s] for s in sorted(by_step)]
-    if keep == lines and text.endswith("\n"):  # (a last line without one would glue to the next row)
+    if keep != lines or not text.endswith("\n"):  # (a last line without one would glue to the next row)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    torn = [what for row_step, what in torn if row_step is None or row_step <= step]  # later ones are logged again
+    missing = [s for s in range(1, step + 1) if s not in by_step]
+    if not torn and not missing:
+        return None
+    said = [f"dropped {len(torn)} torn row(s) ({'; '.join(torn)})"] if torn else []
+    if missing:
+        said.append(f"no row is left for step(s) {_ranges(missing)}, which the checkpoint at step {step} covers: "
+                    f"they are not logged again")
+    return f"{path}: " + "; ".join(said)
+
+
+_ROW_START = re.compile(r'\{"step": (\d+)')  # MetricsLogger writes "step" first in every row
+
+
+def _rows(line: str, torn: list[str]):
+    """(step, row text) of the intact rows in one line: normally one; a torn row followed by an intact one (a cut
+    file appended to) gives the intact one, and the torn part goes to `torn` as (its step or None, what it was)."""
+    try:
+        yield int(json.loads(line)["step"]), line
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    except (ValueError, KeyError, TypeError):
+        pass
+    if not line.strip():
+        return
+    starts = [m.start() for m in _ROW_START.finditer(line)]
+    for i, start in enumerate(starts):
+        piece = line[start:starts[i + 1]] if i + 1 < len(starts) else line[start:]
+        try:
+            yield int(json.loads(piece)["step"]), piece
+        except (ValueError, KeyError, TypeError):
+            row_step = int(_ROW_START.match(piece).group(1))
+            torn.append((row_step, f"step {row_step}'s, cut after {len(piece)} characters"))
+    if not starts or starts[0] > 0:
+        torn.append((None, f"{len(line[:starts[0]] if starts else line)} characters of no row"))
+
+
+def _ranges(steps: list[int]) -> str:
+    out, start = [], steps[0]
+    for prev, cur in zip(steps, steps[1:] + [None]):
+        if cur != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(out)
 
 
 def _wandb_id(run_dir) -> str:
@@ -170,9 +215,8 @@ def read_metrics(run_dir) -> list[dict]:
         return []
     by_step = {}
     for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            by_step[rec["step"]] = rec  # (MetricsLogger drops replayed rows on resume; older run dirs may have them)
+        for step, row in _rows(line, []):  # a torn row (a run killed mid-write) is skipped
+            by_step[step] = json.loads(row)  # (MetricsLogger drops replayed rows on resume; older run dirs may have them)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -1,5 +1,7 @@
 """The hydra entry point of justrl-train: the command line's keys -> compose -> every check that needs neither megatron
-nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the launch recorded -> the GRPO loop."""
+nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the run dir locked (run_lock.py: a
+second trainer on it exits 2) -> the launch recorded -> the GRPO loop. Every process the run starts dies with it
+(lifeline.py); Ctrl-C saves, twice aborts (train/interrupt.py); a full disk is one line (exit 1)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.experimental.callback import Callback
 
+from . import lifeline, run_lock
 from .config import CONFIG_DIR, ConfigError, data_name_problems, key_problem, register, validate
 from .console import quiet_console
 
@@ -83,8 +87,33 @@ def check_config(cfg, *, also=()):
         note = resume.describe(cfg.trainer.run_dir)
         if note:
             print(f"justrl-train: {note}", flush=True)
+        lock_run_dir(cfg)  # (held since hydra started: RunDirLock; a no-op then) before the launch is recorded
         record_launch(launched, resume.step)
     return model_dir, shape
+
+
+def lock_run_dir(cfg) -> None:
+    """Rank 0 takes the run dir's lock for the process' life (run_lock.py; idempotent). Raises RunDirBusy (another
+    trainer holds it) or ConfigError (the lock file cannot be created)."""
+    if not _is_rank0():
+        return
+    try:
+        run_lock.hold(cfg.trainer.run_dir)
+    except OSError as exc:
+        raise ConfigError(f"trainer.run_dir={cfg.trainer.run_dir}: cannot write there "
+                          f"({exc.strerror or exc})") from None
+
+
+class RunDirLock(Callback):
+    """hydra callback (configs/config.yaml): the lock is taken when the run starts, before hydra writes its files
+    (run_dir/hydra/) and before any slow check, so a second trainer on the run dir exits 2 at once, in one line."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        try:
+            lock_run_dir(config)
+        except (run_lock.RunDirBusy, ConfigError) as exc:
+            print(f"justrl-train: {'error: ' if isinstance(exc, run_lock.RunDirBusy) else ''}{exc}", file=sys.stderr)
+            sys.exit(2)  # (SystemExit passes hydra's error reporting, which would print a traceback)
 
 
 def _model(cfg, problems: list[str]):
@@ -220,15 +249,26 @@ def _hydra_main(cfg) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
         print(f"justrl-train: {exc}", file=sys.stderr)
         sys.exit(2)
+    except run_lock.RunDirBusy as exc:
+        print(f"justrl-train: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     quiet_console(verbose=cfg.logging.verbose)  # the composed config decides (a recipe may set it)
+    from .checkpoint import CheckpointError, CheckpointWriteError
     from .train.loop import run
 
-    run(cfg, model_dir, shape)
+    try:
+        run(cfg, model_dir, shape)
+    except (CheckpointWriteError, CheckpointError) as exc:  # a full disk (where, how much), non-finite weights
+        # (every rank raises it; the checkpoints already there are kept)
+        if _is_rank0():
+            print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def main() -> None:
     """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
     every other problem is found too) and reported with them."""
+    lifeline.bind_helpers_to_this_process()  # before any helper process exists
     _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
     # before hydra, which creates the run dir and writes into it (an empty value: into the current folder)
     run_dir = _run_dir_of(sys.argv[1:]) if not _cli_problems else None
@@ -236,4 +276,8 @@ def main() -> None:
     if problem is not None:
         print(f"justrl-train: invalid config: {problem}", file=sys.stderr)
         sys.exit(2)
-    _hydra_main()
+    try:
+        _hydra_main()
+    except KeyboardInterrupt:  # Ctrl-C before the loop's own handler (train/interrupt.py) is in place
+        print("justrl-train: interrupted before training started; nothing was saved", file=sys.stderr)
+        sys.exit(130)

@@ -125,6 +125,7 @@ def test_command_line_typos_are_taken_off_before_hydra_composes():
 @pytest.mark.parametrize("override,message", [
     ("trainer.save_every=0", "trainer.save_every must be >= 1"),
     ("trainer.keep_last=0", "trainer.keep_last must be >= 1"),
+    ("trainer.hf_every=-1", "trainer.hf_every must be >= 0"),
     ("trainer.lr=-1e-6", "trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step; JustRL: "
                           "1e-6), got -1e-06"),
     ("trainer.warmup_steps=-1", "trainer.warmup_steps must be >= 0"),

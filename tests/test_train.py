@@ -83,7 +83,8 @@ def test_two_steps_at_tp2(tmp_path, tiny_llama):
 
 
 def three_step_args(model) -> list[str]:
-    return [f"model.path={model}", *SHORT, "trainer.total_steps=3", "trainer.eval_samples=0"]
+    # hf_every=1: an HF snapshot per step, of which keep_last (2) stay
+    return [f"model.path={model}", *SHORT, "trainer.total_steps=3", "trainer.eval_samples=0", "trainer.hf_every=1"]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +98,12 @@ def three_steps(tmp_path_factory, tiny_llama):
 
 @pytest.mark.slow
 def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama, three_steps):
-    """Kill -9 right after the step-2 checkpoint; rerunning the same command resumes and ends on the same weights."""
+    """Kill -9 right after the step-2 checkpoint; rerunning the same command resumes and ends on the same weights.
+    The same launches also show (issue 32): a second trainer on the run dir is refused at once, naming the first; the
+    SIGKILL leaves no helper process alive; a Ctrl-C during the resumed run's step finishes it, saves and exits 0."""
     from justrl_megatron.checkpoint import latest_step
+    from justrl_megatron.run_lock import LOCK_FILE
+    from justrl_megatron.train.interrupt import INTERRUPTED
 
     args = three_step_args(tiny_llama)
     straight = three_steps
@@ -107,18 +112,70 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama,
     cmd = train_cmd([*args, f"trainer.run_dir={killed}"])
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
+    while not (killed / LOCK_FILE).exists() or not (killed / LOCK_FILE).read_text():
+        assert proc.poll() is None and time.time() < deadline, "the first trainer did not start"
+        time.sleep(0.1)
+    start = time.monotonic()
+    second = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines() == [
+        f"justrl-train: error: {killed} is in use by another trainer (host {os.uname().nodename}, pid {proc.pid}, "
+        f"started {(killed / LOCK_FILE).read_text().split('started ')[1].strip()}); wait for it to end, stop it, or "
+        f"choose another trainer.run_dir"], second.stderr[-3000:]
+    print(f"the second launch stopped after {took:.1f} s")
     while latest_step(killed) != 2:
         assert proc.poll() is None, "run ended before it could be killed"
         assert time.time() < deadline
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # only the trainer, as the OOM killer does: every helper it started (reward workers, megatron's checkpoint-writer
+    # manager and its resource tracker) must leave with it
+    _kill_owner_and_assert_no_orphans(proc, min_children=3)
+    assert _started_by(proc.pid) == []  # the whole process table: nothing that carries the trainer's pid is left
     assert latest_step(killed) == 2
-    resumed = train([*args, f"trainer.run_dir={killed}"])
-    assert "resumed from" in resumed.stderr + resumed.stdout
+    assert [r["step"] for r in metrics(killed)] == [1, 2]  # the refused launch wrote nothing
+
+    # the rerun (its lock taken over from the dead trainer), interrupted with Ctrl-C once it is under way
+    resumed = subprocess.Popen(train_cmd([*args, f"trainer.run_dir={killed}"]), env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    said = []
+    for line in resumed.stdout:
+        said.append(line)
+        if "resumed from" in line:
+            resumed.send_signal(signal.SIGINT)
+            break
+    said += resumed.stdout.readlines()
+    said = "".join(said)
+    assert resumed.wait(timeout=600) == 0, said[-5000:]
+    assert INTERRUPTED in said and "checkpoint saved at step 3; exiting on Ctrl-C" in said, said[-5000:]
+    assert "Traceback" not in said and "KeyboardInterrupt" not in said, said[-5000:]
     assert [r["step"] for r in metrics(killed)][-1] == 3
 
     assert_same_weights(straight / "checkpoints" / "step_00000003", killed / "checkpoints" / "step_00000003")
+
+
+@pytest.mark.slow
+def test_hf_every_writes_the_live_weights_as_hf_folders(tmp_path, three_steps):
+    """trainer.hf_every=1 with keep_last=2: run_dir/hf/step_2 and step_3, complete HF folders (transformers loads
+    them) whose tensors equal the step-3 checkpoint converted by justrl-convert mcore-to-hf, bitwise."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = three_steps / "hf"
+    assert sorted(p.name for p in hf.iterdir()) == ["step_00000002", "step_00000003"]  # no staging left
+    converted = tmp_path / "converted"
+    run_ok([sys.executable, "-m", "justrl_megatron.convert.cli", "mcore-to-hf", "--ckpt",
+            three_steps / "checkpoints" / "step_00000003", "--out", converted], timeout=600)
+    got, want = load_file(hf / "step_00000003" / "model.safetensors"), load_file(converted / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch_equal(got[n], want[n]) for n in want)
+    model = AutoModelForCausalLM.from_pretrained(hf / "step_00000003")
+    assert model.config.num_hidden_layers == 2 and (hf / "step_00000003" / "tokenizer.json").exists()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.slow
@@ -357,6 +414,21 @@ def _kill_owner_and_assert_no_orphans(proc, min_children: int):
     for c in alive:  # do not leave them behind for the next test
         c.kill()
     assert not alive, [names[c.pid] for c in alive]
+
+
+def _started_by(trainer: int) -> list[str]:
+    """Every live process in /proc whose environment names `trainer` as its trainer (lifeline.TRAINER_ENV: every
+    process a trainer spawned inherits it), as "pid cmdline"."""
+    mark = f"JUSTRL_TRAINER_PID={trainer}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(f"{entry.name} {(entry / 'cmdline').read_bytes().replace(bytes(1), b' ')[:100]!r}")
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
 
 
 def test_reward_workers_die_with_a_killed_owner(tmp_path):

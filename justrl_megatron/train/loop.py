@@ -37,9 +37,11 @@ from ..model.lora import has_lora
 from ..model.policy import Policy
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, SamplingConfig, logprob_gap
-from ..slurm import StopSignal, current_job, describe, requeue_message
+from ..slurm import current_job, describe
 from .async_rollout import RolloutPipeline
 from .batching import Sample
+from .hf_snapshots import HFSnapshots
+from .interrupt import Interruptible
 from .placement import make_placement
 from .profiling import PhaseTimer, StepProfiler
 from .reference import Reference
@@ -59,7 +61,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     rank, _ = init_distributed()
     is_leader, run_dir = rank == 0, Path(tr.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    stop = StopSignal().install()  # SIGTERM / SIGUSR1 (Slurm's warning): finish the step, checkpoint, exit 0
+    stop = Interruptible().install()  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
 
     # --- set-up: prompts, policy, rollout engine, verifier ----------------------------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
@@ -71,6 +73,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
     reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None  # for the KL penalty
     rollout.start(_weight_stream(policy, shape))
+    hf_snapshots = HFSnapshots(run_dir, tr.hf_every, tr.keep_last, tr.total_steps, policy.chunks, shape, model_dir)
     scorer = make_scorer(algo, enabled=is_leader)
     loss = LossConfig.from_algo(algo)
     pipeline = RolloutPipeline.for_config(cfg, rollout, sampler, scorer, tokenizer, leader=is_leader)
@@ -111,10 +114,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         budget = tr.max_tokens_per_micro_batch
         one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
         with rollout.training():
-            ref = None
-            if reference is not None:
-                with timer("ref_logprob"):
-                    ref = reference.logprobs(samples, max_tokens_per_micro_batch=budget)
+            ref = _reference_logprobs(reference, samples, budget, timer)  # for the KL penalty (algo.kl_coef)
             if one_fresh_step and tr.old_logprobs == "auto":
                 with timer("update"):
                     update, old_logprobs = grpo_update_on_policy(policy, samples, max_tokens_per_micro_batch=budget,
@@ -145,11 +145,11 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
                             {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state()},
                             keep_last=tr.keep_last, shape=shape, hf_source=model_dir)
-        trace = profiler.step_finished(step, stopping)
-        if trace is not None:
+        hf_snapshots.maybe_save(step)  # trainer.hf_every: run_dir/hf/step_N, an HF folder of the live weights
+        if (trace := profiler.step_finished(step, stopping)) is not None:
             logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")
         if stopping:
-            logger.print(diverged or requeue_message(step))
+            logger.print(diverged or stop.message(step))
             break
 
     if step == tr.total_steps:  # held-out accuracy at the end (and at the start: heldout_accuracy.json), curves
@@ -184,6 +184,14 @@ def _weight_stream(policy, shape):
     """bucket bytes -> the policy's full HF-named tensors, as the rollout engines load them (every rank iterates)."""
     return lambda bucket_bytes: export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes,
                                                  include_tied_lm_head=True)
+
+
+def _reference_logprobs(reference, samples, budget: int, timer):
+    """The reference policy's logprobs of every response (None without a reference: algo.kl_coef = 0)."""
+    if reference is None:
+        return None
+    with timer("ref_logprob"):
+        return reference.logprobs(samples, max_tokens_per_micro_batch=budget)
 
 
 def _close(logger, validation, scorer, rollout) -> None:

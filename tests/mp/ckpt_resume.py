@@ -187,7 +187,8 @@ def main(out, hf_dir):
     b.seed_everything(5)
     b.step(), b.step()
     b.save(run_b, 2)
-    ckpt._stage(run_b, 3, b.chunks, b.opt, b.sched, {"data_position": -1}, None, None)  # died before commit
+    dead = ckpt.checkpoint_root(run_b) / ".tmp_step_00000003.4194304"  # a dead writer's (pid beyond pid_max)
+    ckpt._stage(run_b, 3, dead, b.chunks, b.opt, b.sched, {"data_position": -1}, None, None)  # died before commit
     if rank == 0:
         os.makedirs(os.path.join(ckpt.checkpoint_root(run_b), ".tmp_step_00000005"))
         with open(os.path.join(ckpt.checkpoint_root(run_b), ".tmp_step_00000005", "metadata.json"), "w") as f:

@@ -1,0 +1,80 @@
+"""Ctrl-C during training: the first one saves, the second one aborts cleanly.
+
+- The first SIGINT does what SIGTERM / SIGUSR1 do (slurm.StopSignal): the current step finishes, a checkpoint is
+  saved and the run exits 0. One line says so at once (a step can take minutes).
+- A second SIGINT aborts at once: helper processes are killed, the staging folder of a save in progress is removed
+  (run_lock.py; `latest` still points to the last complete checkpoint) and the process exits 130, without a traceback.
+A SIGINT within REPEAT_S of the first counts as the same press: torchrun forwards the terminal's Ctrl-C to its
+ranks, which the terminal already sent it to (torchrun then kills the ranks after its shutdown timeout, 30 s).
+Both act when Python next runs the main thread (between bytecodes: a long C call finishes first); `kill -9` always works
+and leaves no helpers behind either (lifeline.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from .. import run_lock
+from ..slurm import STOP_SIGNALS, StopSignal, requeue_message
+
+INTERRUPTED = ("justrl-train: interrupted: finishing this step, then saving a checkpoint and exiting "
+               "(Ctrl-C again aborts without saving)")
+ABORTED = "justrl-train: aborted by a second Ctrl-C: {what}; `latest` is unchanged"
+REPEAT_S = 1.0  # SIGINTs this close to the first are one press (a terminal's and torchrun's copy of it)
+
+
+class Interruptible(StopSignal):
+    """StopSignal (SIGTERM / SIGUSR1) plus SIGINT: first = stop after this step, second = abort now."""
+
+    def __init__(self):
+        super().__init__((*STOP_SIGNALS, signal.SIGINT))
+        self.first_interrupt: float | None = None  # time.monotonic() of the first SIGINT
+
+    def _handle(self, signum, frame) -> None:
+        if signum != signal.SIGINT:
+            return super()._handle(signum, frame)
+        now = time.monotonic()
+        if self.first_interrupt is None:
+            self.first_interrupt = now
+            super()._handle(signum, frame)
+            _say(INTERRUPTED)
+        elif now - self.first_interrupt > REPEAT_S:
+            abort()
+
+    def message(self, step: int) -> str:
+        """The last line of a stopped run."""
+        if self.received == signal.SIGINT:
+            return f"checkpoint saved at step {step}; exiting on Ctrl-C (rerun the same command to resume)"
+        return requeue_message(step)
+
+
+def abort() -> None:
+    """Kill this process' helpers, remove its staging folders, exit 130 (no exception: nothing runs after)."""
+    _kill_children()  # first: a checkpoint writer must not write on into a folder being removed
+    removed = run_lock.remove_staging()
+    what = "the checkpoint being written was removed" if removed else "no checkpoint was being written"
+    _say(ABORTED.format(what=what))
+    os._exit(130)
+
+
+def _say(line: str) -> None:
+    # os.write, not print: a signal handler may interrupt a print to the same stream (a reentrant-call error)
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (line + "\n").encode())
+
+
+def _kill_children() -> None:
+    """SIGKILL this process' direct children (their own children follow through lifeline.py)."""
+    me = os.getpid()
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == me:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
