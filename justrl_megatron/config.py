@@ -120,6 +120,8 @@ class AlgoConfig:
     reward: str = "dapo"
     reward_options: dict = field(default_factory=dict)
     reward_workers: int = 2
+    policy_loss: str = LossConfig.policy_loss  # ppo | gspo | cispo
+    advantage: str = LossConfig.advantage  # grpo | rloo | reinforce_pp_baseline
     norm_adv_by_std: bool = LossConfig.norm_adv_by_std
     clip_low: float = LossConfig.clip_low
     clip_high: float = LossConfig.clip_high
@@ -292,7 +294,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
                         f"(got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
         problems.append(f"algo.dual_clip_c must be > 1 (or null to disable), got {algo.dual_clip_c}")
-    problems += algo_extra_problems(algo, ro)
+    problems += algo_extra_problems(algo, ro) + loss_family_problems(algo, ro)
     steps = tr.profile_steps
     if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         problems.append(f"trainer.profile_steps must be [first, last] with 1 <= first <= last, got {list(steps)}")
@@ -522,6 +524,35 @@ def _split_problems(cfg) -> list[str]:
                         f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, "
                         f"or use max_staleness=1 (one-step-off)")
     return problems
+
+
+def loss_family_problems(algo, ro) -> list[str]:
+    """algo.policy_loss and algo.advantage must be known kinds; every advantage estimator needs groups of two."""
+    from .algo.grpo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES  # torch-only module; config.py stays import-light
+
+    problems = []
+    if algo.policy_loss not in POLICY_LOSSES:
+        problems.append(f"algo.policy_loss must be one of {', '.join(POLICY_LOSSES)}; got {algo.policy_loss!r}")
+    if algo.advantage not in ADVANTAGE_ESTIMATORS:
+        problems.append(f"algo.advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}; got {algo.advantage!r}")
+    if ro.n == 1 and not algo.dynamic_sampling:  # n < 1 and dynamic sampling's need of 2 are said elsewhere
+        problems.append(f"rollout.n={ro.n}: algo.advantage={algo.advantage} compares each response with the others "
+                        f"of its group, so a group of one always gets advantage 0 and the run would train on nothing; "
+                        f"set rollout.n >= 2 (JustRL: 8)")
+    return problems
+
+
+def config_warnings(cfg) -> list[str]:
+    """Settings that run but are almost certainly a mistake (printed once, one line each, by justrl-train)."""
+    algo, warnings = cfg.algo, []
+    if algo.policy_loss == "gspo" and max(algo.clip_low, algo.clip_high) > 0.01:
+        warnings.append(f"algo.policy_loss=gspo with algo.clip_low={algo.clip_low} / clip_high={algo.clip_high}: "
+                        f"GSPO clips a sequence ratio, which stays within ~1e-3 of 1, so a PPO-sized range clips "
+                        f"nothing; the GSPO paper uses clip_low=3e-4 clip_high=4e-4")
+    if algo.policy_loss == "gspo" and algo.loss_agg != LossConfig.loss_agg:
+        warnings.append(f"algo.loss_agg={algo.loss_agg} is not used with algo.policy_loss=gspo, whose objective is "
+                        f"always seq-mean-token-mean")
+    return warnings
 
 
 def algo_extra_problems(algo, ro) -> list[str]:

@@ -16,7 +16,8 @@ import hydra
 from hydra.experimental.callback import Callback
 
 from . import lifeline, run_lock
-from .config import CONFIG_DIR, ConfigError, data_name_problems, key_problem, register, validate
+from .config import (CONFIG_DIR, ConfigError, config_warnings, data_name_problems, key_problem, register,
+                     validate)
 from .console import quiet_console
 
 register()
@@ -82,6 +83,9 @@ def check_config(cfg, *, also=()):
     if resume is not None:
         problems += resume.problems
     validate(cfg, world_size=_world_size(), shape=shape, also=problems)
+    if _is_rank0():
+        for warning in config_warnings(cfg):
+            print(f"justrl-train: warning: {warning}", file=sys.stderr, flush=True)
     apply_memory_plan(cfg, shape)
     if resume is not None:
         note = resume.describe(cfg.trainer.run_dir)

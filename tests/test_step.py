@@ -253,6 +253,21 @@ def test_four_rank_layouts_match_tp1(layouts4, name, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gspo", "cispo"])
+def test_each_policy_loss_matches_tp1_at_tp2_pp2(ref, layouts4, kind):
+    """algo.policy_loss=gspo / cispo: one update through the real Megatron step at TP2 x PP2 gives TP1's loss, grad
+    norm and gradients (ppo: every layout test above); and it is a different update from ppo's."""
+    t1 = ref["kinds"][kind]
+    assert t1["loss"] != pytest.approx(ref["qwen"]["metrics"]["loss"], rel=1e-3)
+    for rank_verdict in layouts4:
+        v = rank_verdict["kinds"][kind]
+        assert v["ref_loss"] == t1["loss"]
+        assert v["loss"] == pytest.approx(v["ref_loss"], abs=1e-6), v
+        assert v["grad_norm"] == pytest.approx(v["ref_grad_norm"], rel=1e-5), v
+        assert v["grad_diff"] <= 1e-6 and v["grad_scale"] > 1e-3, v
+
+
+@pytest.mark.slow
 def test_uneven_mini_batches_with_an_empty_dp_rank(layouts2):
     """Mini-batches of 11 and 1 samples at DP2 (the second leaves one rank a filler micro-batch) == TP1."""
     for rank_verdict in layouts2:

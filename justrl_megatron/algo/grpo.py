@@ -1,10 +1,11 @@
-"""GRPO: group-normalised advantages and the clipped policy-gradient loss (verl's ``compute_policy_loss`` semantics).
+"""The policy-gradient family: advantages (grpo, rloo, reinforce_pp_baseline) and the policy loss (ppo, gspo, cispo),
+with verl's ``compute_policy_loss`` semantics for ppo. docs/algorithm.md defines each kind with its formula.
 
 JustRL: advantages normalised by the group std, clip ratio [1 - 0.2, 1 + 0.28], dual-clip c = 10, token-mean over the
 whole mini-batch (the denominator counts response tokens across all micro-batches and data-parallel ranks), no KL,
 no entropy bonus. `aggregate` lists the other loss aggregations (docs/algorithm.md compares them with verl 0.4.0).
 
-Per response token, with ratio r = exp(logp - old_logp) and advantage A:
+The ppo loss per response token, with ratio r = exp(logp - old_logp) and advantage A:
 
     A >= 0:  loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))      (clipped once r > 1 + clip_high)
     A <  0:  loss = min(max(-A r, -A clip(r, ...)), -A c)                   (clipped once r < 1 - clip_low,
@@ -19,6 +20,8 @@ import torch
 from .loss_config import LossConfig
 
 AGG_MODES = ("token-mean", "verl04-dynbsz", "seq-mean-token-mean", "seq-mean-token-sum")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # as verl: exp() of a larger log-ratio is inf; such tokens get no gradient either way
 
@@ -44,6 +47,48 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool =
     return torch.where(flat, torch.zeros_like(centred), centred).reshape(-1)
 
 
+def compute_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str = LossConfig.advantage,
+                       norm_by_std: bool = LossConfig.norm_adv_by_std, response_lengths=None,
+                       eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per sample from flat rewards [num_prompts * group_size] (consecutive groups).
+
+    grpo:                   `group_advantages` ((r - mean) / (std + eps); ``norm_by_std=False``: r - mean).
+    rloo:                   r minus the mean of the group's other rewards = (r - mean) * n / (n - 1).
+    reinforce_pp_baseline:  r - group mean, then whitened over the batch's response tokens: every sample's value
+                            counts once per response token (``response_lengths``; None: once per sample), the mean
+                            is subtracted and the result divided by sqrt(unbiased variance + 1e-8).
+    Every estimator gives exactly 0 to a group whose rewards are all equal (verl's whitening does not: it shifts such
+    groups by the batch mean; docs/algorithm.md). rloo and reinforce_pp_baseline need groups of at least 2.
+    """
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, norm_by_std=norm_by_std, eps=eps)
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {ADVANTAGE_ESTIMATORS}")
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    if group_size < 2:
+        raise ValueError(f"advantage estimator {estimator} needs groups of at least 2 samples (rollout.n >= 2): a "
+                         f"group of one has no baseline")
+    groups = rewards.double().view(-1, group_size)
+    flat = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if estimator == "rloo":
+        adv = centred * group_size / (group_size - 1)
+    else:
+        values = centred.reshape(-1)
+        counts = (torch.ones_like(values) if response_lengths is None
+                  else torch.as_tensor(response_lengths, dtype=torch.float64).reshape(-1))
+        if counts.numel() != values.numel():
+            raise ValueError(f"{counts.numel()} response lengths for {values.numel()} rewards")
+        tokens = counts.sum()
+        if tokens < 2:  # no spread to whiten by
+            return torch.zeros_like(rewards, dtype=torch.float32)
+        mean = (values * counts).sum() / tokens
+        var = ((values - mean).square() * counts).sum() / (tokens - 1)
+        adv = ((values - mean) * torch.rsqrt(var + 1e-8)).view_as(centred)
+    return torch.where(flat, torch.zeros_like(adv), adv).reshape(-1).float()
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1 / k2 / k3).
 
@@ -56,6 +101,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
+        # the log ratio is clamped before exp (as verl): exp(88.7) overflows, and inf - inf makes a NaN gradient
+        log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.clamp(torch.exp(-log_ratio) - 1 + log_ratio, min=-10.0, max=10.0)
     raise ValueError(f"unknown KL estimator {estimator!r}; known: {KL_ESTIMATORS}")
 
@@ -103,11 +150,19 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 loss: LossConfig | None = None, *, denominator=None, num_sequences=None, num_rows=None,
-                ref_logprobs=None, entropy=None, weights=None, agg: str | None = None, **settings):
-    """Clipped GRPO/PPO loss over response tokens; returns ``(loss, metrics)``.
+                ref_logprobs=None, entropy=None, weights=None, kind: str | None = None, agg: str | None = None,
+                **settings):
+    """The policy-gradient loss over response tokens (``kind``: ppo, gspo or cispo); returns ``(loss, metrics)``.
 
     Settings: ``loss`` (an algo.LossConfig; its defaults when None), with any of its fields replaced by keyword
-    (``clip_low=``, ``kl_coef=``, ...; ``agg=`` is short for ``loss_agg=``).
+    (``clip_low=``, ``kl_coef=``, ...; ``kind=`` is short for ``policy_loss=``, ``agg=`` for ``loss_agg=``).
+
+    ppo:    per token, ratio r = exp(logp - old): max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), for A < 0
+            capped at -A c (dual_clip_c). Aggregated as ``loss_agg`` says.
+    gspo:   the sequence ratio s = exp(mean over the response of (logp - old)) replaces r (its value on every token;
+            its gradient per token through logp - sg(logp)), clipped the same way, no dual clip; always
+            aggregated seq-mean-token-mean (LossConfig.aggregation).
+    cispo:  -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp: every token keeps a gradient, its weight capped.
     Shapes: logprobs, old_logprobs, mask (and ref_logprobs, entropy) [B, T]; advantages [B] or [B, T]. ``mask`` marks
     response tokens. ``denominator`` / ``num_sequences``: see :func:`aggregate`. The KL penalty (``kl_coef`` > 0 with
     ``ref_logprobs``) and the entropy bonus (``entropy_coef`` > 0 with ``entropy``) use the same aggregation.
@@ -120,9 +175,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``clip_frac_low``, ``clip_frac_high``, ``clip_frac_dual``, ``approx_kl``, ``pg_loss``, ``kl_loss``,
     ``entropy_loss``.
     """
-    cfg = (loss or LossConfig()).but(**settings, **({} if agg is None else {"loss_agg": agg}))
-    agg, clip_low, clip_high, dual_clip_c = cfg.loss_agg, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
+    named = {**({} if agg is None else {"loss_agg": agg}), **({} if kind is None else {"policy_loss": kind})}
+    cfg = (loss or LossConfig()).but(**settings, **named)
+    agg, clip_low, clip_high, dual_clip_c = cfg.aggregation, cfg.clip_low, cfg.clip_high, cfg.dual_clip_c
     kl_coef, entropy_coef = cfg.kl_coef, cfg.entropy_coef
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; known: {POLICY_LOSSES}")
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; known: {AGG_MODES}")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -134,16 +192,25 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     adv = adv.expand_as(logprobs)
     mask_f = mask.to(torch.float32)
     valid = mask_f > 0
+    negative = adv < 0
 
     log_ratio = torch.clamp(logprobs - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic: the clipped branch wins once outside the range
-    negative = adv < 0
-    if dual_clip_c is not None:
-        # For A < 0 the loss -A r grows without bound in r; dual-clip caps it at -A c (again a constant).
-        pg = torch.where(negative, torch.minimum(pg, -adv * dual_clip_c), pg)
+    if cfg.policy_loss == "cispo":
+        ratio = torch.exp(log_ratio)
+        pg = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach() * logprobs
+    else:
+        if cfg.policy_loss == "gspo":  # every token carries its sequence's ratio, with its own gradient
+            seq_log_ratio = ((logprobs - old_logprobs) * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)
+            ratio = torch.exp(torch.clamp(logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1),
+                                          -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        else:
+            ratio = torch.exp(log_ratio)
+        loss_unclipped = -adv * ratio
+        loss_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        pg = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic: the clipped branch wins outside the range
+        if dual_clip_c is not None and cfg.policy_loss == "ppo":
+            # For A < 0 the loss -A r grows without bound in r; dual-clip caps it at -A c (again a constant).
+            pg = torch.where(negative, torch.minimum(pg, -adv * dual_clip_c), pg)
     if weights is not None:
         pg = pg * weights.detach().float()
     agg_kw = dict(agg=agg, denominator=denominator, num_sequences=num_sequences, num_rows=num_rows)
@@ -151,10 +218,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     total = pg_loss
 
     with torch.no_grad():
-        positive = adv > 0
-        clip_high_mask = valid & positive & (ratio > 1.0 + clip_high)
-        clip_low_mask = valid & negative & (ratio < 1.0 - clip_low)
-        dual_mask = valid & negative & (ratio > dual_clip_c) if dual_clip_c is not None else torch.zeros_like(valid)
+        # clipped tokens: those whose ratio is outside the range on the side where the clip acts (cispo: either
+        # side, for either sign, as its weight is capped there)
+        either = torch.ones_like(valid) if cfg.policy_loss == "cispo" else None
+        clip_high_mask = valid & (adv > 0 if either is None else either) & (ratio > 1.0 + clip_high)
+        clip_low_mask = valid & (negative if either is None else either) & (ratio < 1.0 - clip_low)
+        dual_mask = (valid & negative & (ratio > dual_clip_c) if dual_clip_c is not None and cfg.policy_loss == "ppo"
+                     else torch.zeros_like(valid))
         num_tokens = mask_f.sum()
         denom = num_tokens.clamp(min=1)
         masked_ratio = ratio.detach()

@@ -17,6 +17,13 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class LossConfig:
+    # ppo: the clipped token-ratio loss (clip-higher, dual-clip) | gspo: the sequence-level ratio, clipped per
+    # sequence, always aggregated seq-mean-token-mean (its clip range is ~3e-4/4e-4) | cispo: the clipped importance
+    # weight, stop-gradient, times advantage times logprob (docs/algorithm.md)
+    policy_loss: str = "ppo"
+    # grpo: (r - group mean) / group std | rloo: leave-one-out baseline | reinforce_pp_baseline: group mean out,
+    # then whitened over the batch's response tokens
+    advantage: str = "grpo"
     # PPO-style clip range [1 - clip_low, 1 + clip_high]; JustRL's clip-higher keeps 0.28 above
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -30,7 +37,12 @@ class LossConfig:
     mask_truncated: bool = False  # truncated responses leave the loss and its denominator
     rollout_correction: str = "none"  # none | tis | mis | seq-tis | seq-mis (algo/rollout_correction.py)
     tis_cap: float = 2.0
-    norm_adv_by_std: bool = True  # group advantages divided by the group's std (False: Dr. GRPO)
+    norm_adv_by_std: bool = True  # grpo: advantages divided by the group's std (False: Dr. GRPO)
+
+    @property
+    def aggregation(self) -> str:
+        """The aggregation the loss really uses: GSPO's objective is a mean over sequences of token means."""
+        return "seq-mean-token-mean" if self.policy_loss == "gspo" else self.loss_agg
 
     @classmethod
     def from_algo(cls, algo) -> "LossConfig":

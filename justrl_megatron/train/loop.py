@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from ..algo.grpo import group_advantages
+from ..algo.grpo import compute_advantages
 from ..algo.loss_config import LossConfig
 from ..algo.overlong import shape_rewards
 from ..checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
@@ -101,12 +101,13 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
             logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
 
-        # 4. reward shaping (algo.overlong_buffer) and group advantages; reward/mean stays the verifier's reward
-        shaped, shaping_metrics = shape_rewards(
-            scored.batch.rewards, [len(t) for t in rollouts.token_ids], rollouts.truncated,
-            max_length=ro.max_response_length, buffer=algo.overlong_buffer, factor=algo.overlong_penalty_factor,
-            mask_truncated=loss.mask_truncated)
-        advantages = group_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n, norm_by_std=loss.norm_adv_by_std)
+        # 4. reward shaping (algo.overlong_buffer) and advantages (algo.advantage); reward/mean stays the verifier's
+        lengths = [len(t) for t in rollouts.token_ids]
+        shaped, shaping_metrics = shape_rewards(scored.batch.rewards, lengths, rollouts.truncated,
+                                                max_length=ro.max_response_length, buffer=algo.overlong_buffer,
+                                                factor=algo.overlong_penalty_factor, mask_truncated=loss.mask_truncated)
+        advantages = compute_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n, estimator=loss.advantage,
+                                        norm_by_std=loss.norm_adv_by_std, response_lengths=lengths)
         samples = _samples(batch, rollouts, advantages, ro.n)
 
         # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step on fresh

@@ -229,7 +229,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             max_tokens_per_micro_batch: int, loss: LossConfig, ref_logprobs: Sequence[torch.Tensor] | None,
             on_grads: Callable | None) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
-    kl_coef, loss_agg, mask_truncated = loss.kl_coef, loss.loss_agg, loss.mask_truncated
+    kl_coef, loss_agg, mask_truncated = loss.kl_coef, loss.aggregation, loss.mask_truncated
     rollout_correction = loss.rollout_correction
     if mini_batch_size < 1:
         raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
@@ -374,7 +374,7 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
     weights, rc = correction_weights(_padded(old, mb), _padded(mb.extras["rollout"], mb), mask,
                                      loss_cfg.rollout_correction, loss_cfg.tis_cap) \
         if "rollout" in mb.extras else (None, {})
-    token_mean = loss_cfg.loss_agg == "token-mean"
+    token_mean = loss_cfg.aggregation == "token-mean"
     loss, m = policy_loss(
         _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), mask, loss_cfg,
         denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,

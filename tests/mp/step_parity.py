@@ -7,7 +7,8 @@ logits of a packed row, per-sample logprobs, loss, grad norm, metrics, gradients
 layout: packed logprobs vs padded rows, zero advantages leave the weights unchanged, recompute gives the same grads.
 MODE layouts2 (2 processes): TP2, TP2+SP, PP2, DP2 (plain and distributed optimizer), TP2+SP with tied embeddings,
 and the vocab-parallel chunked logprob/entropy against the naive full-vocabulary computation.
-MODE layouts4 (4 processes): TP2 x PP2, and PP2 x virtual PP2 (x DP2) with tied embeddings.
+MODE layouts4 (4 processes): TP2 x PP2, and PP2 x virtual PP2 (x DP2) with tied embeddings; one update per policy
+loss (gspo, cispo; ppo is every layout's step) at TP2 x PP2.
 MODE guard2 (2 processes): a NaN put into one rank's gradients (DP2, DP2 with the distributed optimizer, TP2) makes
 every rank skip the optimizer step together.
 Each layout loads the reference weights (resharded by megatron's own dist_checkpointing), runs the same step, and
@@ -43,6 +44,7 @@ SHAPES = {
                         init_std=0.05),
 }
 MAX_TOKENS = 48  # forces several micro-batches per DP rank
+KINDS = ("gspo", "cispo")  # algo.policy_loss besides ppo: one update each, TP1 vs TP2 x PP2
 STEP_KW = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=2.0, loss_agg="token-mean")
 
 
@@ -255,6 +257,15 @@ def mode_ref(out):
                     kl_coef=0.5, entropy_coef=0.01, ref_logprobs=ref_lp, **STEP_KW)
     verdict["kl_entropy"] = {k: m.get(k) for k in ("loss", "pg_loss", "kl_loss", "entropy_loss", "entropy")}
 
+    # the other policy losses (algo.policy_loss): their TP1 gradients, for the TP2 x PP2 comparison (layouts4)
+    verdict["kinds"] = {}
+    for kind in KINDS:
+        pol = build("qwen")
+        load_ckpt(pol, f"{out}/weights_qwen")
+        m, g = one_step(pol, samples, torch.load(f"{out}/ref_qwen.pt")["old"], policy_loss=kind)
+        torch.save({"grads": g, "metrics": m}, f"{out}/ref_qwen_{kind}.pt")
+        verdict["kinds"][kind] = {"loss": m["loss"], "grad_norm": m["grad_norm"]}
+
     # bf16 params (megatron's Float16 optimizer with fp32 master weights) on the same weights: close to fp32
     pol = Policy.build(SHAPES["qwen"], dtype="bf16", transformer_impl="local", lr=1e-3, warmup_steps=0)
     load_ckpt(pol, f"{out}/weights_qwen")
@@ -309,6 +320,33 @@ def run_layout(out, name, shape, uneven=False, **layout):
             p.copy_(grads[k])
     save_ckpt(policy, f"{out}/grads_{name}")
     return entry, True
+
+
+def kinds_on_layout(out, **layout):
+    """One update per policy loss on this layout, from the reference weights; its gradients saved for TP1 to load."""
+    samples, verdict = make_samples(), {}
+    old = torch.load(f"{out}/ref_qwen.pt")["old"]
+    for kind in KINDS:
+        policy = build("qwen", **layout)
+        load_ckpt(policy, f"{out}/weights_qwen")
+        metrics, grads = one_step(policy, samples, old, policy_loss=kind)
+        verdict[kind] = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+        with torch.no_grad():
+            for k, p in params(policy).items():
+                p.copy_(grads[k])
+        save_ckpt(policy, f"{out}/grads_kind_{kind}")
+    return verdict
+
+
+def compare_kinds(out, verdict):
+    for kind in KINDS:
+        ref = torch.load(f"{out}/ref_qwen_{kind}.pt")
+        pol = build("qwen")
+        load_ckpt(pol, f"{out}/grads_kind_{kind}")
+        verdict[kind]["ref_loss"], verdict[kind]["ref_grad_norm"] = ref["metrics"]["loss"], ref["metrics"]["grad_norm"]
+        verdict[kind]["grad_diff"] = max(float((p.detach() - ref["grads"][k]).abs().max())
+                                         for k, p in params(pol).items())
+        verdict[kind]["grad_scale"] = max(float(g.abs().max()) for g in ref["grads"].values())
 
 
 def compare_grads(out, verdict, names_shapes):
@@ -418,6 +456,9 @@ def main(out, mode):
             if has_grads:
                 saved.append((name, shape))
         compare_grads(out, verdict, saved)
+        if mode == "layouts4":  # every policy loss through TP2 x PP2 against TP1
+            verdict["kinds"] = kinds_on_layout(out, tp=2, pp=2)
+            compare_kinds(out, verdict["kinds"])
     with open(os.path.join(out, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(verdict, f, indent=1)
     dist.barrier()
