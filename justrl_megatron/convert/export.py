@@ -5,6 +5,10 @@ turns them into HF tensors (`mapping.shards_to_hf`: QKV split, gate/up split, vo
 them over the pipeline group; tensors are grouped into buckets of about `bucket_bytes`, so no rank ever holds more than
 one bucket of full tensors. One broadcast per (bucket, owning stage, dtype), not per tensor.
 
+MoE experts live whole on one EP rank each (expert TP is 1): the owning stage's EP ranks receive each expert from its
+EP rank by a broadcast over the EP group, one expert tensor at a time, so no rank holds more than one bucket of
+experts either.
+
 With LoRA the stream carries merged weights, W + scale * B A, computed per shard (model/lora.py).
 
 Every rank of the job must iterate the stream to the end, in step (it runs collectives); every rank receives every
@@ -27,7 +31,7 @@ from megatron.core import parallel_state as ps
 
 from ..model.hf_config import ModelShape, copy_side_files
 from ..model.lora import merged_weight
-from .mapping import Entry, hf_shapes, live_parameters, model_entries
+from .mapping import TP_WHOLE_KINDS, Entry, hf_shapes, live_parameters, model_entries, router_name
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -51,7 +55,9 @@ def _plan(chunks, shape: ModelShape, dtype: torch.dtype | None, bucket_bytes: in
     tp, _, pp, pp_group = _groups()
     params = live_parameters(chunks)
     entries = model_entries(shape)
-    owned = {e.mcore: str(params[e.mcore].dtype).removeprefix("torch.") for e in entries if e.mcore in params}
+    # an expert counts as this stage's when its layer is (another EP rank of the stage may hold it)
+    owned = {e.mcore: str(params[e.mcore if e.mcore in params else router_name(e)].dtype).removeprefix("torch.")
+             for e in entries if e.mcore in params or (e.expert is not None and router_name(e) in params)}
     if pp > 1:
         per_stage: list[dict] = [None] * pp  # type: ignore[list-item]
         dist.all_gather_object(per_stage, owned, group=pp_group)
@@ -86,11 +92,32 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _full_hf_tensors(p: _Planned, param: torch.Tensor, shape: ModelShape, tp: int, tp_group) -> list[torch.Tensor]:
+def _expert_from_its_ep_rank(p: _Planned, params: dict, shape: ModelShape) -> torch.Tensor:
+    """Expert p.entry.expert's Megatron tensor on every EP rank of the stage: broadcast from the EP rank holding it."""
+    ep = ps.get_expert_model_parallel_world_size()
+    param = params.get(p.entry.mcore)
+    if ep == 1:
+        return merged_weight(param)
+    holder = p.entry.expert // (shape.num_experts // ep)
+    if param is not None:
+        data = merged_weight(param).contiguous()
+    else:
+        f, h = shape.moe_ffn_hidden_size, shape.hidden_size
+        like = params[router_name(p.entry)]
+        data = torch.empty((2 * f, h) if p.entry.kind == "expert_fc1" else (h, f), dtype=like.dtype, device=like.device)
+    group = ps.get_expert_model_parallel_group()
+    dist.broadcast(data, dist.get_global_rank(group, holder), group=group)
+    return data
+
+
+def _full_hf_tensors(p: _Planned, params: dict, shape: ModelShape, tp: int, tp_group) -> list[torch.Tensor]:
     from .mapping import shards_to_hf
 
-    data = merged_weight(param)  # with LoRA: W + scale * B A (the engines need no LoRA support)
-    if tp > 1 and p.entry.kind != "replicated":
+    if p.entry.expert is not None:
+        data = _expert_from_its_ep_rank(p, params, shape)
+    else:
+        data = merged_weight(params[p.entry.mcore])  # with LoRA: W + scale * B A (the engines need no LoRA support)
+    if tp > 1 and p.entry.kind not in TP_WHOLE_KINDS:
         shards = [torch.empty_like(data) for _ in range(tp)]
         dist.all_gather(shards, data.contiguous(), group=tp_group)
     else:
@@ -128,7 +155,7 @@ def export_hf_stream(
             for seg in segments:
                 names = [n for p in seg for n in p.entry.hf]
                 if seg[0].owner == my_stage:
-                    tensors = [t for p in seg for t in _full_hf_tensors(p, params[p.entry.mcore], shape, tp, tp_group)]
+                    tensors = [t for p in seg for t in _full_hf_tensors(p, params, shape, tp, tp_group)]
                     if pp > 1:
                         flat = torch.cat([t.reshape(-1) for t in tensors])
                         dist.broadcast(flat, dist.get_global_rank(pp_group, seg[0].owner), group=pp_group)

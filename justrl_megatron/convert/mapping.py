@@ -1,4 +1,5 @@
-"""HF <-> Megatron weight mapping for Qwen2/2.5, Qwen3, Llama and Mistral, and how each weight is split over TP ranks.
+"""HF <-> Megatron weight mapping for Qwen2/2.5, Qwen3, Llama, Mistral, Mixtral and Qwen3-MoE, and how each weight is
+split over TP (and, for experts, EP) ranks.
 
 All families share HF names (`model.layers.{i}.self_attn.q_proj.weight`, ...); they differ in the QKV bias, Qwen3's
 q/k norms (`self_attn.q_norm.weight`, one [head_dim] weight shared by all heads) and tied embeddings, which the
@@ -12,6 +13,13 @@ layer index) and the HF tensors it is made of. Its `kind` says how it is laid ou
   qkv         linear_qkv weight/bias: q, k, v interleaved per query group, [g0: q heads of g0, k0, v0 | g1: ...];
               TP rank r holds a contiguous run of whole query groups.
   fc1         linear_fc1 (SwiGLU): each TP rank holds [gate slice r ; up slice r] (megatron chunks the output in two).
+  expert_fc1  one MoE expert's linear_fc1, [gate ; up], whole (expert TP is 1) on the EP rank that holds the expert.
+  expert_fc2  one MoE expert's linear_fc2 (down_proj), whole, likewise.
+MoE layers (Mixtral, Qwen3-MoE) have a router (`mlp.router.weight`, HF `...gate.weight`, replicated) and E experts;
+their Megatron names here carry the GLOBAL expert index (`mlp.experts.local_experts.{e}`): EP rank r holds experts
+r*E/EP .. (r+1)*E/EP - 1 as its local experts 0 .. E/EP - 1 (`live_parameters` renames them). The HF names are the
+per-expert ones transformers saves and vLLM loads (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2` = gate/up/down;
+Qwen3-MoE: `mlp.experts.{e}.gate_proj/up_proj/down_proj`), not transformers 5's fused in-memory `gate_up_proj`.
 
 `hf_to_shard` builds one TP rank's shard from HF tensors, reading only the rows/columns that rank needs (via `read`);
 `shards_to_hf` turns the full list of TP shards back into the HF tensors, bitwise.
@@ -21,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+import re
 
 import torch
 
@@ -35,7 +45,45 @@ Reader = Callable[[str, "int | None", int, int], torch.Tensor]
 class Entry:
     mcore: str  # global Megatron name (local-spec keys), e.g. "decoder.layers.3.mlp.linear_fc1.weight"
     hf: tuple[str, ...]  # the HF tensors it is made of, in order
-    kind: str  # replicated | row | vocab | qkv | fc1
+    kind: str  # replicated | row | vocab | qkv | fc1 | expert_fc1 | expert_fc2
+    expert: int | None = None  # the global expert index of an expert weight
+
+
+# kinds whose tensor is whole on every TP rank (experts: expert TP is 1)
+TP_WHOLE_KINDS = ("replicated", "expert_fc1", "expert_fc2")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _hf_expert_names(shape: ModelShape, i: int, e: int) -> tuple[str, str, str]:
+    """(gate, up, down) of expert e in layer i, as the hub's files name them."""
+    if shape.family == "mixtral":
+        p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{i}.mlp.experts.{e}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def _hf_router_name(shape: ModelShape, i: int) -> str:
+    return f"model.layers.{i}.{'block_sparse_moe' if shape.family == 'mixtral' else 'mlp'}.gate.weight"
+
+
+def _mlp_entries(shape: ModelShape, i: int) -> list[Entry]:
+    m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    if not shape.num_experts:
+        return [Entry(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "fc1"),
+                Entry(m + "linear_fc2.weight", (h + "down_proj.weight",), "row")]
+    out = [Entry(m + "router.weight", (_hf_router_name(shape, i),), "replicated")]
+    for e in range(shape.num_experts):
+        gate, up, down = _hf_expert_names(shape, i, e)
+        x = f"{m}experts.local_experts.{e}."
+        out += [Entry(x + "linear_fc1.weight", (gate, up), "expert_fc1", e),
+                Entry(x + "linear_fc2.weight", (down,), "expert_fc2", e)]
+    return out
+
+
+def router_name(entry: Entry) -> str:
+    """The Megatron router of an expert entry's layer: present on every rank of the stage that holds the layer."""
+    return entry.mcore.split("experts.local_experts.")[0] + "router.weight"
 
 
 def layer_entries(shape: ModelShape, i: int) -> list[Entry]:
@@ -55,10 +103,8 @@ def layer_entries(shape: ModelShape, i: int) -> list[Entry]:
     out += [
         Entry(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
         Entry(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "replicated"),
-        Entry(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"),
-        Entry(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
     ]
-    return out
+    return out + _mlp_entries(shape, i)
 
 
 def model_entries(shape: ModelShape) -> list[Entry]:
@@ -84,8 +130,16 @@ def hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
         })
+        if shape.num_experts:
+            fe = shape.moe_ffn_hidden_size
+            out[_hf_router_name(shape, i)] = (shape.num_experts, h)
+            for e in range(shape.num_experts):
+                gate, up, down = _hf_expert_names(shape, i, e)
+                out.update({gate: (fe, h), up: (fe, h), down: (h, fe)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                        p + "mlp.down_proj.weight": (h, f)})
         if shape.qkv_bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
@@ -104,7 +158,8 @@ _TE_TO_LOCAL = {
 def live_parameters(chunks) -> dict[str, torch.nn.Parameter]:
     """This rank's parameters under global Megatron names (local-spec keys, global layer indices).
 
-    Layer indices come from each layer's `layer_number` (1-based, global), so any PP / VPP layout works. On the last
+    Layer indices come from each layer's `layer_number` (1-based, global), so any PP / VPP layout works; expert
+    indices from the MoE layer's `local_expert_indices` (global), so any EP layout works. On the last
     pipeline stage of a tied model, `output_layer.weight` is megatron's copy of the embeddings (kept in sync by its
     embedding group); it keeps its name here and maps to the embedding entry (see `entry_for`).
     """
@@ -115,8 +170,12 @@ def live_parameters(chunks) -> dict[str, torch.nn.Parameter]:
             out["embedding.word_embeddings.weight"] = model.embedding.word_embeddings.weight
         for layer in model.decoder.layers:
             prefix = f"decoder.layers.{layer.layer_number - 1}."
+            experts = getattr(layer.mlp, "local_expert_indices", None)
             for name, param in layer.named_parameters():
-                out[prefix + _TE_TO_LOCAL.get(name, name)] = param
+                name = _TE_TO_LOCAL.get(name, name)
+                if experts is not None:  # local expert j -> its global index
+                    name = _LOCAL_EXPERT.sub(lambda m: f"mlp.experts.local_experts.{experts[int(m.group(1))]}.", name)
+                out[prefix + name] = param
         if model.post_process:
             norm = getattr(model.decoder, "final_layernorm", None)
             if norm is not None:
@@ -143,8 +202,10 @@ def hf_to_shard(entry: Entry, read: Reader, shape: ModelShape, tp: int, rank: in
     """TP rank `rank`'s shard of `entry`, reading only the slices it needs. `local_rows` is the shard's dim-0 size
     (used for the padded vocab)."""
     kind = entry.kind
-    if kind == "replicated":
+    if kind in ("replicated", "expert_fc2"):
         return read(entry.hf[0], None, 0, 0)
+    if kind == "expert_fc1":
+        return torch.cat([read(n, None, 0, 0) for n in entry.hf])
     if kind == "row":  # linear_proj takes the attention output, linear_fc2 the FFN activations
         inputs = shape.num_attention_heads * shape.head_dim if "linear_proj" in entry.mcore else shape.ffn_hidden_size
         cols = inputs // tp
@@ -178,8 +239,10 @@ def hf_to_shard(entry: Entry, read: Reader, shape: ModelShape, tp: int, rank: in
 def shards_to_hf(entry: Entry, shards: list[torch.Tensor], shape: ModelShape) -> list[torch.Tensor]:
     """The HF tensors of `entry` from all TP shards (in TP-rank order); vocab padding stripped."""
     kind = entry.kind
-    if kind == "replicated":
+    if kind in ("replicated", "expert_fc2"):
         return [shards[0]]
+    if kind == "expert_fc1":
+        return list(shards[0].chunk(2, dim=0))
     if kind == "row":
         return [torch.cat(shards, dim=1) if len(shards) > 1 else shards[0]]
     if kind == "vocab":

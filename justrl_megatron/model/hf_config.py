@@ -1,9 +1,12 @@
-"""Translate a Hugging Face causal-LM config (Qwen2/2.5, Qwen3, Llama 2/3.x, Mistral) into megatron-core's
-TransformerConfig.
+"""Translate a Hugging Face causal-LM config (Qwen2/2.5, Qwen3, Llama 2/3.x, Mistral; MoE: Mixtral, Qwen3-MoE) into
+megatron-core's TransformerConfig.
 
 All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention. They differ in the QKV bias
 (Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3, whose head_dim is independent of hidden/heads), RoPE
-scaling (Llama 3.x: `llama3`), and whether the embeddings are tied. A field that changes the math is never ignored:
+scaling (Llama 3.x: `llama3`), and whether the embeddings are tied. Mixtral and Qwen3-MoE replace every MLP with
+megatron's MoE layer (a router plus E SwiGLU experts, top-k): Mixtral is Mistral's attention with a softmax over the
+top-k router logits; Qwen3-MoE is Qwen3's attention with a softmax over all experts, then top-k, renormalised only
+with `norm_topk_prob`. A field that changes the math is never ignored:
 `HF_FIELDS` lists every field these configs carry and how it is handled (mapped into `ModelShape`, refused with a
 message naming it when its value asks for math we do not implement, or irrelevant to the forward pass); a field
 that is not in the table is refused too, unless it has its config class's default value.
@@ -22,7 +25,17 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                           "MistralForCausalLM": "mistral"}
+                           "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# MoE architectures refused by name: each needs a piece of math beyond a router + routed SwiGLU experts
+REFUSED_MOE = {
+    "Qwen2MoeForCausalLM": "a sigmoid-gated shared expert beside the routed ones",
+    "DeepseekV2ForCausalLM": "multi-head latent attention, shared experts and group-limited routing",
+    "DeepseekV3ForCausalLM": "multi-head latent attention, shared experts and sigmoid routing with an expert bias",
+    "OlmoeForCausalLM": "q/k norms over the whole projection and its own router",
+    "GraniteMoeForCausalLM": "its own multipliers on embeddings, attention and logits",
+}
 # non-weight files of an HF folder that travel with the weights (config, generation config, tokenizer)
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
@@ -36,7 +49,18 @@ HF_FIELDS: dict[str, str] = {
     "model_type": "mapped: family when architectures is missing",
     "num_hidden_layers": "mapped: num_layers",
     "hidden_size": "mapped: hidden_size",
-    "intermediate_size": "mapped: ffn_hidden_size (SwiGLU)",
+    "intermediate_size": "mapped: ffn_hidden_size (SwiGLU); Mixtral: each expert's; Qwen3-MoE: dense layers' only "
+                         "(mlp_only_layers, refused), unused",
+    "num_local_experts": "mapped: num_experts (Mixtral; Qwen3-MoE writes it too, an alias of num_experts)",
+    "num_experts": "mapped: num_experts (Qwen3-MoE)",
+    "num_experts_per_tok": "mapped: moe_top_k",
+    "moe_intermediate_size": "mapped: moe_ffn_hidden_size (Qwen3-MoE: each expert's SwiGLU size)",
+    "norm_topk_prob": "mapped: moe_norm_topk_prob (Qwen3-MoE; Mixtral always renormalises)",
+    "router_aux_loss_coef": "mapped: moe_aux_loss_coef (the load-balancing loss's weight in training)",
+    "output_router_logits": "irrelevant (extra outputs; the trainer adds the aux loss itself)",
+    "router_jitter_noise": "refused if != 0 (Mixtral's training-time multiplicative noise on the router input)",
+    "decoder_sparse_step": "refused if != 1 (Qwen3-MoE with dense layers between MoE layers)",
+    "mlp_only_layers": "refused if not empty (Qwen3-MoE with dense layers)",
     "num_attention_heads": "mapped: num_attention_heads",
     "num_key_value_heads": "mapped: num_query_groups (GQA)",
     "head_dim": "mapped: kv_channels (Qwen3/Llama/Mistral may decouple it from hidden/heads)",
@@ -117,6 +141,11 @@ class ModelShape:
     tie_word_embeddings: bool
     init_std: float
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    num_experts: int = 0  # MoE (Mixtral, Qwen3-MoE): routed experts per layer; 0: a dense model
+    moe_top_k: int = 0  # experts per token
+    moe_ffn_hidden_size: int = 0  # each expert's SwiGLU size
+    moe_norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to 1 (Mixtral: always)
+    moe_aux_loss_coef: float = 0.0  # the HF config's router_aux_loss_coef
     rope_type: str = "default"  # default | linear | llama3 (model/rope.py)
     rope_factor: float | None = None  # linear, llama3
     rope_low_freq_factor: float | None = None  # llama3
@@ -134,6 +163,11 @@ def _refuse(field: str, value, why: str) -> None:
 
 def _family(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
+    refused = next((a for a in archs if a in REFUSED_MOE), None)
+    if refused:
+        raise UnsupportedConfig(
+            f"MoE architecture {refused} is not supported: it needs {REFUSED_MOE[refused]}; justrl-megatron's MoE "
+            f"families are MixtralForCausalLM and Qwen3MoeForCausalLM")
     family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if family is None and not archs:
         family = getattr(hf_config, "model_type", "") if getattr(hf_config, "model_type", "") in \
@@ -203,7 +237,18 @@ def _check_fields(fields: dict, family: str, class_defaults: dict) -> None:
     if fields.get("quantization_config"):
         _refuse("quantization_config", "...", "load dequantized weights (drop the field after dequantizing)")
     window, max_pos = fields.get("sliding_window"), fields.get("max_position_embeddings")
-    if family in ("qwen2", "qwen3"):
+    if fields.get("router_jitter_noise"):
+        _refuse("router_jitter_noise", fields["router_jitter_noise"], "no noise on the router input here")
+    if fields.get("decoder_sparse_step", 1) != 1:
+        _refuse("decoder_sparse_step", fields["decoder_sparse_step"], "every layer must be an MoE layer")
+    if fields.get("mlp_only_layers"):
+        _refuse("mlp_only_layers", fields["mlp_only_layers"], "every layer must be an MoE layer")
+    if family in MOE_FAMILIES:
+        norm = family == "mixtral" or bool(fields.get("norm_topk_prob"))
+        if fields.get("num_experts_per_tok") == 1 and norm:
+            _refuse("num_experts_per_tok", 1, "top-1 routing renormalised to 1 (megatron refuses a softmax over one "
+                                              "logit: its gradient is zero)")
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         if fields.get("use_sliding_window") and window:
             _refuse("use_sliding_window", True, f"sliding-window attention (sliding_window={window}) is not "
                                                 f"implemented; set use_sliding_window=false only if the model was "
@@ -244,9 +289,21 @@ def model_shape(hf_config) -> ModelShape:
         qkv_bias=qkv_bias,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         init_std=getattr(hf_config, "initializer_range", 0.02),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        **_moe(hf_config, family),
         **_rope(fields),
     )
+
+
+def _moe(hf_config, family: str) -> dict:
+    if family not in MOE_FAMILIES:
+        return {}
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    return dict(num_experts=int(experts), moe_top_k=int(hf_config.num_experts_per_tok),
+                moe_ffn_hidden_size=int(hf_config.intermediate_size if family == "mixtral"
+                                        else hf_config.moe_intermediate_size),
+                moe_norm_topk_prob=family == "mixtral" or bool(hf_config.norm_topk_prob),
+                moe_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
 
 
 def num_parameters(shape: ModelShape) -> int:
@@ -258,36 +315,49 @@ def num_parameters(shape: ModelShape) -> int:
         attn += s.head_dim * (s.num_attention_heads + 2 * s.num_query_groups)
     if s.qk_norm:
         attn += 2 * s.head_dim
-    per_layer = attn + 3 * s.hidden_size * s.ffn_hidden_size + 2 * s.hidden_size
+    mlp = (s.num_experts * (3 * s.hidden_size * s.moe_ffn_hidden_size + s.hidden_size) if s.num_experts
+           else 3 * s.hidden_size * s.ffn_hidden_size)  # MoE: E experts and the router's [E, h]
+    per_layer = attn + mlp + 2 * s.hidden_size
     embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     return s.num_layers * per_layer + embeddings + s.hidden_size
 
 
-def check_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, *,
+def check_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1, *,
                           names: tuple[str, str, str] = ("parallel.tensor", "parallel.pipeline",
-                                                         "parallel.virtual_pipeline")) -> list[str]:
-    """What keeps `shape` from splitting at TP x PP (x VPP): megatron splits whole heads, query groups and the FFN over
-    TP ranks, and whole layers into PP x VPP equal stages. Returns the problems (empty: it splits); `names` are the
-    knobs' names in the messages (config keys, or CLI flags)."""
+                                                         "parallel.virtual_pipeline"),
+                          ep_name: str = "parallel.expert") -> list[str]:
+    """What keeps `shape` from splitting at TP x PP (x VPP) x EP: megatron splits whole heads, query groups and the FFN over
+    TP ranks, whole layers into PP x VPP equal stages, and whole experts over EP ranks (expert TP is 1: an expert is
+    never split, so an MoE model's FFN size need not divide by TP). Returns the problems (empty: it splits); `names`
+    are the knobs' names in the messages (config keys, or CLI flags)."""
     tp_name, pp_name, vpp_name = names
     problems = []
+    ffn = 0 if shape.num_experts else shape.ffn_hidden_size  # 0 divides by any TP and leaves the gcd alone
     bad = [f"the {n} {what}" for what, n in (("attention heads", shape.num_attention_heads),
                                              ("query groups (KV heads)", shape.num_query_groups),
-                                             ("FFN size (intermediate_size)", shape.ffn_hidden_size)) if n % tp]
+                                             ("FFN size (intermediate_size)", ffn)) if n % tp]
     if bad:
-        fits = math.gcd(shape.num_attention_heads, shape.num_query_groups, shape.ffn_hidden_size)
+        fits = math.gcd(shape.num_attention_heads, shape.num_query_groups, ffn)
         problems.append(f"{tp_name}={tp} must divide the model's attention heads, query groups and FFN size, but does "
                         f"not divide {' and '.join(bad)}; use {tp_name} in "
                         f"{[d for d in range(1, fits + 1) if fits % d == 0]}")
     if shape.num_layers % (pp * (vpp or 1)):
         problems.append(f"the model's {shape.num_layers} layers are not divisible by {pp_name} x {vpp_name} = "
                         f"{pp}x{vpp or 1} equal pipeline stages")
+    if ep < 1:
+        problems.append(f"{ep_name} must be >= 1, got {ep}")
+    elif ep > 1 and not shape.num_experts:
+        problems.append(f"{ep_name}={ep} needs an MoE model (Mixtral, Qwen3-MoE); {shape.family} is dense")
+    elif shape.num_experts % ep:
+        problems.append(f"{ep_name}={ep} must divide the model's {shape.num_experts} experts; use {ep_name} in "
+                        f"{[d for d in range(1, shape.num_experts + 1) if shape.num_experts % d == 0]}")
     return problems
 
 
-def require_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, **kwargs) -> None:
+def require_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1,
+                            **kwargs) -> None:
     """`check_parallel_layout`, raising ValueError with its problems."""
-    problems = check_parallel_layout(shape, tp, pp, vpp, **kwargs)
+    problems = check_parallel_layout(shape, tp, pp, vpp, ep, **kwargs)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -304,6 +374,7 @@ def transformer_config(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     recompute: str | None = None,
@@ -351,7 +422,9 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         variable_seq_lengths=True,  # packed micro-batches differ in length (PP p2p shapes are exchanged)
-        moe_token_dispatcher_type="alltoall",  # dense model; megatron rejects the default with variable lengths
+        moe_token_dispatcher_type="alltoall",  # megatron rejects the allgather default with variable lengths
+        expert_model_parallel_size=ep,
+        **_moe_kwargs(shape),
     )
     if recompute in ("full", "selective"):
         kwargs["recompute_granularity"] = recompute
@@ -359,6 +432,22 @@ def transformer_config(
             kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(shape: ModelShape) -> dict:
+    """megatron's MoE layer computing the HF model's routing: router logits in fp32; Mixtral (and Qwen3-MoE with
+    norm_topk_prob) = top-k of the logits, softmax over those k, which equals HF's softmax -> top-k -> renormalise;
+    Qwen3-MoE without it = softmax over all experts, then top-k, not renormalised (megatron's pre-softmax). No
+    capacity factor: no token is dropped. Experts are whole on each EP rank (expert TP 1); sequential experts (the
+    grouped GEMM needs TE or CUDA kernels, and would rename the weights)."""
+    if not shape.num_experts:
+        return {}
+    return dict(num_moe_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                moe_router_topk=shape.moe_top_k, moe_router_pre_softmax=not shape.moe_norm_topk_prob,
+                moe_router_score_function="softmax", moe_router_dtype="fp32", moe_expert_capacity_factor=None,
+                moe_grouped_gemm=False, expert_tensor_parallel_size=1,
+                moe_router_load_balancing_type="aux_loss" if shape.moe_aux_loss_coef else "none",
+                moe_aux_loss_coeff=shape.moe_aux_loss_coef)
 
 
 def copy_side_files(source_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> None:

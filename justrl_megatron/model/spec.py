@@ -3,7 +3,8 @@
 This is the one place that chooses (`model.transformer_impl: auto|te|local`). The local spec swaps in two modules:
 an RMSNorm that works with sequence parallelism (`norm.py`; also Qwen3's q/k norms when `config.qk_layernorm`) and
 a torch-SDPA core attention that never materialises the S x S scores and understands packed (THD) rows
-(`attention.py`). Both pick their fused CUDA kernels themselves
+(`attention.py`). MoE models (Mixtral, Qwen3-MoE) get megatron's MoE layer in place of the MLP, on both specs. Both
+pick their fused CUDA kernels themselves
 (varlen flash attention, fused rms_norm); the fusions that are TransformerConfig flags are set in `policy._gpu_fusions`.
 """
 
@@ -34,22 +35,36 @@ def resolve_impl(transformer_impl: str = "auto") -> str:
     return transformer_impl
 
 
+def _moe_router_without_te() -> None:
+    """megatron-core 0.16.1's router matmul tests `te_general_gemm is not None`, but without TransformerEngine the
+    name is never bound (NameError): bind it to None so the router takes its plain torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = None):
     """The decoder block spec for this pipeline stage (and virtual stage)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     impl = resolve_impl(transformer_impl)
+    if config.num_moe_experts:
+        _moe_router_without_te()
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if impl == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
+        layer = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                                           qk_layernorm=bool(config.qk_layernorm))
         final_norm = TENorm
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        # MoE (config.num_moe_experts): megatron's MoELayer with sequential local experts (no grouped GEMM on CPU)
+        layer = copy.deepcopy(get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                                       normalization="RMSNorm"))
         layer.submodules.input_layernorm = RMSNorm
         layer.submodules.pre_mlp_layernorm = RMSNorm
         layer.submodules.self_attention.submodules.core_attention = SDPAttention

@@ -1,0 +1,144 @@
+"""MoE policies (issue 31): Mixtral and Qwen3-MoE on megatron's MoE layer, with expert parallelism.
+
+Fast: the HF config fields of both families are mapped or refused by name; other MoE architectures (Qwen2-MoE,
+DeepSeek) are refused by name; published configs count their parameters as transformers does; `parallel.expert`
+is validated before any heavy work; HF vs Megatron logits (fp32, <= 1e-5) at EP1 in this process, for Mixtral and
+for Qwen3-MoE with and without norm_topk_prob. Slow (one torchrun launch per world size, tests/mp/moe_checks.py):
+logits at EP2 (and TP2 x EP2), the HF -> Megatron -> HF round trip bitwise at EP2, one GRPO update at EP2 equal to EP1.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
+from justrl_megatron.model.hf_config import (_GENERATION_FIELDS, HF_FIELDS, UnsupportedConfig, check_parallel_layout,
+                                             model_shape, num_parameters)
+
+# tiny random MoE models: 4 experts, top-2, odd vocab; Qwen3-MoE both ways of normalising the top-k weights
+TINY_MOE = {
+    "mixtral": dict(family="mixtral", vocab_size=1009, intermediate_size=40),
+    "qwen3_moe": dict(family="qwen3_moe", vocab_size=997),
+    "qwen3_moe_norm": dict(family="qwen3_moe", vocab_size=997, norm_topk_prob=True),
+}
+
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": True, "vocab_size": 32000}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+
+
+def _config(tmp_path, fields: dict):
+    from transformers import AutoConfig
+
+    folder = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return AutoConfig.from_pretrained(folder)
+
+
+def test_field_table_covers_the_moe_configs():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    for cls in (MixtralConfig, Qwen3MoeConfig):
+        missing = sorted(set(cls().to_dict()) - set(HF_FIELDS) - _GENERATION_FIELDS)
+        assert not missing, (cls.__name__, missing)
+
+
+@pytest.mark.parametrize("published", [MIXTRAL_8X7B, QWEN3_30B_A3B], ids=["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_published_moe_configs_map_and_count_parameters_as_transformers(published, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(tmp_path, published)
+    shape = model_shape(cfg)
+    with torch.device("meta"):
+        hf_count = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert num_parameters(shape) == hf_count
+    assert shape.num_experts == published.get("num_local_experts", published.get("num_experts"))
+    assert shape.moe_top_k == published["num_experts_per_tok"] and shape.moe_norm_topk_prob
+    assert shape.moe_aux_loss_coef == published["router_aux_loss_coef"]
+    assert shape.moe_ffn_hidden_size == published.get("moe_intermediate_size", published["intermediate_size"])
+
+
+@pytest.mark.parametrize("arch,model_type", [("Qwen2MoeForCausalLM", "qwen2_moe"),
+                                             ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                                             ("DeepseekV2ForCausalLM", "deepseek_v2")])
+def test_other_moe_architectures_are_refused_by_name(arch, model_type, tmp_path):
+    cfg = _config(tmp_path, {"architectures": [arch], "model_type": model_type})
+    with pytest.raises(UnsupportedConfig, match=f"MoE architecture {arch} is not supported: .*Mixtral"):
+        model_shape(cfg)
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(router_jitter_noise=0.1), "router_jitter_noise"),
+    (dict(num_experts_per_tok=1), "num_experts_per_tok"),  # Mixtral renormalises: top-1 weight 1 (zero gradient)
+])
+def test_mixtral_fields_that_change_the_math_are_refused(change, named, tmp_path):
+    with pytest.raises(UnsupportedConfig, match=named):
+        model_shape(_config(tmp_path, {**MIXTRAL_8X7B, **change}))
+
+
+@pytest.mark.parametrize("change,named", [(dict(mlp_only_layers=[0]), "mlp_only_layers"),
+                                          (dict(decoder_sparse_step=2), "decoder_sparse_step")])
+def test_qwen3_moe_dense_layers_are_refused(change, named, tmp_path):
+    with pytest.raises(UnsupportedConfig, match=named):
+        model_shape(_config(tmp_path, {**QWEN3_30B_A3B, **change}))
+
+
+def test_expert_parallel_layout_is_checked(tmp_path):
+    moe = model_shape(_config(tmp_path, QWEN3_30B_A3B))  # 128 experts
+    assert check_parallel_layout(moe, 4, 1, None, 8) == []  # the FFN (768 wide experts) is never split over TP
+    assert "must divide the model's 128 experts" in check_parallel_layout(moe, 1, 1, None, 3)[0]
+    dense = dataclasses.replace(moe, family="qwen3", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0)
+    assert "needs an MoE model" in check_parallel_layout(dense, 1, 1, None, 2)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from justrl_megatron.assets import tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name, kw in TINY_MOE.items():
+        kw = dict(kw)
+        out[name] = tiny_model(root / name, kw.pop("family"), **kw)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TINY_MOE))
+def test_megatron_moe_logits_equal_transformers_fp32(tiny_moe, name):
+    from transformers import AutoConfig
+
+    from justrl_megatron.convert import load_hf_weights
+    from justrl_megatron.convert.verify import hf_logits, megatron_logits, random_tokens
+    from justrl_megatron.distributed import init_distributed, init_model_parallel
+    from justrl_megatron.model.build import build_model_chunks
+    from justrl_megatron.model.hf_config import transformer_config
+
+    shape = model_shape(AutoConfig.from_pretrained(tiny_moe[name]))
+    assert shape.num_experts == 4 and shape.moe_top_k == 2
+    init_distributed()
+    init_model_parallel(tp=1, pp=1)
+    chunks = build_model_chunks(shape, transformer_config(shape), transformer_impl="local")
+    load_hf_weights(chunks, tiny_moe[name], progress=False)
+    tokens = torch.randint(0, shape.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5))
+    ref = hf_logits(tiny_moe[name], tokens)
+    ours = megatron_logits(chunks, tokens, shape.vocab_size)
+    assert ref.abs().max() > 0.5
+    assert (ours - ref).abs().max().item() <= 1e-5
