@@ -10,6 +10,9 @@ The five redirections (see ../shared/FACTS.md):
   3. hard-coded `device="cuda"`, `.cuda()`, `pin_memory=True` are mapped to the CPU by a global TorchFunctionMode;
   4. `torch.cuda.synchronize()`, streams and events become no-ops;
   5. `Tensor.type()` answers `torch.cuda.FloatTensor`-style names, which the (distributed) optimizer checks for.
+A sixth, for MoE models only (`moe_dispatch_on_cpu`, called when an MoE layer spec is built, so that dense runs never
+import megatron's MoE modules): the alltoall dispatcher's split sizes become numpy arrays only when they are CUDA
+tensors, and gloo's `all_to_all_single` takes no tensors for them.
 Works on megatron-core 0.16.1 and 0.19.x: it patches torch and one megatron module (the RNG tracker), not call sites.
 """
 
@@ -180,6 +183,30 @@ def _patch_torch_cuda():
     cuda.max_memory_allocated = lambda *a, **k: 0
     cuda.reset_peak_memory_stats = lambda *a, **k: None
     cuda.empty_cache = lambda *a, **k: None
+
+
+# --- 6: MoE token dispatch ------------------------------------------------------------------------------------------
+
+def moe_dispatch_on_cpu() -> None:
+    """megatron's alltoall MoE dispatcher moves its split sizes to the host as numpy arrays through
+    `moe_utils.maybe_move_tensor_to_cpu`, which converts only CUDA tensors; on the CPU they would stay tensors, which
+    `all_to_all_single` refuses. Without CUDA, convert CPU tensors too (no-op with CUDA, idempotent)."""
+    if cuda_available():
+        return
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_justrl_cpu", False):
+        return
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._justrl_cpu = True
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host  # imported there by name
 
 
 _mode: CudaToCpuMode | None = None

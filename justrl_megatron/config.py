@@ -58,6 +58,7 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    expert: int = 1  # expert parallelism (MoE models): whole experts split over this many ranks; expert TP is 1
 
 
 @dataclass
@@ -239,6 +240,11 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"{trainers} {train_world} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
             f"launch a multiple of {tp * pp} processes or change the parallel sizes"
         )
+    if par.expert < 1:
+        problems.append(f"parallel.expert must be >= 1, got {par.expert}")
+    elif train_world > 0 and pp >= 1 and train_world % (par.expert * pp):  # megatron's expert grid: EP x PP
+        problems.append(f"{trainers} {train_world} is not divisible by parallel.expert x parallel.pipeline = "
+                        f"{par.expert}x{pp}")
     from .train.placement import PLACEMENTS  # the registry of placements (train/placement.py)
 
     if ro.placement not in PLACEMENTS:
@@ -307,7 +313,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     if shape is not None:
         from .model.hf_config import check_parallel_layout  # torch-only module; config.py stays import-light
 
-        problems += check_parallel_layout(shape, tp, pp, par.virtual_pipeline)
+        problems += check_parallel_layout(shape, tp, pp, par.virtual_pipeline, max(par.expert, 1))
         context = cfg.model.max_context or shape.max_position_embeddings
         if total_len > context:
             problems.append(

@@ -36,6 +36,7 @@ PINNED = {
     "parallel.tensor": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.virtual_pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
+    "parallel.expert": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.distributed_optimizer": "the optimizer state was saved in this optimizer's format",
     "data.train": _SAMPLER,
     "data.format": _SAMPLER,

@@ -160,7 +160,7 @@ class Policy:
     skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
 
     @classmethod
-    def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+    def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
               sequence_parallel: bool = False, dtype="auto", transformer_impl: str = "auto", recompute: str = "none",
               lr: float = 1e-6, warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
@@ -176,21 +176,22 @@ class Policy:
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
-        require_parallel_layout(shape, tp, pp, vpp)
+        require_parallel_layout(shape, tp, pp, vpp, ep)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
 
         init_distributed()
         if (not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp
                 or ps.get_pipeline_model_parallel_world_size() != pp
-                or ps.get_virtual_pipeline_model_parallel_world_size() != vpp):
-            init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed)
+                or ps.get_virtual_pipeline_model_parallel_world_size() != vpp
+                or ps.get_expert_model_parallel_world_size() != ep):
+            init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep)
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
 
         config = transformer_config(
-            shape, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, dtype=torch_dtype,
+            shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
             **_pipeline_options(pp, vpp), **_gpu_fusions(impl))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
@@ -220,7 +221,7 @@ class Policy:
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
             wd_incr_steps=1, wd_incr_style="constant")
         hyper = dict(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, tp=tp, pp=pp,
-                     vpp=vpp, sequence_parallel=config.sequence_parallel, recompute=recompute,
+                     vpp=vpp, ep=ep, sequence_parallel=config.sequence_parallel, recompute=recompute,
                      distributed_optimizer=distributed_optimizer, seed=seed,
                      make_vocab_size_divisible_by=make_vocab_size_divisible_by, max_sequence_length=max_sequence_length)
         return cls(chunks=chunks, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape,
@@ -239,7 +240,8 @@ class Policy:
         lo = model.lora
         lora = dict(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=list(lo.targets)) if lo.enabled else None
         return cls.build(
-            shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, sequence_parallel=par.sequence_parallel,
+            shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, ep=par.expert,
+            sequence_parallel=par.sequence_parallel,
             dtype=model.dtype, transformer_impl=model.transformer_impl, recompute=model.recompute, lr=tr.lr,
             warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,

@@ -51,6 +51,7 @@ def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = No
     impl = resolve_impl(transformer_impl)
     if config.num_moe_experts:
         _moe_router_without_te()
+        compat.moe_dispatch_on_cpu()
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     if impl == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
