@@ -111,6 +111,7 @@ def layout_meta(chunks, shape: ModelShape, **extra) -> dict:
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "vpp": config.virtual_pipeline_model_parallel_size,
+        "ep": config.expert_model_parallel_size,
         "padded_vocab_size_per_tp_rank": None if vocab is None else int(vocab.shape[0]),
         **extra,
     }
@@ -330,9 +331,11 @@ def _write_text_atomically(path: Path, text: str) -> None:
 
 
 def _layout() -> dict:
-    return {"world": dist.get_world_size() if dist.is_initialized() else 1,
-            "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "vpp": getattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)()}
+    layout = {"world": dist.get_world_size() if dist.is_initialized() else 1,
+              "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+              "vpp": getattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)()}
+    ep = ps.get_expert_model_parallel_world_size()
+    return layout if ep == 1 else {**layout, "ep": ep}  # EP1 as before: older checkpoints keep matching
 
 
 def rng_state() -> dict:

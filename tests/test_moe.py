@@ -4,7 +4,8 @@ Fast: the HF config fields of both families are mapped or refused by name; other
 DeepSeek) are refused by name; published configs count their parameters as transformers does; `parallel.expert`
 is validated before any heavy work; HF vs Megatron logits (fp32, <= 1e-5) at EP1 in this process, for Mixtral and
 for Qwen3-MoE with and without norm_topk_prob. Slow (one torchrun launch per world size, tests/mp/moe_checks.py):
-logits at EP2 (and TP2 x EP2), the HF -> Megatron -> HF round trip bitwise at EP2, one GRPO update at EP2 equal to EP1.
+logits at EP2, TP2 x EP2 and PP2 x EP2, the HF -> Megatron -> HF round trip bitwise at each (the weight stream) and
+through `justrl-convert --ep 2` (resharded to EP1 on the way back), one GRPO update at EP2 equal to EP1.
 """
 
 import dataclasses
@@ -184,13 +185,15 @@ def _failed(verdicts):
 
 @pytest.mark.slow
 def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
-    """EP2: logits vs transformers, the bitwise HF -> Megatron -> HF round trip, one GRPO update equal to EP1."""
+    """EP2: logits vs transformers, the bitwise HF -> Megatron -> HF round trip (weight stream, and the converter
+    CLI's dist checkpoint resharded EP2 -> EP1), one GRPO update equal to EP1."""
     verdicts = _launch(tiny_moe, tmp_path, 2)
     assert not _failed(verdicts), _failed(verdicts)
     for family in ("mixtral", "qwen3_moe"):
         for r, v in enumerate(verdicts):
             assert v[f"{family}/ep2/logits"]["max_abs_diff"] <= 1e-5
             assert v[f"{family}/ep2/roundtrip"]["expert_tensors"] == 2 * 3 * 4  # layers x (gate, up, down) x experts
+            assert v[f"{family}/ep2/convert"]["codes"] == [0, 0, 0]  # hf-to-mcore, mcore-to-hf, verify
             grpo = v[f"{family}/ep2_vs_ep1/grpo"]
             assert grpo["experts_here"] == [2 * r, 2 * r + 1]  # each EP rank holds (and compared) its own half
             assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6 and grpo["grad_diff"] <= 1e-6

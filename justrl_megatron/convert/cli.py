@@ -1,6 +1,6 @@
 """`justrl-convert`: HF <-> Megatron dist checkpoints, and a logits check between the two.
 
-  justrl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --vpp N --dtype bf16]
+  justrl-convert hf-to-mcore --hf DIR --out DIR [--tp N --pp N --vpp N --ep N --dtype bf16]
   justrl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16]
   justrl-convert verify --hf DIR --ckpt DIR [--tol 1e-3]
   justrl-convert lora-export --ckpt DIR --out DIR [--merged DIR] [--base HF_DIR]
@@ -9,8 +9,9 @@
 adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base model) and, with --merged, the merged HF
 model (W + scale * B A). One process; the base model defaults to the one the run trained on.
 
-Each runs as one process, or under torchrun (world = a multiple of tp x pp) to shard the work: every rank then reads
-only its own slices of the HF files and writes only its own shards. A dist checkpoint holds global tensors, so one
+Each runs as one process, or under torchrun (world = a multiple of tp x pp and of ep x pp) to shard the work: every
+rank then reads only its own slices of the HF files and writes only its own shards (`--ep`: an MoE model's experts,
+whole, over that many ranks). A dist checkpoint holds global tensors, so one
 written at any layout loads at any other; `--tp` also sets the vocab padding (a multiple of
 make_vocab_size_divisible_by x TP) and is checked against the heads / query groups before any work starts.
 `--ckpt` takes a converter output, a training checkpoint step folder, or a training run folder (its latest step).
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--tp", type=int, default=1, help=tp_help)
         s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
         s.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (needs --pp > 1)")
+        s.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models; under torchrun)")
 
     s = sub.add_parser("hf-to-mcore", help="HF folder -> megatron dist checkpoint")
     s.add_argument("--hf", required=True, help="HF model folder (config.json + *.safetensors)")
@@ -112,15 +114,17 @@ def _hf_shape(hf_dir: str | os.PathLike, what: str = "--hf"):
         raise UsageError(f"{what} {hf_dir}: {exc}") from None
 
 
-def _check_layout(shape, tp: int, pp: int, vpp: int | None) -> None:
+def _check_layout(shape, tp: int, pp: int, vpp: int | None, ep: int = 1) -> None:
     if tp < 1 or pp < 1 or (vpp is not None and (vpp < 1 or pp == 1)):
         raise UsageError(f"invalid layout tp={tp} pp={pp} vpp={vpp} (vpp needs pp > 1)")
-    problems = check_parallel_layout(shape, tp, pp, vpp, names=("--tp", "--pp", "--vpp"))
+    problems = check_parallel_layout(shape, tp, pp, vpp, ep, names=("--tp", "--pp", "--vpp"), ep_name="--ep")
     if problems:
         raise UsageError("; ".join(problems))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and world % (tp * pp):
         raise UsageError(f"world size {world} is not divisible by tp x pp = {tp} x {pp}")
+    if world > 1 and world % (ep * pp):
+        raise UsageError(f"world size {world} is not divisible by ep x pp = {ep} x {pp}")
 
 
 def _check_out(out: str, force: bool, inputs: dict[str, str | os.PathLike | None]) -> None:
@@ -206,8 +210,9 @@ def _ckpt_hf_dir(ckpt: Path, override: str | None) -> Path:
 # --- shared set-up ----------------------------------------------------------------------------------------------------
 
 def _setup(shape, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, divisible_by: int = 128,
-           impl: str = "auto"):
-    """torch.distributed + megatron groups + the model chunks. Single process: TP1 PP1 (vocab padded as for `tp`)."""
+           impl: str = "auto", ep: int = 1):
+    """torch.distributed + megatron groups + the model chunks. Single process: TP1 PP1 EP1 (vocab padded as for
+    `tp`)."""
     from ..distributed import init_distributed, init_model_parallel
     from ..model.build import build_model_chunks
     from ..model.hf_config import transformer_config
@@ -215,9 +220,9 @@ def _setup(shape, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, divisib
     _, world = init_distributed()
     pad_tp = tp
     if world == 1:
-        tp, pp, vpp = 1, 1, None
-    init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234)
-    config = transformer_config(shape, tp=tp, pp=pp, vpp=vpp, dtype=dtype)
+        tp, pp, vpp, ep = 1, 1, None, 1
+    init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234, ep=ep)
+    config = transformer_config(shape, tp=tp, pp=pp, vpp=vpp, ep=ep, dtype=dtype)
     chunks = build_model_chunks(shape, config, transformer_impl=impl,
                                 make_vocab_size_divisible_by=divisible_by * pad_tp // tp)
     return chunks
@@ -248,7 +253,7 @@ def hf_to_mcore(args) -> int:
     from .load import SafetensorsFolder, load_hf_weights, weights_problem
 
     shape, config = _hf_shape(args.hf)
-    _check_layout(shape, args.tp, args.pp, args.vpp)
+    _check_layout(shape, args.tp, args.pp, args.vpp, args.ep)
     _check_out(args.out, args.force, {"--hf": args.hf})
     try:  # shards, headers and shapes, before any model is built
         problem = weights_problem(SafetensorsFolder(args.hf), shape)
@@ -258,7 +263,7 @@ def hf_to_mcore(args) -> int:
         raise UsageError(f"--hf {args.hf}: {problem}")
     dtype = DTYPES[args.dtype] if args.dtype else _hf_dtype(config)
 
-    chunks = _setup(shape, args.tp, args.pp, args.vpp, dtype, args.make_vocab_size_divisible_by)
+    chunks = _setup(shape, args.tp, args.pp, args.vpp, dtype, args.make_vocab_size_divisible_by, ep=args.ep)
     load_hf_weights(chunks, args.hf)
     out = Path(args.out)
     _say(f"saving dist checkpoint to {out}")
@@ -266,11 +271,11 @@ def hf_to_mcore(args) -> int:
         save_model(chunks, tmp)
         if _rank0():
             meta = layout_meta(chunks, shape, kind="hf-to-mcore", source=str(Path(args.hf).resolve()),
-                               target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp,
+                               target_tp=args.tp, target_pp=args.pp, target_vpp=args.vpp, target_ep=args.ep,
                                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
             write_meta(tmp, meta, hf_source=args.hf)
     _say(f"done: {out} ({shape.family}, {shape.num_layers} layers, {str(dtype).removeprefix('torch.')}; "
-         f"loads at any TP/PP, vocab padded for TP={args.tp})")
+         f"loads at any TP/PP/EP, vocab padded for TP={args.tp})")
     return 0
 
 
@@ -286,12 +291,12 @@ def mcore_to_hf(args) -> int:
                          f"use `justrl-convert lora-export --ckpt {args.ckpt} --out ADAPTER_DIR --merged HF_DIR`")
     if meta.get("shape") and meta["shape"]["family"] != shape.family:
         raise UsageError(f"{ckpt} holds a {meta['shape']['family']} model but {hf_dir} is {shape.family}")
-    _check_layout(shape, args.tp, args.pp, args.vpp)
+    _check_layout(shape, args.tp, args.pp, args.vpp, args.ep)
     _check_out(args.out, args.force, {"--ckpt": args.ckpt, "checkpoint": ckpt, "--hf-config": args.hf_config})
     ckpt_dtype = DTYPES.get(meta.get("dtype", ""), _hf_dtype(config))
     export_dtype = DTYPES[args.dtype] if args.dtype else ckpt_dtype
 
-    chunks = _setup(shape, args.tp, args.pp, args.vpp, ckpt_dtype)
+    chunks = _setup(shape, args.tp, args.pp, args.vpp, ckpt_dtype, ep=args.ep)
     _say(f"loading {ckpt}")
     load_model(chunks, ckpt)
     with _staged_output(args.out) as tmp:
@@ -361,9 +366,9 @@ def verify(args) -> int:
         if diff:
             raise UsageError(f"architectures differ between {ckpt} and {args.hf}: "
                              + ", ".join(f"{k}: ckpt {a} vs hf {b}" for k, (a, b) in diff.items()))
-    _check_layout(shape, args.tp, args.pp, args.vpp)
+    _check_layout(shape, args.tp, args.pp, args.vpp, args.ep)
 
-    chunks = _setup(shape, args.tp, args.pp, args.vpp, torch.float32)
+    chunks = _setup(shape, args.tp, args.pp, args.vpp, torch.float32, ep=args.ep)
     load_model(chunks, ckpt)
     tokens = random_tokens(shape.vocab_size, args.batch, args.seq_len, args.seed)
     ours = megatron_logits(chunks, tokens, shape.vocab_size)

@@ -8,6 +8,8 @@ Per tiny MoE model (Mixtral, Qwen3-MoE) and per layout of this world size (2: EP
              schedule vs transformers' (fp32);
   roundtrip  the live model streamed back (`export_hf_stream`, small buckets: experts EP-broadcast one at a time)
              against the original safetensors, every tensor bitwise, and every expert present;
+  convert    (world 2) `justrl-convert hf-to-mcore --ep 2`, `mcore-to-hf --ep 1` (the dist checkpoint resharded
+             from EP2 to EP1) bitwise equal to the original files, and `verify --ep 2` within 1e-5;
   grpo       (world 2) one GRPO update at EP2 vs at EP1 on the same ranks and data (DP2 both): loss, grad norm,
              and every gradient of this rank by its global Megatron name (expert gradients on their EP rank).
 Each case writes its own verdict; every rank writes OUT/rank{r}.json.
@@ -116,6 +118,27 @@ def case_grpo(hf_dir, shape):
     return out
 
 
+def case_convert(hf_dir, shape, original, out):
+    from justrl_megatron.convert import cli
+    from justrl_megatron.convert.load import SafetensorsFolder
+
+    def run(*argv):
+        args = cli._parser().parse_args([str(a) for a in argv])  # main() would end the process group
+        return {"hf-to-mcore": cli.hf_to_mcore, "mcore-to-hf": cli.mcore_to_hf, "verify": cli.verify}[argv[0]](args)
+
+    ckpt, back = f"{out}/mcore_{shape.family}", f"{out}/hf_{shape.family}"
+    codes = [run("hf-to-mcore", "--hf", hf_dir, "--out", ckpt, "--ep", 2, "--force"),
+             run("mcore-to-hf", "--ckpt", ckpt, "--out", back, "--ep", 1, "--force"),
+             run("verify", "--hf", hf_dir, "--ckpt", ckpt, "--ep", 2, "--tol", 1e-5)]
+    dist.barrier()
+    files = SafetensorsFolder(back)
+    bad = sorted(n for n in original if n not in files.names() or not torch.equal(files.read(n, None, 0, 0),
+                                                                                    original[n]))
+    extra = sorted(files.names() - set(original))
+    return {"ok": codes == [0, 0, 0] and not bad and not extra, "codes": codes, "bad": bad[:5], "extra": extra[:5],
+            "tensors": len(files.names())}
+
+
 def run_case(verdict, key, fn, *args):
     try:
         verdict[key] = fn(*args)
@@ -146,6 +169,7 @@ def main():
             run_case(verdict, f"{family}/{name}/roundtrip", case_roundtrip, policy, shape, original)
             del policy
         if world == 2:
+            run_case(verdict, f"{family}/ep2/convert", case_convert, hf_dir, shape, original, out)
             run_case(verdict, f"{family}/ep2_vs_ep1/grpo", case_grpo, hf_dir, shape)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(verdict, f, indent=1)
