@@ -49,6 +49,9 @@ class ModelConfig:
     recompute: str = "auto"
     max_context: Optional[int] = None  # defaults to the model's max_position_embeddings
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # MoE models: the load-balancing loss's weight (logged as actor/moe_aux_loss); null: the HF config's
+    # router_aux_loss_coef; 0: off
+    moe_aux_loss_coef: Optional[float] = None
 
 
 @dataclass
@@ -240,6 +243,9 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"{trainers} {train_world} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
             f"launch a multiple of {tp * pp} processes or change the parallel sizes"
         )
+    if cfg.model.moe_aux_loss_coef is not None and not cfg.model.moe_aux_loss_coef >= 0:
+        problems.append(f"model.moe_aux_loss_coef must be >= 0 (or null: the model's own), got "
+                        f"{cfg.model.moe_aux_loss_coef}")
     if par.expert < 1:
         problems.append(f"parallel.expert must be >= 1, got {par.expert}")
     elif train_world > 0 and pp >= 1 and train_world % (par.expert * pp):  # megatron's expert grid: EP x PP

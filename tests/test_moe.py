@@ -208,3 +208,55 @@ def test_expert_parallel_with_tensor_and_pipeline_parallel(tiny_moe, tmp_path):
         assert all(v[f"{family}/tp2ep2/logits"]["max_abs_diff"] <= 1e-5 for v in verdicts)
         assert [v[f"{family}/pp2ep2/logits"].get("max_abs_diff", 0) <= 1e-5 for v in verdicts] == [True] * 4
         assert sum("max_abs_diff" in v[f"{family}/pp2ep2/logits"] for v in verdicts) == 2  # the last stage's ranks
+
+
+def _switch_loss(hidden, weight, top_k):
+    """megatron's switch load-balancing loss of one layer, by hand: E / (k T^2) sum_e (sum_t p_te) count_e, with p the
+    softmax over all experts (fp32) and count_e the tokens routed to e (no gradient)."""
+    logits = hidden.float() @ weight.float().t()
+    probs = torch.softmax(logits, dim=-1)
+    counts = torch.zeros_like(probs).scatter(1, logits.topk(top_k, dim=-1).indices, 1.0).sum(0)
+    tokens, experts = probs.shape
+    return experts / (top_k * tokens * tokens) * (probs.sum(0) * counts).sum()
+
+
+@pytest.mark.parametrize("coef", [0.05, 0.0])
+def test_aux_loss_weighs_the_coefficient_per_mini_batch_and_is_logged(tiny_moe, coef):
+    """Zero advantages: the update's only gradient is the load-balancing loss's. The last router's gradient equals
+    coef x the mean over micro-batches of the hand-computed switch loss's (not x the token count, as megatron's
+    per-token mode would make it here); the logged actor/moe_aux_loss is that loss's mean. coef=0: no gradient."""
+    import random
+
+    from transformers import AutoConfig
+
+    from justrl_megatron.convert import load_hf_weights
+    from justrl_megatron.model.policy import Policy
+    from justrl_megatron.train.batching import Sample
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["qwen3_moe"]))
+    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, distributed_optimizer=False,
+                          moe_aux_loss_coef=coef)
+    load_hf_weights(policy.chunks, tiny_moe["qwen3_moe"], progress=False)
+    policy.optimizer.reload_model_params()
+    rng = random.Random(0)
+    samples = [Sample([rng.randrange(997) for _ in range(6)], [rng.randrange(997) for _ in range(10)], advantage=0.0,
+                      group=0) for _ in range(6)]
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=40)
+    router = policy.modules[0].decoder.layers[-1].mlp.router
+    weight = router.weight.detach().clone().requires_grad_()  # before the optimizer step moves it
+    inputs = []
+    hook = router.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach().reshape(-1, 64)))
+    grads = {}
+    metrics = grpo_update(policy, samples, old, mini_batch_size=6, max_tokens_per_micro_batch=40,
+                          on_grads=lambda pol, step: grads.update(router=router.weight.main_grad.clone()))
+    hook.remove()
+    assert len(inputs) >= 2  # several micro-batches
+    if coef == 0:
+        assert "moe_aux_loss" not in metrics and grads["router"].abs().max() == 0
+        return
+    (coef / len(inputs) * sum(_switch_loss(h, weight, shape.moe_top_k) for h in inputs)).backward()
+    assert grads["router"].abs().max() > 1e-6
+    assert torch.allclose(grads["router"], weight.grad, rtol=1e-4, atol=1e-9), \
+        float((grads["router"] - weight.grad).abs().max())
+    assert 0.5 < metrics["moe_aux_loss"] < 5  # ~1 for balanced routing (E / k x sum of fractions x probs)

@@ -39,6 +39,7 @@ from .build import build_model_chunks
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
+from .moe import prepare_routers
 from .spec import resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -109,6 +110,13 @@ def _gpu_fusions(impl: str) -> dict:
     return dict(bias_activation_fusion=True)
 
 
+def _aux_loss(shape: ModelShape, coef: float | None) -> dict:
+    """An MoE model's load-balancing loss weight other than its HF config's (0 turns the loss off)."""
+    if coef is None or not shape.num_experts:
+        return {}
+    return dict(moe_aux_loss_coeff=float(coef), moe_router_load_balancing_type="aux_loss" if coef else "none")
+
+
 SHARED_PROMPT_CHOICES = ("auto", "on", "off")
 
 
@@ -165,10 +173,12 @@ class Policy:
               lr: float = 1e-6, warmup_steps: int = 0, weight_decay: float = 0.0, grad_clip: float = 1.0,
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
-              max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off") -> "Policy":
+              max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off",
+              moe_aux_loss_coef: float | None = None) -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
-        `shared_prompt` auto | on | off (`resolve_shared_prompt`)."""
+        `shared_prompt` auto | on | off (`resolve_shared_prompt`). `moe_aux_loss_coef`: MoE models' load-balancing
+        loss weight (None: the HF config's; 0: off; model/moe.py)."""
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
@@ -193,12 +203,13 @@ class Policy:
         config = transformer_config(
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
-            **_pipeline_options(pp, vpp), **_gpu_fusions(impl))
+            **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_aux_loss(shape, moe_aux_loss_coef))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         device = compat.default_device()
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         modules = [m.to(device) for m in modules]
+        prepare_routers(modules)
         if lora:
             if sequence_parallel or impl == "te":
                 raise ValueError("LoRA needs parallel.sequence_parallel=false and model.transformer_impl=local")
@@ -247,7 +258,7 @@ class Policy:
             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
             distributed_optimizer=par.distributed_optimizer,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
-            shared_prompt=tr.shared_prompt)
+            shared_prompt=tr.shared_prompt, moe_aux_loss_coef=model.moe_aux_loss_coef)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

@@ -33,6 +33,7 @@ from ..algo.grpo import AGG_MODES, policy_loss
 from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import nonfinite_parameters, output_weight, returning_hidden_states, unwrap
+from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
 from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, make_shared_micro_batch, \
@@ -244,7 +245,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                          "response (Sample.rollout_logprobs)")
     lr = policy.current_lr()
     totals = None
-    grad_norms, steps_ok, micro_batch_counts, tokens_total = [], [], [], 0
+    grad_norms, steps_ok, micro_batch_counts, tokens_total, aux_losses = [], [], [], 0, []
 
     for step, start in enumerate(range(0, len(samples), mini_batch_size)):
         ids = list(range(start, min(start + mini_batch_size, len(samples))))
@@ -270,7 +271,11 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
-        results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False)
+        # MoE: the load-balancing loss weighs the model's coefficient per mini-batch (model/moe.py)
+        with moe.aux_loss_scale(policy.config, len(micro_batches) * ps.get_data_parallel_world_size()):
+            results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False)
+        aux = moe.tracked_aux_loss(policy.config, len(micro_batches))
+        aux_losses += [] if aux is None else [aux]
         forward_logprobs = [(mb, r.pop("target_logprobs")) for mb, r in zip(micro_batches, results)]
         if on_grads is not None:
             on_grads(policy, step)
@@ -294,6 +299,8 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
     metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
                                 tokens_total, lr, rollout_correction, with_kl=bool(kl_coef))
+    if aux_losses:  # logged as actor/moe_aux_loss: megatron's switch loss, mean over layers and micro-batches
+        metrics["moe_aux_loss"] = sum(aux_losses) / len(aux_losses)
     return metrics, list(old_logprobs)
 
 
