@@ -122,6 +122,9 @@ class AlgoConfig:
     """The RL algorithm. The loss settings' defaults (and what each means) are algo/loss_config.LossConfig's."""
 
     reward: str = "dapo"
+    # MoE: off | old (the experts of the old-logprob pass replayed in the update; model/moe.py); rollout (vLLM's
+    # routed experts) is a GPU path not written yet
+    routing_replay: str = "off"
     reward_options: dict = field(default_factory=dict)
     reward_workers: int = 2
     policy_loss: str = LossConfig.policy_loss  # ppo | gspo | cispo
@@ -246,6 +249,14 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     if cfg.model.moe_aux_loss_coef is not None and not cfg.model.moe_aux_loss_coef >= 0:
         problems.append(f"model.moe_aux_loss_coef must be >= 0 (or null: the model's own), got "
                         f"{cfg.model.moe_aux_loss_coef}")
+    if algo.routing_replay not in ("off", "old"):
+        problems.append(f"algo.routing_replay must be off or old, got {algo.routing_replay!r}"
+                        + (" (rollout: vLLM's routed experts, a GPU path not written yet)"
+                           if algo.routing_replay == "rollout" else ""))
+    elif algo.routing_replay == "old" and par.sequence_parallel:
+        problems.append("algo.routing_replay=old needs parallel.sequence_parallel=false")
+    elif algo.routing_replay == "old" and str(tr.shared_prompt).lower() in ("on", "true", "auto"):
+        problems.append("algo.routing_replay=old needs trainer.shared_prompt=off (experts are kept per sample)")
     if par.expert < 1:
         problems.append(f"parallel.expert must be >= 1, got {par.expert}")
     elif train_world > 0 and pp >= 1 and train_world % (par.expert * pp):  # megatron's expert grid: EP x PP

@@ -260,3 +260,74 @@ def test_aux_loss_weighs_the_coefficient_per_mini_batch_and_is_logged(tiny_moe, 
     assert torch.allclose(grads["router"], weight.grad, rtol=1e-4, atol=1e-9), \
         float((grads["router"] - weight.grad).abs().max())
     assert 0.5 < metrics["moe_aux_loss"] < 5  # ~1 for balanced routing (E / k x sum of fractions x probs)
+
+
+def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
+    """algo.routing_replay=old: the old-logprob pass records every token's experts; after the router weights move
+    (so natural routing now differs), the update routes every real token to exactly the recorded experts."""
+    import random
+
+    from transformers import AutoConfig
+
+    from justrl_megatron.convert import load_hf_weights
+    from justrl_megatron.model.policy import Policy
+    from justrl_megatron.train.batching import Sample
+    from justrl_megatron.train.step import compute_logprobs, grpo_update, plan_micro_batches
+
+    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["mixtral"]))
+    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
+                          routing_replay="old")
+    load_hf_weights(policy.chunks, tiny_moe["mixtral"], progress=False)
+    policy.optimizer.reload_model_params()
+    rng = random.Random(1)
+    samples = [Sample([rng.randrange(1009) for _ in range(rng.randint(3, 8))],
+                      [rng.randrange(1009) for _ in range(rng.randint(4, 12))], advantage=rng.uniform(-1, 1),
+                      group=i // 3) for i in range(6)]
+    budget, layers = 48, policy.modules[0].decoder.layers
+    seen = {i: [] for i in range(len(layers))}  # layer -> the routing maps of its calls, in order
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[1].detach().clone()))
+             for i, layer in enumerate(layers)]
+
+    def per_sample(plans):  # layer -> sample -> [tokens, E] routing map of its real tokens
+        out = {}
+        for i, maps in seen.items():
+            assert len(maps) == len(plans)
+            for mb, m in zip(plans, maps):
+                for k, sid in enumerate(mb.sample_ids):
+                    start, end = int(mb.cu_seqlens[k]), int(mb.cu_seqlens[k + 1])
+                    out.setdefault(i, {})[sid] = m[start:end]
+            maps.clear()
+        return out
+
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
+    recorded = per_sample(plan_micro_batches(policy, samples, range(6), budget))
+    stored = policy.routing_replay.routes  # what the old pass kept: the same experts as its routing maps
+    for i in recorded:
+        for sid, m in recorded[i].items():
+            assert torch.equal(torch.zeros_like(m).scatter(1, stored[sid][i], True), m)
+    with torch.no_grad():  # move the routers: natural routing changes for many tokens
+        for layer in layers:
+            layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
+    replay, policy.routing_replay = policy.routing_replay, None
+    compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
+    natural = per_sample(plan_micro_batches(policy, samples, range(6), budget))
+    policy.routing_replay = replay
+    changed = sum(int((natural[i][s] != recorded[i][s]).any(-1).sum()) for i in recorded for s in recorded[i])
+    assert changed > 10
+    grpo_update(policy, samples, old, mini_batch_size=3, max_tokens_per_micro_batch=budget)  # two mini-batches
+    plans = [mb for ids in ([0, 1, 2], [3, 4, 5]) for mb in plan_micro_batches(policy, samples, ids, budget)]
+    replayed = per_sample(plans)
+    for h in hooks:
+        h.remove()
+    for i in recorded:
+        for sid in recorded[i]:
+            assert torch.equal(replayed[i][sid], recorded[i][sid]), (i, sid)
+
+
+def test_routing_replay_and_aux_coef_settings_are_validated(tmp_path):
+    moe = model_shape(_config(tmp_path, MIXTRAL_8X7B))
+    assert "a GPU path not written yet" in _config_problems(["algo.routing_replay=rollout"], 1, moe)
+    assert "needs trainer.shared_prompt=off" in _config_problems(["algo.routing_replay=old"], 1, moe)
+    assert "needs parallel.sequence_parallel=false" in _config_problems(
+        ["algo.routing_replay=old", "parallel.tensor=2", "parallel.sequence_parallel=true"], 2, moe)
+    assert "model.moe_aux_loss_coef must be >= 0" in _config_problems(["model.moe_aux_loss_coef=-1"], 1, moe)

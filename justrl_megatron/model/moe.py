@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from .build import unwrap
 
 TRACKED = "load_balancing_loss"  # megatron's tracker name (router.py), the loss divided by its coefficient
 
@@ -68,3 +69,73 @@ def _clear_tracker() -> None:
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     clear_aux_losses_tracker()
+
+
+# --- routing replay (algo.routing_replay=old) --------------------------------------------------------------------------
+
+ROUTING_REPLAY = ("off", "old")  # "rollout" (vLLM's routed experts) is a GPU path not written yet
+
+
+class RoutingReplay:
+    """Record each token's experts in the old-logprob pass and replay them in the update, per sample, through
+    megatron's own `RouterReplay` (`moe_enable_routing_replay`: the router takes the given top-k indices and gathers
+    its scores there, so the gradient still flows through the router's probabilities).
+
+    Routes are kept per sample (`key`: any hashable the caller gives each sample) and per global layer, so the
+    update may pack the samples into other micro-batches than the old-logprob pass did. A micro-batch is described
+    by its samples' keys, their starts in the packed row and their lengths; its padding tokens take experts 0..k-1
+    (they are a segment of their own: nothing real attends to them). Every router of the chunk sees the whole row:
+    sequence parallelism (a slice of the row per TP rank) and shared-prompt packing are refused by the caller."""
+
+    def __init__(self, chunks):
+        self.routers = {}  # id(chunk module) -> [(global layer index, RouterReplay)]
+        for chunk in chunks:
+            model = unwrap(chunk)
+            self.routers[id(model)] = [(layer.layer_number - 1, layer.mlp.router.router_replay)
+                                       for layer in model.decoder.layers
+                                       if getattr(getattr(layer.mlp, "router", None), "router_replay", None)]
+        self.routes: dict = {}  # key -> {layer: LongTensor [length, k]} (CPU)
+
+    def clear(self) -> None:
+        self.routes = {}
+
+    @contextlib.contextmanager
+    def recording(self, model, keys, starts, lengths):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = self.routers.get(id(unwrap(model)), [])
+        for _, replay in routers:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        try:
+            yield
+        finally:
+            for layer, replay in routers:
+                chosen = replay.get_recorded_indices()
+                replay.clear_indices()
+                replay.clear_router_replay_action()
+                for key, start, length in zip(keys, starts, lengths):
+                    self.routes.setdefault(key, {})[layer] = chosen[start:start + length].detach().to("cpu")
+
+    @contextlib.contextmanager
+    def replaying(self, model, keys, starts, lengths, row_length: int):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = self.routers.get(id(unwrap(model)), [])
+        missing = [k for k in keys if k not in self.routes]
+        if routers and missing:
+            raise RuntimeError(f"routing replay: no recorded experts for {len(missing)} of the micro-batch's samples "
+                               f"(the old-logprob pass must run on the same samples first)")
+        for layer, replay in routers:
+            k = next(iter(self.routes[keys[0]].values())).shape[1]
+            target = torch.arange(k).repeat(row_length, 1)  # padding: experts 0..k-1
+            for key, start, length in zip(keys, starts, lengths):
+                target[start:start + length] = self.routes[key][layer]
+            replay.set_target_indices(target)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            yield
+        finally:
+            for _, replay in routers:
+                replay.clear_indices()
+                replay.clear_router_replay_action()
+

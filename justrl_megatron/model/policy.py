@@ -39,7 +39,7 @@ from .build import build_model_chunks
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
-from .moe import prepare_routers
+from .moe import ROUTING_REPLAY, RoutingReplay, prepare_routers
 from .spec import resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -166,6 +166,7 @@ class Policy:
     # a GRPO group's responses attend to one copy of their prompt (train/batching.py); resolved from "auto"
     shared_prompt: bool = False
     skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
+    routing_replay: object = None  # MoE, algo.routing_replay=old: model/moe.RoutingReplay (train/step.py uses it)
 
     @classmethod
     def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
@@ -174,11 +175,16 @@ class Policy:
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
               max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off",
-              moe_aux_loss_coef: float | None = None) -> "Policy":
+              moe_aux_loss_coef: float | None = None, routing_replay: str = "off") -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
         `shared_prompt` auto | on | off (`resolve_shared_prompt`). `moe_aux_loss_coef`: MoE models' load-balancing
-        loss weight (None: the HF config's; 0: off; model/moe.py)."""
+        loss weight (None: the HF config's; 0: off; model/moe.py). `routing_replay` off | old (model/moe.py)."""
+        replay = routing_replay == "old" and bool(shape.num_experts)
+        if routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"algo.routing_replay must be one of {', '.join(ROUTING_REPLAY)}, got {routing_replay!r}")
+        if replay and sequence_parallel:
+            raise ValueError("algo.routing_replay=old needs parallel.sequence_parallel=false")
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
@@ -203,7 +209,8 @@ class Policy:
         config = transformer_config(
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
-            **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_aux_loss(shape, moe_aux_loss_coef))
+            **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_aux_loss(shape, moe_aux_loss_coef),
+            **(dict(moe_enable_routing_replay=True) if replay else {}))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         device = compat.default_device()
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
@@ -238,7 +245,8 @@ class Policy:
         return cls(chunks=chunks, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape,
                    transformer_impl=impl, dtype=torch_dtype,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
-                   hyper=hyper, lora=dict(lora) if lora else None, shared_prompt=shared)
+                   hyper=hyper, lora=dict(lora) if lora else None, shared_prompt=shared,
+                   routing_replay=RoutingReplay(modules) if replay else None)
 
     @classmethod
     def from_config(cls, cfg, shape: ModelShape) -> "Policy":
@@ -258,7 +266,8 @@ class Policy:
             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
             distributed_optimizer=par.distributed_optimizer,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
-            shared_prompt=tr.shared_prompt, moe_aux_loss_coef=model.moe_aux_loss_coef)
+            shared_prompt=tr.shared_prompt, moe_aux_loss_coef=model.moe_aux_loss_coef,
+            routing_replay=cfg.algo.routing_replay)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

@@ -87,7 +87,23 @@ def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], ma
             for b in plans[ps.get_data_parallel_rank()]]
 
 
-def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool) -> list:
+def _routes(policy, routes: str | None, mb: MicroBatch, model):
+    """algo.routing_replay=old (model/moe.RoutingReplay): record the micro-batch's experts, or replay them."""
+    replay = getattr(policy, "routing_replay", None)
+    if replay is None or routes is None:
+        return contextlib.nullcontext()
+    if mb.shared is not None:
+        raise ValueError("algo.routing_replay=old needs trainer.shared_prompt=off (experts are kept per sample)")
+    n = len(mb.sample_ids)
+    starts, ends = mb.cu_seqlens[:n].tolist(), mb.cu_seqlens[1:n + 1].tolist()
+    lengths = [e - s for s, e in zip(starts, ends)]
+    if routes == "record":
+        return replay.recording(model, mb.sample_ids, starts, lengths)
+    return replay.replaying(model, mb.sample_ids, starts, lengths, mb.tokens.size(1))
+
+
+def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool,
+                  routes: str | None = None) -> list:
     """Run all micro-batches through megatron's schedule; returns the loss functions' dicts (last stage only)."""
     device = policy.device
     mbs = [mb.to(device) for mb in micro_batches]
@@ -95,7 +111,8 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         # shared-prompt units: RoPE from the position ids (responses restart at the prompt's end), not the segments
-        with rope_at_positions(unwrap(model), None if mb.shared is None else mb.position_ids[0]):
+        with rope_at_positions(unwrap(model), None if mb.shared is None else mb.position_ids[0]), \
+                _routes(policy, routes, mb, model):
             out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
         return out, functools.partial(loss_fn, mb, model)
 
@@ -148,7 +165,9 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
         return zero, torch.tensor(mb.num_targets, dtype=torch.int, device=output.device), \
             {"logprobs": logp, "entropy": ent}
 
-    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True)
+    if getattr(policy, "routing_replay", None) is not None:
+        policy.routing_replay.clear()  # these samples' experts, for the update that follows
+    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes="record")
     logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
                                    policy.device)
     if not with_entropy:
@@ -273,7 +292,8 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         policy.optimizer.zero_grad()
         # MoE: the load-balancing loss weighs the model's coefficient per mini-batch (model/moe.py)
         with moe.aux_loss_scale(policy.config, len(micro_batches) * ps.get_data_parallel_world_size()):
-            results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False)
+            results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False,
+                                    routes=None if reuse_forward else "replay")
         aux = moe.tracked_aux_loss(policy.config, len(micro_batches))
         aux_losses += [] if aux is None else [aux]
         forward_logprobs = [(mb, r.pop("target_logprobs")) for mb, r in zip(micro_batches, results)]
