@@ -186,7 +186,8 @@ def _failed(verdicts):
 @pytest.mark.slow
 def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
     """EP2: logits vs transformers, the bitwise HF -> Megatron -> HF round trip (weight stream, and the converter
-    CLI's dist checkpoint resharded EP2 -> EP1), one GRPO update equal to EP1."""
+    CLI's dist checkpoint resharded EP2 -> EP1), one GRPO update equal to EP1 (also with the distributed
+    optimizer)."""
     verdicts = _launch(tiny_moe, tmp_path, 2)
     assert not _failed(verdicts), _failed(verdicts)
     for family in ("mixtral", "qwen3_moe"):
@@ -197,6 +198,7 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
             grpo = v[f"{family}/ep2_vs_ep1/grpo"]
             assert grpo["experts_here"] == [2 * r, 2 * r + 1]  # each EP rank holds (and compared) its own half
             assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6 and grpo["grad_diff"] <= 1e-6
+            assert abs(grpo["distopt"]["grad_norm"] - grpo["grad_norm"][1]) <= 1e-5
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ Per tiny MoE model (Mixtral, Qwen3-MoE) and per layout of this world size (2: EP
   convert    (world 2) `justrl-convert hf-to-mcore --ep 2`, `mcore-to-hf --ep 1` (the dist checkpoint resharded
              from EP2 to EP1) bitwise equal to the original files, and `verify --ep 2` within 1e-5;
   grpo       (world 2) one GRPO update at EP2 vs at EP1 on the same ranks and data (DP2 both): loss, grad norm,
-             and every gradient of this rank by its global Megatron name (expert gradients on their EP rank).
+             and every gradient of this rank by its global Megatron name (expert gradients on their EP rank); then
+             EP2 with the distributed optimizer: loss, grad norm and the logprobs after the optimizer step.
 Each case writes its own verdict; every rank writes OUT/rank{r}.json.
 """
 
@@ -41,10 +42,10 @@ MAX_TOKENS = 40  # several micro-batches per DP rank
 STEP_KW = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=2.0, loss_agg="token-mean")
 
 
-def build(hf_dir, shape, tp=1, pp=1, ep=1):
-    # plain (not distributed) optimizer: every rank's main_grad holds its parameters' whole reduced gradient
+def build(hf_dir, shape, tp=1, pp=1, ep=1, distopt=False):
+    # plain optimizer by default: every rank's main_grad holds its parameters' whole reduced gradient
     policy = Policy.build(shape, tp=tp, pp=pp, ep=ep, dtype="fp32", transformer_impl="local", lr=1e-3,
-                          grad_clip=1.0, distributed_optimizer=False, seed=1234)
+                          grad_clip=1.0, distributed_optimizer=distopt, seed=1234)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
     return policy
@@ -106,15 +107,26 @@ def case_grpo(hf_dir, shape):
     ep2 = build(hf_dir, shape, ep=2)
     lp2 = compute_logprobs(ep2, samples, max_tokens_per_micro_batch=MAX_TOKENS)
     m2, g2 = one_update(ep2, samples, old)
+    after_ep2 = compute_logprobs(ep2, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    del ep2
+    ep2d = build(hf_dir, shape, ep=2, distopt=True)
+    m3 = grpo_update(ep2d, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
+                     **STEP_KW)
+    after_distopt = compute_logprobs(ep2d, samples, max_tokens_per_micro_batch=MAX_TOKENS)
     grad_diff = max(float((g2[n] - g1[n]).abs().max()) for n in g2)
     experts_here = sorted({int(n.split("local_experts.")[1].split(".")[0]) for n in g2 if "local_experts." in n})
     out = {"loss": (m1["loss"], m2["loss"]), "grad_norm": (m1["grad_norm"], m2["grad_norm"]),
            "logprob_diff": max(float((a - b).abs().max()) for a, b in zip(lp, lp2)),
            "grad_diff": grad_diff, "grads_compared": len(g2), "experts_here": experts_here,
-           "grad_norm_nonzero": m1["grad_norm"] > 1e-3}
+           "grad_norm_nonzero": m1["grad_norm"] > 1e-3,
+           "distopt": {"loss": m3["loss"], "grad_norm": m3["grad_norm"],
+                       "logprob_diff_after_step": max(float((a - b).abs().max())
+                                                      for a, b in zip(after_ep2, after_distopt))}}
     out["ok"] = (abs(m1["loss"] - m2["loss"]) <= 1e-6 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-5
                  and grad_diff <= 1e-6 and out["logprob_diff"] <= 1e-5 and out["grad_norm_nonzero"]
-                 and len(experts_here) == shape.num_experts // 2)
+                 and len(experts_here) == shape.num_experts // 2
+                 and abs(m3["loss"] - m2["loss"]) <= 1e-6 and abs(m3["grad_norm"] - m2["grad_norm"]) <= 1e-5
+                 and out["distopt"]["logprob_diff_after_step"] <= 1e-5)
     return out
 
 
