@@ -13,6 +13,8 @@ Per tiny MoE model (Mixtral, Qwen3-MoE) and per layout of this world size (2: EP
   grpo       (world 2) one GRPO update at EP2 vs at EP1 on the same ranks and data (DP2 both): loss, grad norm,
              and every gradient of this rank by its global Megatron name (expert gradients on their EP rank); then
              EP2 with the distributed optimizer: loss, grad norm and the logprobs after the optimizer step.
+  resume     (world 2, last model) EP2 with the distributed optimizer: a training checkpoint after one update, the
+             next update from the live policy vs from a fresh one resumed from it: loss, grad norm, weights after.
 Each case writes its own verdict; every rank writes OUT/rank{r}.json.
 """
 
@@ -151,6 +153,30 @@ def case_convert(hf_dir, shape, original, out):
             "tensors": len(files.names())}
 
 
+def case_resume(hf_dir, shape, out):
+    from justrl_megatron.checkpoint import load_latest_checkpoint, save_checkpoint
+
+    samples = samples_for(shape.vocab_size)
+    live = build(hf_dir, shape, ep=2, distopt=True)
+    old = [x + 0.1 for x in compute_logprobs(live, samples, max_tokens_per_micro_batch=MAX_TOKENS)]
+    update = dict(mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
+    grpo_update(live, samples, old, **update)
+    save_checkpoint(f"{out}/run_{shape.family}", 1, live.chunks, live.optimizer, live.scheduler, {}, shape=shape,
+                    hf_source=hf_dir)
+    m_live = grpo_update(live, samples, old, **update)
+    after_live = compute_logprobs(live, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    del live
+    resumed = build(hf_dir, shape, ep=2, distopt=True)
+    step = load_latest_checkpoint(f"{out}/run_{shape.family}", resumed.chunks, resumed.optimizer,
+                                  resumed.scheduler)["step"]
+    m_resumed = grpo_update(resumed, samples, old, **update)
+    after_resumed = compute_logprobs(resumed, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    diff = max(float((a - b).abs().max()) for a, b in zip(after_live, after_resumed))
+    return {"ok": step == 1 and m_live["loss"] == m_resumed["loss"] and m_live["grad_norm"] == m_resumed["grad_norm"]
+            and diff == 0.0, "step": step, "loss": (m_live["loss"], m_resumed["loss"]),
+            "grad_norm": (m_live["grad_norm"], m_resumed["grad_norm"]), "logprob_diff_after": diff}
+
+
 def run_case(verdict, key, fn, *args):
     try:
         verdict[key] = fn(*args)
@@ -183,6 +209,8 @@ def main():
         if world == 2:
             run_case(verdict, f"{family}/ep2/convert", case_convert, hf_dir, shape, original, out)
             run_case(verdict, f"{family}/ep2_vs_ep1/grpo", case_grpo, hf_dir, shape)
+    if world == 2:  # one model is enough: the checkpoint code does not depend on the family
+        run_case(verdict, f"{family}/ep2/resume", case_resume, hf_dir, shape, out)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(verdict, f, indent=1)
     dist.barrier()
