@@ -153,3 +153,65 @@ def test_context_parallel_cp2_matches_cp1(cp2, case):
 @pytest.mark.parametrize("case,layout", [("cp2_tp2", dict(tp=2)), ("cp2_dp2", dict(dp=2)), ("cp2_pp2", dict(pp=2))])
 def test_context_parallel_with_tp_dp_pp_matches_cp1(cp4, case, layout):
     _check_layout(_case(cp4, case), **layout)
+
+
+# --- the memory plan and the 32K recipe -------------------------------------------------------------------------------
+
+DEEPSEEK_1P5B = dict(family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
+                     num_query_groups=2, head_dim=128, vocab_size=151936, max_position_embeddings=131072,
+                     rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=False, init_std=0.02)
+H100_80GB = 81559 * 2**20
+
+
+def test_context_parallel_memory_plan_counts_activations_and_head_per_cp_rank():
+    from justrl_megatron.model.hf_config import ModelShape
+    from justrl_megatron.model.memory import activation_bytes_per_token, estimate_peak_bytes, fixed_bytes, \
+        logprob_head_bytes
+
+    shape = ModelShape(**DEEPSEEK_1P5B)
+    for mode in ("none", "full"):
+        one = activation_bytes_per_token(shape, recompute=mode, impl="te")
+        assert activation_bytes_per_token(shape, recompute=mode, impl="te", cp=2) == one / 2
+        # the local spec keeps the all-gathered K and V (2 KV groups x 128, bf16) per layer kept for backward
+        layers = 1 if mode == "full" else 28
+        assert activation_bytes_per_token(shape, recompute=mode, cp=4) == pytest.approx(
+            activation_bytes_per_token(shape, recompute=mode) / 4 + layers * 2 * 2 * 256)
+    tokens = 33792
+    peak = estimate_peak_bytes(shape, tokens=tokens, recompute="full", dp=4, cp=2, impl="te")
+    assert peak == int(fixed_bytes(shape, dp=8) + tokens * activation_bytes_per_token(shape, recompute="full",
+                                                                                       impl="te", cp=2)
+                       + logprob_head_bytes(shape, tokens=tokens // 2))
+    assert peak < estimate_peak_bytes(shape, tokens=tokens, recompute="full", dp=4, impl="te")
+
+
+def test_context_parallel_recipe_validates_and_carries_its_memory_plan():
+    from pathlib import Path
+
+    from justrl_megatron.model.hf_config import ModelShape
+    from justrl_megatron.model.memory import memory_plan_for, plan_memory
+
+    shape = ModelShape(**DEEPSEEK_1P5B)
+    cfg = compose(["recipe=justrl_deepseek_1p5b_32k"])
+    assert (cfg.parallel.context, cfg.rollout.max_response_length, cfg.trainer.lr) == (2, 32768, 1e-6)
+    validate(cfg, world_size=8, shape=shape)
+    plan = plan_memory(shape, device_bytes=H100_80GB, max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
+                       min_tokens=cfg.data.max_prompt_length + cfg.rollout.max_response_length, dp=4, cp=2,
+                       impl="te")
+    header = Path(__file__).parents[1].joinpath("configs/recipe/justrl_deepseek_1p5b_32k.yaml").read_text()
+    assert plan.fits and plan.describe().removeprefix("memory plan: ") in header
+    # the config's own plan (CPU: local spec) fits too, with full recompute
+    local = memory_plan_for(cfg, shape, 8, device_bytes=H100_80GB)
+    assert local.fits and local.recompute == "full" and local.max_tokens_per_micro_batch == 33792
+    # without CP the same 32K sample needs full recompute and a third more memory per GPU
+    cfg1 = compose(["recipe=justrl_deepseek_1p5b_32k", "parallel.context=1"])
+    assert memory_plan_for(cfg1, shape, 8, device_bytes=H100_80GB).peak_bytes > local.peak_bytes
+
+
+def test_context_parallel_resume_with_another_cp_size_is_refused(tmp_path):
+    from justrl_megatron.run_config import ResumeCheck, record_launch
+
+    record_launch(compose([f"trainer.run_dir={tmp_path}", "parallel.context=2"]), None)
+    check = ResumeCheck(compose([f"trainer.run_dir={tmp_path}", "parallel.context=1"]), 5)
+    assert len(check.problems) == 1
+    assert check.problems[0].startswith("parallel.context changed since the last launch (2 -> 1) but the checkpoint")
+    assert ResumeCheck(compose([f"trainer.run_dir={tmp_path}", "parallel.context=2"]), 5).problems == []
