@@ -1,8 +1,8 @@
 """Context parallelism (parallel.context): config checks, the batch split, and CP2 parity on real megatron-core.
 
 The parity tests run tests/mp/cp_parity.py under torchrun twice (gloo, CPU, fp32): one 2-rank launch (the CP attention
-op; CP2 vs CP1 for a GQA model and a tied-embedding model) and one 4-rank launch (CP2 x TP2, CP2 x DP2, CP2 x PP2),
-each case with its own verdict. `-k context_parallel` selects everything here.
+op; CP2 vs CP1 for a GQA model and a tied-embedding model; a CP2 checkpoint's resume) and one 4-rank launch (CP2 x TP2,
+CP2 x DP2, CP2 x TP2 + SP, CP2 x PP2), each case with its own verdict. `-k context_parallel` selects everything here.
 """
 
 import random
@@ -150,7 +150,16 @@ def test_context_parallel_cp2_matches_cp1(cp2, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,layout", [("cp2_tp2", dict(tp=2)), ("cp2_dp2", dict(dp=2)), ("cp2_pp2", dict(pp=2))])
+def test_context_parallel_checkpoint_resumes_at_the_same_cp(cp2):
+    for v in _case(cp2, "checkpoint"):
+        assert v["step"] == 1 and v["note"] == "cp2"
+        assert v["diff_before_load"] > 1e-7  # the fresh policy differed: the load did something
+        assert v["diff_after_load"] == 0.0 and v["diff_after_next_step"] == 0.0, v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,layout", [("cp2_tp2", dict(tp=2)), ("cp2_dp2", dict(dp=2)),
+                                         ("cp2_tp2_sp", dict(tp=2)), ("cp2_pp2", dict(pp=2))])
 def test_context_parallel_with_tp_dp_pp_matches_cp1(cp4, case, layout):
     _check_layout(_case(cp4, case), **layout)
 

@@ -105,14 +105,16 @@ def _peak_memory_gib() -> tuple[str, float]:
 
 
 def saved_activation_bytes(policy, fn):
-    """(fn(), bytes autograd saved for backward during it): distinct storages other than the parameters, i.e. the
-    activations of the micro-batch (summed over micro-batches when there are several)."""
+    """(fn(), bytes autograd saved for backward during it): distinct storages other than the parameters, saved by
+    forward passes, i.e. the activations of the micro-batch (summed over micro-batches when there are several).
+    What a backward pass saves while it recomputes (full recompute, the CP attention's blocks) is transient and not
+    counted."""
     params = {p.untyped_storage().data_ptr() for c in policy.chunks for p in c.parameters()}
     storages = {}
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in params:
+        if st.data_ptr() not in params and torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
             storages[st.data_ptr()] = st.nbytes()
         return t
 

@@ -352,25 +352,62 @@ def context_parallel_plan(packed_seq_params, cu_seqlens: torch.Tensor, group) ->
 _CP_MASK_ELEMENTS = 1 << 24
 
 
-def _masked_causal(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
-    """q [c, np, hn] at global positions first_pos .. first_pos + c - 1 against k/v [first_pos + c, ng, hn] (the
-    sequence's keys from position 0): query i sees keys 0 .. first_pos + i. -> [c, np, hn]."""
+def _cp_blocks(plan: ContextParallelPlan):
+    """(local query rows, the sequence's keys in global order, global position of the first query) per block of
+    queries: a query at global position p of its sequence sees the keys at positions 0 .. p."""
+    n, r = plan.cp_size, plan.cp_rank
+    for start, local_start, chunk in plan.seqs:
+        for i, j in enumerate((r, 2 * n - 1 - r)):
+            first, q0 = j * chunk, local_start + i * chunk
+            block = max(1, _CP_MASK_ELEMENTS // (first + chunk))
+            for s in range(0, chunk, block):
+                e = min(chunk, s + block)
+                yield slice(q0 + s, q0 + e), slice(start, start + first + e), first + s
+
+
+def _masked_block(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
+    """q [b, np, hn] at positions first_pos .. first_pos + b - 1 against k/v [first_pos + b, ng, hn] (its sequence's
+    keys from position 0): query i sees keys 0 .. first_pos + i. -> [b, np, hn]."""
     if not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # as causal_sdpa: fp32 attention on the CPU
-        return _masked_causal(q.float(), k.float(), v.float(), first_pos, scale).to(q.dtype)
-    if q.size(1) != k.size(1):
+        return _masked_block(q.float(), k.float(), v.float(), first_pos, scale).to(q.dtype)
+    gqa = q.size(1) != k.size(1)
+    if gqa and q.is_cuda:  # CUDA's masked kernels lack GQA: expand (CPU's flash kernel takes both)
         k, v = _expand_kv(q, k, v)
-    outs, c = [], q.size(0)
-    block = max(1, _CP_MASK_ELEMENTS // max(k.size(0), 1))
-    for s in range(0, c, block):
-        e = min(c, s + block)
-        kend = first_pos + e  # keys past the block's last query are masked for all of it: not passed at all
-        keep = torch.arange(kend, device=q.device)[None, :] <= torch.arange(first_pos + s, first_pos + e,
-                                                                             device=q.device)[:, None]
-        qi, ki, vi = q[s:e].permute(1, 0, 2).unsqueeze(0), k[:kend].permute(1, 0, 2).unsqueeze(0), \
-            v[:kend].permute(1, 0, 2).unsqueeze(0)
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=keep, scale=scale).squeeze(0)
-                    .permute(1, 0, 2))
-    return torch.cat(outs, dim=0)
+        gqa = False
+    keep = torch.arange(k.size(0), device=q.device)[None, :] <= \
+        torch.arange(first_pos, first_pos + q.size(0), device=q.device)[:, None]
+    qi, ki, vi = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=keep, scale=scale, enable_gqa=gqa).squeeze(0) \
+        .permute(1, 0, 2)
+
+
+class _ContextParallelCore(torch.autograd.Function):
+    """The local queries' attention over the gathered K/V, block by block, keeping only its inputs for backward:
+    backward recomputes one block at a time (as flash kernels do), so a block's [queries, keys] mask and scores exist
+    only while that block runs, never for the whole layer until its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, plan, scale):
+        ctx.save_for_backward(q, k_all, v_all)
+        ctx.plan, ctx.scale = plan, scale
+        out = q.new_empty(q.shape)
+        for qs, ks, first in _cp_blocks(plan):
+            out[qs] = _masked_block(q[qs], k_all[ks], v_all[ks], first, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_all, v_all = ctx.saved_tensors
+        gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
+        for qs, ks, first in _cp_blocks(ctx.plan):
+            with torch.enable_grad():
+                inputs = [x.detach().requires_grad_() for x in (q[qs], k_all[ks], v_all[ks])]
+                out = _masked_block(*inputs, first, ctx.scale)
+                dq, dk, dv = torch.autograd.grad(out, inputs, grad[qs])
+            gq[qs] += dq
+            gk[ks] += dk
+            gv[ks] += dv
+        return gq, gk, gv, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ContextParallelPlan,
@@ -383,16 +420,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ng = k.size(1)
     kv = _GatherContextParallel.apply(torch.cat([k, v], dim=1), group)  # [cp, t, 2 ng, hn]
     kv = kv.reshape(-1, *kv.shape[2:]).index_select(0, plan.order)     # global token order
-    k_all, v_all = kv[:, :ng], kv[:, ng:]
-    n, r = plan.cp_size, plan.cp_rank
-    outs = []
-    for start, local_start, chunk in plan.seqs:
-        for i, j in enumerate((r, 2 * n - 1 - r)):
-            first = j * chunk
-            qs = q[local_start + i * chunk: local_start + (i + 1) * chunk]
-            ks, vs = k_all[start: start + first + chunk], v_all[start: start + first + chunk]
-            outs.append(_masked_causal(qs, ks, vs, first, scale))
-    return torch.cat(outs, dim=0)
+    return _ContextParallelCore.apply(q, kv[:, :ng], kv[:, ng:], plan, scale)
 
 
 try:

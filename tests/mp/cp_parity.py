@@ -4,7 +4,8 @@
 
 N = 2: the CP attention op against plain packed attention (values and input gradients, GQA, odd lengths, a sequence
 shorter than 2 x CP chunks); then CP2 against CP1 (DP2 on the same 2 ranks) for a GQA model with a qkv bias and for
-one with tied embeddings. N = 4: CP2 x TP2 against TP2 x DP2, CP2 x DP2 against DP4, CP2 x PP2 against PP2 x DP2.
+one with tied embeddings; a CP2 checkpoint's save and resume. N = 4: CP2 x TP2 against TP2 x DP2, CP2 x DP2 against DP4, CP2 x TP2 with sequence parallelism against TP2+SP x DP2,
+CP2 x PP2 against PP2 x DP2.
 A layout comparison builds both policies with the same layout but CP (same TP/PP shards on every rank), gives the
 CP one the reference's weights, and compares logprobs, entropy, the step's loss and metrics, the gradients after
 megatron's reduction (plain optimizer: every rank holds the reduced gradients) and the weights after one Adam step
@@ -156,10 +157,39 @@ def compare_layout(shape, **layout):
     return v
 
 
+def checkpoint_roundtrip(out):
+    """A CP2 run's checkpoint (weights, distributed-optimizer state sharded over DP x CP, scheduler) resumes at CP2:
+    after the resume, one more step gives the same weights as the run that never stopped."""
+    from justrl_megatron.checkpoint import load_latest_checkpoint, save_checkpoint
+
+    samples = make_samples()
+
+    def step(policy):
+        old = old_from(compute_logprobs(policy, samples, max_tokens_per_micro_batch=MAX_TOKENS))
+        grpo_update(policy, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
+                    **STEP_KW)
+
+    run = build("qwen", cp=2, distopt=True)
+    step(run)
+    save_checkpoint(os.path.join(out, "run"), 1, run.chunks, run.optimizer, run.scheduler, {"note": "cp2"},
+                    shape=SHAPES["qwen"])
+    resumed = build("qwen", cp=2, distopt=True)
+    before = max(float((p - params(run)[k]).abs().max()) for k, p in params(resumed).items())
+    extra = load_latest_checkpoint(os.path.join(out, "run"), resumed.chunks, resumed.optimizer, resumed.scheduler,
+                                   strict=True)
+    loaded = max(float((p - params(run)[k]).abs().max()) for k, p in params(resumed).items())
+    step(run)
+    step(resumed)
+    after = max(float((p - params(run)[k]).abs().max()) for k, p in params(resumed).items())
+    return {"step": extra["step"], "note": extra.get("note"), "diff_before_load": before, "diff_after_load": loaded,
+            "diff_after_next_step": after}
+
+
 def attention_op():
     """context_parallel_attention on this rank's chunks == plain packed causal attention of the whole row, values
     and the gradients of q, k, v (k/v gradients summed over the CP ranks that read them)."""
     from megatron.core import parallel_state as ps
+    from justrl_megatron.model import attention
     from justrl_megatron.model.attention import ContextParallelPlan, context_parallel_attention, \
         packed_causal_attention
 
@@ -182,12 +212,21 @@ def attention_op():
         for j in (r, 2 * n - 1 - r):
             local += range(a + j * c, a + (j + 1) * c)
     local = torch.tensor(local)
-    mine = [x[local].clone().requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*mine, ContextParallelPlan(cu, n, r), group, scale)
-    (out * w[local]).sum().backward()
-    return {"cp": n, "out_diff": float((out - ref[local]).abs().max()),
-            "grad_diffs": [float((a.grad - b.grad[local]).abs().max()) for a, b in zip(mine, ref_in)],
-            "grad_scale": min(float(b.grad.abs().max()) for b in ref_in), "local_tokens": len(local), "tokens": t}
+    verdict = {"cp": n, "grad_scale": min(float(b.grad.abs().max()) for b in ref_in), "local_tokens": len(local),
+               "tokens": t, "out_diff": 0.0, "grad_diffs": [0.0, 0.0, 0.0]}
+    default = attention._CP_MASK_ELEMENTS
+    for limit in (default, 5):  # also with blocks of a query or two (forward and backward cut into many calls)
+        attention._CP_MASK_ELEMENTS = limit
+        try:
+            mine = [x[local].clone().requires_grad_() for x in (q, k, v)]
+            out = context_parallel_attention(*mine, ContextParallelPlan(cu, n, r), group, scale)
+            (out * w[local]).sum().backward()
+        finally:
+            attention._CP_MASK_ELEMENTS = default
+        verdict["out_diff"] = max(verdict["out_diff"], float((out - ref[local]).abs().max()))
+        verdict["grad_diffs"] = [max(d, float((a.grad - b.grad[local]).abs().max()))
+                                 for d, a, b in zip(verdict["grad_diffs"], mine, ref_in)]
+    return verdict
 
 
 def main(out):
@@ -195,9 +234,10 @@ def main(out):
     torch.set_num_threads(1)
     if world == 2:
         cases = {"attention_op": attention_op, "cp2_gqa": lambda: compare_layout("qwen"),
-                 "cp2_tied": lambda: compare_layout("llama")}
+                 "cp2_tied": lambda: compare_layout("llama"), "checkpoint": lambda: checkpoint_roundtrip(out)}
     else:
         cases = {"cp2_tp2": lambda: compare_layout("qwen", tp=2), "cp2_dp2": lambda: compare_layout("qwen"),
+                 "cp2_tp2_sp": lambda: compare_layout("llama", tp=2, sp=True),
                  "cp2_pp2": lambda: compare_layout("llama", pp=2)}
     verdict = {}
     for name, case in cases.items():
