@@ -479,16 +479,12 @@ def _schema_default(key: str):
     return node
 
 
-# loss aggregations whose micro-batch losses stay partial sums when a sequence's tokens are spread over CP ranks;
-# seq-mean-token-mean and verl04-dynbsz divide by a per-sequence / per-micro-batch token count no CP rank holds
-CP_LOSS_AGGS = ("token-mean", "seq-mean-token-sum")
-
-
 def context_parallel_problems(cfg) -> list[str]:
     """What parallel.context > 1 cannot run with (one message each, before any model is built)."""
     par, tr = cfg.parallel, cfg.trainer
     if par.context <= 1:
         return []
+    from .train.batching import CP_LOSS_AGGS  # torch-only module; config.py stays import-light
     problems = []
     if str(tr.shared_prompt).lower() in ("on", "true"):
         problems.append("trainer.shared_prompt=on does not work with parallel.context > 1 (a shared prompt's rows "

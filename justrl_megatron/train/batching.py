@@ -189,6 +189,11 @@ def gather_per_target(values: Sequence[torch.Tensor | Sequence[float]], mb: Micr
 
 # --- context parallel --------------------------------------------------------------------------------------------
 
+# loss aggregations whose micro-batch losses stay partial sums when a sequence's tokens are spread over CP ranks;
+# seq-mean-token-mean and verl04-dynbsz divide by a per-sequence / per-micro-batch token count no CP rank holds
+CP_LOSS_AGGS = ("token-mean", "seq-mean-token-sum")
+
+
 def split_for_context_parallel(mb: MicroBatch, cp_size: int, cp_rank: int, *, multiple_of: int = 1,
                                pad_token_id: int = 0) -> MicroBatch:
     """This context-parallel rank's part of a packed micro-batch (megatron's and TransformerEngine's THD layout).

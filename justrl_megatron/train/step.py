@@ -32,12 +32,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
-from ..config import CP_LOSS_AGGS
 from ..model.build import nonfinite_parameters, output_weight, returning_hidden_states, unwrap
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
-from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, make_shared_micro_batch, \
-    pack_micro_batches, prompt_units, response_offsets, split_for_context_parallel, split_over_dp, unit_length
+from .batching import CP_LOSS_AGGS, MicroBatch, Sample, check_samples_fit, gather_per_target, \
+    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, split_for_context_parallel, \
+    split_over_dp, unit_length
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
