@@ -224,3 +224,11 @@ def test_context_parallel_resume_with_another_cp_size_is_refused(tmp_path):
     assert len(check.problems) == 1
     assert check.problems[0].startswith("parallel.context changed since the last launch (2 -> 1) but the checkpoint")
     assert ResumeCheck(compose([f"trainer.run_dir={tmp_path}", "parallel.context=2"]), 5).problems == []
+
+
+def test_context_parallel_bench_takes_cp_like_tp():
+    from justrl_megatron.bench import cli, train
+
+    assert cli.parse_args(["--phase", "train", "--cp", "2", "--tp", "2"]).cp == 2
+    assert cli.parse_args(["--phase", "train"]).cp == 1
+    assert train.parse_args(["cp=2", "--measure-activations", "true"]) == {"cp": 2, "measure_activations": True}
