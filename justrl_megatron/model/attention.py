@@ -16,6 +16,8 @@ are gathered from the unit, attended like packed sequences, and each token's out
 see `varlen_choice`), with no host sync; elsewhere the sequences are right-padded into one batched causal SDPA call
 when that wastes little (exact), else each sequence is one causal SDPA call (no S x S either). The fallback reads the
 sequence boundaries on the host once per micro-batch (`packed_plan`), not once per layer.
+With context parallelism (config.context_parallel_size > 1) a packed row holds this rank's chunks of each sequence
+and `context_parallel_attention` attends them against the K/V all-gathered over the CP group (below).
 """
 
 from __future__ import annotations
