@@ -134,8 +134,9 @@ def _to_bytes(obj) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
-    """(Re)build megatron's parallel groups and seed its RNG tracker (one seed per TP rank, as megatron does)."""
+def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, cp: int = 1) -> None:
+    """(Re)build megatron's parallel groups and seed its RNG tracker (one seed per TP rank, as megatron does).
+    `cp`: context-parallel size; megatron then builds the DP x CP groups its DDP and distributed optimizer use."""
     # lazy: rollout-only processes (vLLM ranks, evaluation) call init_distributed and never load megatron (~4.6 s)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -143,14 +144,16 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tensor_parallel x pipeline_parallel = {tp}x{pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel x pipeline_parallel x "
+                         f"context_parallel = {tp}x{pp}x{cp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
