@@ -497,7 +497,7 @@ def context_parallel_problems(cfg) -> list[str]:
         problems.append(f"algo.loss_agg={cfg.algo.loss_agg} does not work with parallel.context > 1 (it divides by "
                         f"a per-sequence or per-micro-batch token count that no context-parallel rank holds); use "
                         f"{' or '.join(CP_LOSS_AGGS)}")
-    if getattr(cfg.algo, "policy_loss", "ppo") == "gspo":  # (algo.policy_loss: issue 29's loss family)
+    if cfg.algo.policy_loss == "gspo":
         problems.append("algo.policy_loss=gspo does not work with parallel.context > 1 (its sequence ratio is a mean "
                         "over every token of a response, spread over the context-parallel ranks); use ppo or cispo")
     if cfg.model.lora.enabled:
