@@ -61,6 +61,9 @@ class ParallelConfig:
     virtual_pipeline: Optional[int] = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
+    # context parallel (CP): every packed sequence split over this many ranks in 2 x context chunks
+    # (train/batching.split_for_context_parallel; attention in model/attention.py or TE's own)
+    context: int = 1
     expert: int = 1  # expert parallelism (MoE models): whole experts split over this many ranks; expert TP is 1
 
 
@@ -236,16 +239,19 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     `also`: problems the caller found elsewhere (model, data, resume), reported in the same message."""
     problems: list[str] = [*also, *unknown_keys(cfg), *value_problems(cfg, world_size)]
     par, ro, tr, algo = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algo
-    tp, pp = par.tensor, par.pipeline
+    tp, pp, cp = par.tensor, par.pipeline, par.context
     train_world = world_size - (ro.num_rollout_ranks if ro.placement == "split" else 0)
     trainers = "world size" if train_world == world_size else "trainer ranks (world - rollout.num_rollout_ranks)"
-    if tp < 1 or pp < 1:
-        problems.append(f"parallel.tensor ({tp}) and parallel.pipeline ({pp}) must be >= 1")
-    elif train_world > 0 and train_world % (tp * pp):
+    if tp < 1 or pp < 1 or cp < 1:
+        problems.append(f"parallel.tensor ({tp}), parallel.pipeline ({pp}) and parallel.context ({cp}) must be >= 1")
+    elif train_world > 0 and train_world % (tp * pp * cp):
+        names, sizes = ("parallel.tensor x parallel.pipeline x parallel.context", f"{tp}x{pp}x{cp}") if cp > 1 \
+            else ("parallel.tensor x parallel.pipeline", f"{tp}x{pp}")
         problems.append(
-            f"{trainers} {train_world} is not divisible by parallel.tensor x parallel.pipeline = {tp}x{pp}; "
-            f"launch a multiple of {tp * pp} processes or change the parallel sizes"
+            f"{trainers} {train_world} is not divisible by {names} = {sizes}; "
+            f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
         )
+    problems += context_parallel_problems(cfg)
     if cfg.model.moe_aux_loss_coef is not None and not cfg.model.moe_aux_loss_coef >= 0:
         problems.append(f"model.moe_aux_loss_coef must be >= 0 (or null: the model's own), got "
                         f"{cfg.model.moe_aux_loss_coef}")
@@ -253,8 +259,8 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"algo.routing_replay must be off or old, got {algo.routing_replay!r}"
                         + (" (rollout: vLLM's routed experts, a GPU path not written yet)"
                            if algo.routing_replay == "rollout" else ""))
-    elif algo.routing_replay == "old" and par.sequence_parallel:
-        problems.append("algo.routing_replay=old needs parallel.sequence_parallel=false")
+    elif algo.routing_replay == "old" and (par.sequence_parallel or cp > 1):
+        problems.append("algo.routing_replay=old needs parallel.sequence_parallel=false and parallel.context=1")
     elif algo.routing_replay == "old" and str(tr.shared_prompt).lower() in ("on", "true", "auto"):
         problems.append("algo.routing_replay=old needs trainer.shared_prompt=off (experts are kept per sample)")
     if par.expert < 1:
@@ -276,7 +282,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"trainer.mini_batch_size x rollout.n ({tr.mini_batch_size} x {ro.n}); make prompts_per_step a multiple "
             f"of mini_batch_size"
         )
-    dp = max(train_world // max(tp * pp, 1), 1)
+    dp = max(train_world // max(tp * pp * cp, 1), 1)
     if (tr.mini_batch_size * ro.n) % dp:
         problems.append(
             f"a mini-batch of {tr.mini_batch_size} x {ro.n} samples cannot be split over {dp} data-parallel ranks; "
@@ -498,6 +504,28 @@ def _schema_default(key: str):
             return None
         node = getattr(node, part)
     return node
+
+
+def context_parallel_problems(cfg) -> list[str]:
+    """What parallel.context > 1 cannot run with (one message each, before any model is built)."""
+    par, tr = cfg.parallel, cfg.trainer
+    if par.context <= 1:
+        return []
+    from .train.batching import CP_LOSS_AGGS  # torch-only module; config.py stays import-light
+    problems = []
+    if str(tr.shared_prompt).lower() in ("on", "true"):
+        problems.append("trainer.shared_prompt=on does not work with parallel.context > 1 (a shared prompt's rows "
+                        "cannot be split into context-parallel chunks); set trainer.shared_prompt=auto or off")
+    if cfg.algo.loss_agg not in CP_LOSS_AGGS:
+        problems.append(f"algo.loss_agg={cfg.algo.loss_agg} does not work with parallel.context > 1 (it divides by "
+                        f"a per-sequence or per-micro-batch token count that no context-parallel rank holds); use "
+                        f"{' or '.join(CP_LOSS_AGGS)}")
+    if cfg.algo.policy_loss == "gspo":
+        problems.append("algo.policy_loss=gspo does not work with parallel.context > 1 (its sequence ratio is a mean "
+                        "over every token of a response, spread over the context-parallel ranks); use ppo or cispo")
+    if cfg.model.lora.enabled:
+        problems.append("model.lora does not work with parallel.context > 1 yet; set parallel.context=1")
+    return problems
 
 
 def value_problems(cfg, world_size: int) -> list[str]:

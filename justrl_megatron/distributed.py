@@ -134,8 +134,10 @@ def _to_bytes(obj) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, cp: int = 1,
+                        ep: int = 1) -> None:
     """(Re)build megatron's parallel groups and seed its RNG tracker (one seed per TP rank, as megatron does).
+    `cp`: context-parallel size; megatron then builds the DP x CP groups its DDP and distributed optimizer use.
     `ep`: expert parallelism of MoE models, with expert TP 1 (whole experts per rank)."""
     # lazy: rollout-only processes (vLLM ranks, evaluation) call init_distributed and never load megatron (~4.6 s)
     from megatron.core import parallel_state as ps
@@ -144,8 +146,9 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tensor_parallel x pipeline_parallel = {tp}x{pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tensor_parallel x pipeline_parallel x "
+                         f"context_parallel = {tp}x{pp}x{cp}")
     if world % (ep * pp):
         raise ValueError(f"world size {world} is not divisible by expert_parallel x pipeline_parallel = {ep}x{pp}")
     if ps.model_parallel_is_initialized():
@@ -154,6 +157,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
     )

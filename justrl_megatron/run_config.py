@@ -36,6 +36,9 @@ PINNED = {
     "parallel.tensor": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.virtual_pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
+    # a context-parallel size other than the saved one is refused rather than resharded: the RNG states are per rank
+    # and the distributed optimizer's state is sharded over DP x CP
+    "parallel.context": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.expert": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
     "parallel.distributed_optimizer": "the optimizer state was saved in this optimizer's format",
     "data.train": _SAMPLER,

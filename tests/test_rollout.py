@@ -290,6 +290,20 @@ def test_trainer_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(megatron_run
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_context_parallel_cp2_run_syncs_into_vllm(megatron_run):
+    """parallel.context=2: CP shards no weights, so a CP2 policy's stream reaches vLLM intact; the trainer's CP2
+    logprobs agree with the engines' before and after a GRPO step and a sync."""
+    for v in megatron_run:
+        assert v["gap_cp2_v2"]["logprob_diff_tokens"] >= 100 and v["gap_cp2_v2"]["logprob_diff_mean"] <= 1e-4
+        assert v["grpo_cp2"]["num_optimizer_steps"] == 1
+        assert v["gap_cp2_before_sync"]["logprob_diff_mean"] > 1e-2  # the step moved the weights
+        assert v["cp2_v3_version"] == 3
+        assert v["gap_cp2_v3"]["logprob_diff_tokens"] >= 100
+        assert v["gap_cp2_v3"]["logprob_diff_mean"] <= 1e-4 and v["gap_cp2_v3"]["logprob_diff_max"] <= 1e-3, v
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_megatron_tp1_and_tp2_streams_arrive_intact(megatron_run):
     for v in megatron_run:
         assert v["greedy_tp1_equal"] and v["greedy_tp2_equal"]  # vs transformers on the original HF weights

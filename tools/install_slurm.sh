@@ -16,7 +16,8 @@ if [[ $(id -u) != 0 ]]; then
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-# A stale package list cannot find the packages; refresh it once if the first attempt fails.
-apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
-  || { apt-get update -qq && apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
+# A stale package list cannot find the packages; refresh it once if the first attempt fails. Two test workers may
+# install at once (tests/test_slurm.py, run without `make test` first): apt waits for the other one's dpkg lock.
+apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null \
+  || { apt-get -o DPkg::Lock::Timeout=600 update -qq && apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
 echo "install_slurm: installed $(dpkg-query -W -f '${Package} ${Version}  ' slurmctld slurmd slurm-client munge)"

@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "2048 on the CPU, at least one sequence)")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--cp", type=int, default=1, help="context parallelism: each sequence split over CP ranks")
     g.add_argument("--vpp", type=int)
     g.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     g.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
@@ -224,7 +225,7 @@ def run_train(a) -> dict:
     raw = bench_train(model=model, tokens=tokens, seq_len=seq_len, prompt_len=z["prompt_len"], tp=a.tp, pp=a.pp,
                       vpp=a.vpp, sp=a.sp, dtype=_dtype(a), recompute=a.recompute, steps=a.repeats,
                       warmup=a.warmup, max_tokens_per_micro_batch=a.micro_batch_tokens,
-                      peak=a.peak_tflops)
+                      peak=a.peak_tflops, cp=a.cp)
     world, peak = dist.get_world_size(), raw["peak_tflops"]
     rows = []
     for name, label in (("update", "update (fwd+bwd+optim)"), ("logprob", "old logprobs (fwd)")):
@@ -240,7 +241,8 @@ def run_train(a) -> dict:
     mem = next(k for k in raw if k.endswith("_gib"))
     rows.append(row(mem.replace("_gib", "").replace("_", " "), "GiB", raw[mem]))
     return {"phase": "train", "config": {"model": model, "tokens_per_replica": tokens, "seq_len": seq_len,
-                                         "prompt_len": z["prompt_len"], "tp": a.tp, "pp": a.pp, "vpp": a.vpp,
+                                         "prompt_len": z["prompt_len"], "tp": a.tp, "pp": a.pp, "cp": a.cp,
+                                         "vpp": a.vpp,
                                          "sp": a.sp, "dtype": raw["dtype"], "world_size": world,
                                          "peak_tflops": peak}, "rows": rows, "raw": raw}
 

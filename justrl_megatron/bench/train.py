@@ -12,6 +12,7 @@ FLOPs, not model FLOPs).
     justrl-bench --phase train model=deepseek-r1-distill-qwen-1.5b tokens=16384        # one 16K sequence, GPU
     justrl-bench --phase train                                                          # tiny model on the CPU
     torchrun --nproc-per-node 2 -m justrl_megatron.bench.train tp=2 sp=true
+    torchrun --nproc-per-node 2 -m justrl_megatron.bench.train cp=2 tokens=16384 seq_len=16384  # context parallel
 """
 
 from __future__ import annotations
@@ -103,14 +104,36 @@ def _peak_memory_gib() -> tuple[str, float]:
     return kind, float(t.item())
 
 
+def saved_activation_bytes(policy, fn):
+    """(fn(), bytes autograd saved for backward during it): distinct storages other than the parameters, saved by
+    forward passes, i.e. the activations of the micro-batch (summed over micro-batches when there are several).
+    What a backward pass saves while it recomputes (full recompute, the CP attention's blocks) is transient and not
+    counted."""
+    params = {p.untyped_storage().data_ptr() for c in policy.chunks for p in c.parameters()}
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and torch._C._current_graph_task_id() == -1:  # -1: not inside a backward
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(storages.values())
+
+
 def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int | None = None,
                 prompt_len: int | None = None, tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False,
                 dtype: str = "auto", transformer_impl: str = "auto", recompute: str = "none", steps: int = 3,
                 warmup: int = 1, max_tokens_per_micro_batch: int | None = None, distributed_optimizer: bool = True,
-                peak: float | None = None, seed: int = 0) -> dict:
+                peak: float | None = None, seed: int = 0, cp: int = 1, measure_activations: bool = False) -> dict:
     """Benchmark one policy update. ``tokens``: tokens per model replica per step (default 16384 on GPU, 2048 on
     CPU), as sequences of ``seq_len`` (default: one sequence of all of them on GPU, 512 on CPU) whose first
-    ``prompt_len`` tokens are the prompt. ``peak``: the device's peak TFLOP/s, when not in the built-in table."""
+    ``prompt_len`` tokens are the prompt. ``peak``: the device's peak TFLOP/s, when not in the built-in table.
+    ``cp``: context parallelism (each sequence split over ``cp`` ranks; a replica is TP x PP x CP ranks).
+    ``measure_activations``: the last timed update runs under `saved_activation_bytes` (a Python call per saved
+    tensor: negligible); reported per rank, the max over ranks."""
     from megatron.core import parallel_state as ps
 
     from ..distributed import init_distributed
@@ -131,9 +154,10 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     policy = Policy.build(shape, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, dtype=dtype,
                           transformer_impl=transformer_impl, recompute=recompute, lr=1e-6, warmup_steps=0,
                           weight_decay=0.1, grad_clip=1.0, distributed_optimizer=distributed_optimizer, seed=seed,
-                          max_sequence_length=max(seq_len, shape.max_position_embeddings))
+                          max_sequence_length=max(seq_len, shape.max_position_embeddings), cp=cp)
     dp = ps.get_data_parallel_world_size()
     world = dist.get_world_size()
+    _, rss_after_build = _peak_memory_gib()
     rng = random.Random(seed)
     samples = [Sample(prompt_ids=[rng.randrange(shape.vocab_size) for _ in range(prompt_len)],
                       response_ids=[rng.randrange(shape.vocab_size) for _ in range(seq_len - prompt_len)],
@@ -161,12 +185,22 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         logprob_pass()
         _sync()
         t_logprob.append(time.perf_counter() - t0)
-    for _ in range(steps):
+    saved = 0
+    for i in range(steps):
         t0 = time.perf_counter()
-        metrics = update_pass(old)
+        if measure_activations and i == steps - 1:
+            metrics, saved = saved_activation_bytes(policy, lambda: update_pass(old))
+        else:
+            metrics = update_pass(old)
         _sync()
         t_update.append(time.perf_counter() - t0)
     mem_kind, mem = _peak_memory_gib()
+    extra = {f"{mem_kind.replace('_gib', '')}_after_build_gib": rss_after_build}
+    if measure_activations:
+        t = torch.tensor([saved / 2**30], dtype=torch.float64, device=compat.default_device())
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        extra["saved_activations_gib"] = float(t.item())
 
     vocab = padded_vocab_size(shape.vocab_size, tp, 128)
     fwd = forward_flops(shape, [s.length for s in samples], sum(len(s.response_ids) for s in samples), vocab)
@@ -180,13 +214,13 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     return {
         "phase": "train", "model": model, "parameters": num_parameters(shape),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world,
-        "tp": tp, "pp": pp, "vpp": vpp, "dp": dp, "sequence_parallel": bool(policy.config.sequence_parallel),
+        "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "sequence_parallel": bool(policy.config.sequence_parallel),
         "dtype": str(policy.dtype).replace("torch.", ""), "transformer_impl": policy.transformer_impl,
         "recompute": recompute, "distributed_optimizer": distributed_optimizer,
         "tokens_per_step": total_tokens, "seq_len": seq_len, "prompt_len": prompt_len, "num_sequences": len(samples),
         "max_tokens_per_micro_batch": budget, "micro_batches": metrics.get("num_micro_batches"),
         "peak_tflops": peak_tf, "update": phase(t_update, 3 * fwd), "logprob": phase(t_logprob, fwd),
-        mem_kind: mem, "grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss"),
+        mem_kind: mem, **extra, "grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss"),
     }
 
 
@@ -231,7 +265,8 @@ def print_report(result: dict) -> None:
 
     print(json.dumps(result))
     table = Table(title=f"train step: {result['model']} on {result['device']} ({result['dtype']}, "
-                        f"{result['transformer_impl']}, TP{result['tp']} PP{result['pp']} DP{result['dp']})")
+                        f"{result['transformer_impl']}, TP{result['tp']} PP{result['pp']} CP{result.get('cp', 1)} "
+                        f"DP{result['dp']})")
     for col in ("phase", "time (s)", "tokens/s", "TFLOP/s/device", "MFU"):
         table.add_column(col, justify="right")
     for name in ("logprob", "update"):

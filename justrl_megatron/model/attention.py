@@ -16,6 +16,8 @@ are gathered from the unit, attended like packed sequences, and each token's out
 see `varlen_choice`), with no host sync; elsewhere the sequences are right-padded into one batched causal SDPA call
 when that wastes little (exact), else each sequence is one causal SDPA call (no S x S either). The fallback reads the
 sequence boundaries on the host once per micro-batch (`packed_plan`), not once per layer.
+With context parallelism (config.context_parallel_size > 1) a packed row holds this rank's chunks of each sequence
+and `context_parallel_attention` attends them against the K/V all-gathered over the CP group (below).
 """
 
 from __future__ import annotations
@@ -278,6 +280,151 @@ def _right_padded_batch(q, k, v, lengths: list[int], scale: float, slot: torch.T
     return out.transpose(1, 2).reshape(n * longest, q.size(1), q.size(2)).index_select(0, slot)
 
 
+# --- context parallelism: local queries against the K/V of the whole CP group ------------------------------------
+# The micro-batch of a CP rank (train/batching.split_for_context_parallel) holds, per sequence, chunks r and
+# 2N-1-r of 2N equal chunks; cu_seqlens are those of the padded global row. Each layer all-gathers K and V over the
+# CP group (one collective for both), puts the chunks back in global order, and runs exact causal attention of the
+# local queries against their sequence's keys up to the query's global position. Backward sums the K/V gradients of
+# every rank and keeps this rank's share (Llama 3's all-gather CP: exact with packing and GQA, no ring).
+
+class _GatherContextParallel(torch.autograd.Function):
+    """x [t, ...] -> [cp, t, ...] (every rank's x); backward: reduce-scatter of the gradient (gloo has no
+    reduce-scatter: all-reduce, then this rank's slice)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((group.size(), *x.shape))
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.group.rank()].clone(), None
+
+
+class ContextParallelPlan:
+    """Host-side layout of one CP micro-batch, computed once per micro-batch (one host sync), not per layer:
+    `order` maps the global token order to rows of the flattened all-gathered [cp * t_local] tensor, and `seqs`
+    holds (global start, local start, chunk length) per sequence."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int):
+        self.cu_seqlens, self.cp_size, self.cp_rank = cu_seqlens, cp_size, cp_rank
+        bounds = cu_seqlens.tolist()
+        local_total = bounds[-1] // cp_size
+        order, self.seqs = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if (b - a) % (2 * cp_size):
+                raise ValueError(f"a sequence of {b - a} tokens is not padded to a multiple of 2 x context "
+                                 f"parallel size {cp_size} (train/batching.split_for_context_parallel pads it)")
+            chunk, local_start = (b - a) // (2 * cp_size), a // cp_size
+            for j in range(2 * cp_size):
+                owner, offset = (j, local_start) if j < cp_size else (2 * cp_size - 1 - j, local_start + chunk)
+                start = owner * local_total + offset
+                order.extend(range(start, start + chunk))
+            self.seqs.append((a, local_start, chunk))
+        self.order = torch.tensor(order, dtype=torch.int64, device=cu_seqlens.device)
+        self.local_total = local_total
+
+
+def context_parallel_plan(packed_seq_params, cu_seqlens: torch.Tensor, group) -> ContextParallelPlan:
+    """The plan of this micro-batch, cached on its PackedSeqParams (as `packed_plan`)."""
+    plan = getattr(packed_seq_params, "_justrl_cp_plan", None)
+    if plan is None or plan.cu_seqlens is not cu_seqlens:
+        plan = ContextParallelPlan(cu_seqlens, group.size(), group.rank())
+        try:
+            packed_seq_params._justrl_cp_plan = plan
+        except AttributeError:
+            pass
+    return plan
+
+
+# queries per masked SDPA call are limited so that the [queries, keys] mask stays below this many elements
+_CP_MASK_ELEMENTS = 1 << 24
+
+
+def _cp_blocks(plan: ContextParallelPlan):
+    """(local query rows, the sequence's keys in global order, global position of the first query) per block of
+    queries: a query at global position p of its sequence sees the keys at positions 0 .. p."""
+    n, r = plan.cp_size, plan.cp_rank
+    for start, local_start, chunk in plan.seqs:
+        for i, j in enumerate((r, 2 * n - 1 - r)):
+            first, q0 = j * chunk, local_start + i * chunk
+            block = max(1, _CP_MASK_ELEMENTS // (first + chunk))
+            for s in range(0, chunk, block):
+                e = min(chunk, s + block)
+                yield slice(q0 + s, q0 + e), slice(start, start + first + e), first + s
+
+
+def _masked_block(q, k, v, first_pos: int, scale: float) -> torch.Tensor:
+    """q [b, np, hn] at positions first_pos .. first_pos + b - 1 against k/v [first_pos + b, ng, hn] (its sequence's
+    keys from position 0): query i sees keys 0 .. first_pos + i. -> [b, np, hn]."""
+    if not q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):  # as causal_sdpa: fp32 attention on the CPU
+        return _masked_block(q.float(), k.float(), v.float(), first_pos, scale).to(q.dtype)
+    gqa = q.size(1) != k.size(1)
+    if gqa and q.is_cuda:  # CUDA's masked kernels lack GQA: expand (CPU's flash kernel takes both)
+        k, v = _expand_kv(q, k, v)
+        gqa = False
+    keep = torch.arange(k.size(0), device=q.device)[None, :] <= \
+        torch.arange(first_pos, first_pos + q.size(0), device=q.device)[:, None]
+    qi, ki, vi = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=keep, scale=scale, enable_gqa=gqa).squeeze(0) \
+        .permute(1, 0, 2)
+
+
+class _ContextParallelCore(torch.autograd.Function):
+    """The local queries' attention over the gathered K/V, block by block, keeping only its inputs for backward:
+    backward recomputes one block at a time (as flash kernels do), so a block's [queries, keys] mask and scores exist
+    only while that block runs, never for the whole layer until its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k_all, v_all, plan, scale):
+        ctx.save_for_backward(q, k_all, v_all)
+        ctx.plan, ctx.scale = plan, scale
+        out = q.new_empty(q.shape)
+        for qs, ks, first in _cp_blocks(plan):
+            out[qs] = _masked_block(q[qs], k_all[ks], v_all[ks], first, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_all, v_all = ctx.saved_tensors
+        gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k_all), torch.zeros_like(v_all)
+        for qs, ks, first in _cp_blocks(ctx.plan):
+            with torch.enable_grad():
+                inputs = [x.detach().requires_grad_() for x in (q[qs], k_all[ks], v_all[ks])]
+                out = _masked_block(*inputs, first, ctx.scale)
+                dq, dk, dv = torch.autograd.grad(out, inputs, grad[qs])
+            gq[qs] += dq
+            gk[ks] += dk
+            gv[ks] += dv
+        return gq, gk, gv, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ContextParallelPlan,
+                               group, scale: float) -> torch.Tensor:
+    """Exact causal attention of this CP rank's queries q [t, np, hn] against their sequences' keys on all CP ranks
+    (k/v [t, ng, hn] local). -> [t, np, hn]."""
+    if q.size(0) != plan.local_total:
+        raise ValueError(f"the context-parallel rank holds {q.size(0)} tokens but cu_seqlens say "
+                         f"{plan.local_total} (= {plan.cu_seqlens[-1].item()} / {plan.cp_size})")
+    ng = k.size(1)
+    kv = _GatherContextParallel.apply(torch.cat([k, v], dim=1), group)  # [cp, t, 2 ng, hn]
+    kv = kv.reshape(-1, *kv.shape[2:]).index_select(0, plan.order)     # global token order
+    return _ContextParallelCore.apply(q, kv[:, :ng], kv[:, ng:], plan, scale)
+
+
 try:
     from megatron.core.transformer.module import MegatronModule as _Base
 except Exception:  # pragma: no cover - megatron is a hard dependency; keeps the module importable for docs
@@ -291,14 +438,16 @@ class SDPAttention(_Base):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, **_unused):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs the TransformerEngine spec (model.transformer_impl=te)")
+        from megatron.core import parallel_state as ps
+
         if pg_collection is not None and hasattr(pg_collection, "tp"):
             tp = pg_collection.tp.size()
         else:
-            from megatron.core import parallel_state as ps
-
             tp = ps.get_tensor_model_parallel_world_size()
+        self.cp_group = None  # context parallel: K/V all-gathered over this group (context_parallel_attention)
+        if config.context_parallel_size > 1:
+            self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") \
+                else ps.get_context_parallel_group()
         if config.num_attention_heads % tp or config.num_query_groups % tp:
             raise ValueError(f"tensor parallel size {tp} must divide {config.num_attention_heads} attention heads "
                              f"and {config.num_query_groups} query groups")
@@ -318,8 +467,16 @@ class SDPAttention(_Base):
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences must use qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-            out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale)
+            if self.cp_group is not None:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                plan = context_parallel_plan(packed_seq_params, cu, self.cp_group)
+                out = context_parallel_attention(query, key, value, plan, self.cp_group, self.softmax_scale)
+            else:
+                out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale)
             return out.reshape(out.size(0), -1)
+        if self.cp_group is not None:
+            raise ValueError("context parallelism on the local spec takes packed (thd) micro-batches only")
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         if attention_mask is None:

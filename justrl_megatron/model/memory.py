@@ -33,6 +33,11 @@ Backward also holds gradient temporaries of the layer in flight (SwiGLU/fc1 grad
 layer of activations (BACKWARD_WORKING_LAYERS), not measured here. Per token outside the layers: the final norm, the
 hidden states kept by the logprob head and the loss's per-token fp32 values (EXTRA_FP32_PER_TOKEN).
 With PP, 1F1B's first stage holds up to PP micro-batches in flight: L/PP layers x PP = L layers' activations.
+Context parallelism (CP): a rank holds 1/CP of every sequence, so the activations and the logprob head's rows are
+those of tokens/CP; the distributed optimizer shards over DP x CP. The local spec's attention all-gathers K/V
+(attention.py) and autograd keeps the gathered K and V per layer (2 b.kv per token of the whole micro-batch; with full
+recompute only the layer in flight's); TE's ring attention keeps its chunks only transiently (not counted).
+`tokens` and `max_tokens_per_micro_batch` stay those of the whole (global) micro-batch.
 Not counted: the CUDA context, NCCL buffers, allocator fragmentation and a sleeping vLLM (level 2 keeps little): the
 margin (default 10% of the device) covers them.
 """
@@ -162,9 +167,18 @@ def _extra_per_token(shape: ModelShape, dtype: torch.dtype) -> float:
 
 def activation_bytes_per_token(shape: ModelShape, *, recompute: str = "none", tp: int = 1, pp: int = 1,
                                sequence_parallel: bool = False, dtype: torch.dtype = torch.bfloat16,
-                               impl: str = "local") -> float:
+                               impl: str = "local", cp: int = 1) -> float:
     """Peak activation bytes per token of a micro-batch for the whole model on one GPU (all its layers, PP
-    micro-batches in flight), including the layer being recomputed (full) and backward's working set."""
+    micro-batches in flight), including the layer being recomputed (full) and backward's working set. With context
+    parallelism (``cp`` > 1): per token of the whole micro-batch, of which this GPU holds 1/cp."""
+    if cp > 1:
+        local = activation_bytes_per_token(shape, recompute=recompute, tp=tp, pp=pp,
+                                           sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
+        if impl == "te":
+            return local / cp
+        kv = shape.num_query_groups * shape.head_dim / tp
+        layers = 1 if recompute == "full" else math.ceil(shape.num_layers / pp) * pp
+        return local / cp + layers * 2 * _bytes(dtype) * kv  # the gathered K and V, kept for backward
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
     full_layer = layer_saved_bytes_per_token(shape, recompute="none", **kw)
     saved = layer_saved_bytes_per_token(shape, recompute=recompute, **kw)
@@ -189,12 +203,14 @@ def logprob_head_bytes(shape: ModelShape, *, tp: int = 1, dtype: torch.dtype = t
 
 def estimate_peak_bytes(shape: ModelShape, *, tokens: int, recompute: str = "none", tp: int = 1, pp: int = 1,
                         dp: int = 1, dtype: torch.dtype = torch.bfloat16, sequence_parallel: bool = False,
-                        distributed_optimizer: bool = True, impl: str = "local") -> int:
-    """Predicted peak bytes (what torch.cuda.max_memory_allocated would report) of one update micro-batch."""
-    return int(fixed_bytes(shape, tp=tp, pp=pp, dp=dp, dtype=dtype, distributed_optimizer=distributed_optimizer)
+                        distributed_optimizer: bool = True, impl: str = "local", cp: int = 1) -> int:
+    """Predicted peak bytes (what torch.cuda.max_memory_allocated would report) of one update micro-batch of
+    ``tokens`` tokens (over all ``cp`` context-parallel ranks; the distributed optimizer shards over dp x cp)."""
+    return int(fixed_bytes(shape, tp=tp, pp=pp, dp=dp * cp, dtype=dtype, distributed_optimizer=distributed_optimizer)
                + tokens * activation_bytes_per_token(shape, recompute=recompute, tp=tp, pp=pp,
-                                                     sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
-               + logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=tokens))
+                                                     sequence_parallel=sequence_parallel, dtype=dtype, impl=impl,
+                                                     cp=cp)
+               + logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=-(-tokens // cp)))
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------------
@@ -239,6 +255,8 @@ def _check_mode(recompute: str) -> None:
 def max_tokens_that_fit(shape: ModelShape, *, device_bytes: int, margin: float = 0.1, **kw) -> int:
     """The most tokens per micro-batch whose predicted peak stays within device_bytes x (1 - margin) (0 if none)."""
     fixed_kw = {k: kw[k] for k in ("tp", "pp", "dp", "dtype", "distributed_optimizer") if k in kw}
+    cp = kw.get("cp", 1)
+    fixed_kw["dp"] = fixed_kw.get("dp", 1) * cp  # the distributed optimizer shards over DP x CP
     act_kw = {k: v for k, v in kw.items() if k not in ("dp", "distributed_optimizer")}
     tp, dtype = kw.get("tp", 1), kw.get("dtype", torch.bfloat16)
     per_token = activation_bytes_per_token(shape, **act_kw)
@@ -246,17 +264,17 @@ def max_tokens_that_fit(shape: ModelShape, *, device_bytes: int, margin: float =
     vocab = padded_vocab_size(shape.vocab_size, tp) // tp
     rows = max(1, CHUNK_ELEMENTS // vocab)
     full_chunks = room - logprob_head_bytes(shape, tp=tp, dtype=dtype)
-    if full_chunks >= rows * per_token:  # at least one full chunk of rows: the head's peak no longer grows
+    if full_chunks >= rows * cp * per_token:  # at least one full chunk of rows: the head's peak no longer grows
         return int(full_chunks // per_token)
-    # fewer tokens than one chunk: the head's chunk tensors grow with the tokens too
+    # fewer tokens than one chunk: the head's chunk tensors grow with the (local) tokens too
     weight_only = room - logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=0)
-    return max(0, int(weight_only // (per_token + HEAD_CHUNK_TENSORS * 4 * vocab)))
+    return max(0, int(weight_only // (per_token + HEAD_CHUNK_TENSORS * 4 * vocab / cp)))
 
 
 def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto", max_tokens_per_micro_batch: int,
                 min_tokens: int, tp: int = 1, pp: int = 1, dp: int = 1, dtype: torch.dtype = torch.bfloat16,
                 sequence_parallel: bool = False, distributed_optimizer: bool = True, impl: str = "local",
-                margin: float = 0.1) -> MemoryPlan:
+                margin: float = 0.1, cp: int = 1) -> MemoryPlan:
     """Choose the recompute mode (``auto``: the first of none, selective, full under which one full sample of
     ``min_tokens`` fits) and clamp the token budget to what fits (never below ``min_tokens``; rounded down to a
     multiple of 128). A manual mode that cannot fit ``min_tokens``, or ``auto`` when nothing fits, raises
@@ -268,7 +286,7 @@ def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto"
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     if recompute != "auto":
         _check_mode(recompute)
-    act_kw = dict(tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
+    act_kw = dict(tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl, cp=cp)
     all_kw = dict(act_kw, dp=dp, distributed_optimizer=distributed_optimizer)
     fit = {m: max_tokens_that_fit(shape, device_bytes=device_bytes, margin=margin, recompute=m, **all_kw)
            for m in RECOMPUTE_MODES}
@@ -287,10 +305,11 @@ def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto"
         notes.append(f"budget clamped from {max_tokens_per_micro_batch}")
     peak = estimate_peak_bytes(shape, tokens=tokens, recompute=mode, **all_kw)
     return MemoryPlan(recompute=mode, max_tokens_per_micro_batch=tokens,
-                      fixed_bytes=fixed_bytes(shape, tp=tp, pp=pp, dp=dp, dtype=dtype,
+                      fixed_bytes=fixed_bytes(shape, tp=tp, pp=pp, dp=dp * cp, dtype=dtype,
                                               distributed_optimizer=distributed_optimizer),
                       activation_bytes_per_token=activation_bytes_per_token(shape, recompute=mode, **act_kw),
-                      logprob_head_bytes=logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=tokens), peak_bytes=peak,
+                      logprob_head_bytes=logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=-(-tokens // cp)),
+                      peak_bytes=peak,
                       device_bytes=int(device_bytes), margin=margin, note="; ".join(notes))
 
 
@@ -307,6 +326,13 @@ def _no_fit_message(shape, recompute, fit, min_tokens, device_bytes, margin, kw)
             if n >= min_tokens:
                 fixes.append(f"parallel.tensor={bigger} (fits {n} tokens with recompute=full)")
                 break
+    cp = kw.get("cp", 1)
+    for bigger in (2 * cp, 4 * cp):  # context parallelism splits every sample's activations
+        n = max_tokens_that_fit(shape, device_bytes=device_bytes, margin=margin, recompute="full",
+                                **dict(kw, cp=bigger))
+        if n >= min_tokens:
+            fixes.append(f"parallel.context={bigger} (fits {n} tokens with recompute=full)")
+            break
     if max(fit.values()) > 0:
         fixes.append(f"shorter samples (data.max_prompt_length + rollout.max_response_length <= {max(fit.values())})")
     return (f"model.recompute={recompute}: one full sample of {min_tokens} tokens needs about "
@@ -335,14 +361,14 @@ def memory_plan_for(cfg, shape: ModelShape, world_size: int, *, device_bytes: in
     if device_bytes is None:
         return None
     par, ro = cfg.parallel, cfg.rollout
-    tp, pp = par.tensor, par.pipeline
+    tp, pp, cp = par.tensor, par.pipeline, par.context
     dtype = torch.bfloat16 if cfg.model.dtype == "auto" else resolve_dtype(cfg.model.dtype)  # auto: bf16 on a GPU
     impl = resolve_impl(cfg.model.transformer_impl) if compat.cuda_available() else (
         "te" if cfg.model.transformer_impl == "te" else "local")
     return plan_memory(shape, device_bytes=device_bytes, recompute=configured,
                        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch,
                        min_tokens=cfg.data.max_prompt_length + ro.max_response_length, tp=tp, pp=pp,
-                       dp=max(world_size // (tp * pp), 1), dtype=dtype,
+                       dp=max(world_size // (tp * pp * cp), 1), cp=cp, dtype=dtype,
                        sequence_parallel=bool(par.sequence_parallel and tp > 1),
                        distributed_optimizer=par.distributed_optimizer, impl=impl, margin=margin)
 

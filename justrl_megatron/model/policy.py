@@ -110,6 +110,13 @@ def _gpu_fusions(impl: str) -> dict:
     return dict(bias_activation_fusion=True)
 
 
+def _context_parallel_options(cp: int, impl: str) -> dict:
+    """TransformerConfig fields for context parallelism. The TE spec runs megatron's own CP attention (TE's
+    ring of K/V chunks, "p2p", over the same 2 x CP partition); the local spec's SDPAttention all-gathers K/V
+    itself (model/attention.py) and needs no comm type."""
+    if cp <= 1:
+        return {}
+    return dict(context_parallel_size=cp, **({"cp_comm_type": "p2p"} if impl == "te" else {}))
 def _aux_loss(shape: ModelShape, coef: float | None) -> dict:
     """An MoE model's load-balancing loss weight other than its HF config's (0 turns the loss off)."""
     if coef is None or not shape.num_experts:
@@ -120,17 +127,20 @@ def _aux_loss(shape: ModelShape, coef: float | None) -> dict:
 SHARED_PROMPT_CHOICES = ("auto", "on", "off")
 
 
-def resolve_shared_prompt(choice, impl: str) -> bool:
+def resolve_shared_prompt(choice, impl: str, cp: int = 1) -> bool:
     """trainer.shared_prompt -> on or off. A group's responses can share one prompt copy only through our own core
     attention (the local spec's SDPAttention, model/attention.py) and megatron's unfused RoPE; TransformerEngine's
-    attention and fused RoPE know only plain packed segments. auto: on with the local spec, off with TE."""
+    attention and fused RoPE know only plain packed segments. auto: on with the local spec, off with TE and with
+    context parallelism (`cp` > 1: a unit's rows cannot be cut into CP chunks; on is refused)."""
     choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
     if choice not in SHARED_PROMPT_CHOICES:
         raise ValueError(f"trainer.shared_prompt must be auto, on or off, got {choice!r}")
     if choice == "on" and impl == "te":
         raise ValueError("trainer.shared_prompt=on needs model.transformer_impl=local (TransformerEngine's attention "
                          "and fused RoPE take only plain packed sequences); set it, or trainer.shared_prompt=auto")
-    return choice == "on" or (choice == "auto" and impl != "te")
+    if choice == "on" and cp > 1:
+        raise ValueError("trainer.shared_prompt=on does not work with parallel.context > 1; set it to auto or off")
+    return choice == "on" or (choice == "auto" and impl != "te" and cp == 1)
 
 
 class ConfigScheduler(OptimizerParamScheduler):
@@ -175,20 +185,24 @@ class Policy:
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
               max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off",
-              moe_aux_loss_coef: float | None = None, routing_replay: str = "off") -> "Policy":
+              cp: int = 1, moe_aux_loss_coef: float | None = None, routing_replay: str = "off") -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
-        `shared_prompt` auto | on | off (`resolve_shared_prompt`). `moe_aux_loss_coef`: MoE models' load-balancing
-        loss weight (None: the HF config's; 0: off; model/moe.py). `routing_replay` off | old (model/moe.py)."""
+        `shared_prompt` auto | on | off (`resolve_shared_prompt`). `cp`: context-parallel size (the batch split is
+        train/batching.split_for_context_parallel; megatron's DDP and distributed optimizer reduce over DP x CP).
+        `moe_aux_loss_coef`: MoE models' load-balancing loss weight (None: the HF config's; 0: off; model/moe.py).
+        `routing_replay` off | old (model/moe.py)."""
         replay = routing_replay == "old" and bool(shape.num_experts)
         if routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"algo.routing_replay must be one of {', '.join(ROUTING_REPLAY)}, got {routing_replay!r}")
-        if replay and sequence_parallel:
-            raise ValueError("algo.routing_replay=old needs parallel.sequence_parallel=false")
+        if replay and (sequence_parallel or cp > 1):
+            raise ValueError("algo.routing_replay=old needs parallel.sequence_parallel=false and parallel.context=1")
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
-        shared = resolve_shared_prompt(shared_prompt, impl)
+        shared = resolve_shared_prompt(shared_prompt, impl, cp)
+        if cp > 1 and lora:
+            raise ValueError("model.lora does not work with parallel.context > 1 yet")
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
@@ -200,8 +214,9 @@ class Policy:
         if (not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp
                 or ps.get_pipeline_model_parallel_world_size() != pp
                 or ps.get_virtual_pipeline_model_parallel_world_size() != vpp
+                or ps.get_context_parallel_world_size() != cp
                 or ps.get_expert_model_parallel_world_size() != ep):
-            init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep)
+            init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, cp=cp, ep=ep)
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
@@ -209,8 +224,8 @@ class Policy:
         config = transformer_config(
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
-            **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_aux_loss(shape, moe_aux_loss_coef),
-            **(dict(moe_enable_routing_replay=True) if replay else {}))
+            **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_context_parallel_options(cp, impl),
+            **_aux_loss(shape, moe_aux_loss_coef), **(dict(moe_enable_routing_replay=True) if replay else {}))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         device = compat.default_device()
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
@@ -239,7 +254,7 @@ class Policy:
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
             wd_incr_steps=1, wd_incr_style="constant")
         hyper = dict(lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, tp=tp, pp=pp,
-                     vpp=vpp, ep=ep, sequence_parallel=config.sequence_parallel, recompute=recompute,
+                     vpp=vpp, cp=cp, ep=ep, sequence_parallel=config.sequence_parallel, recompute=recompute,
                      distributed_optimizer=distributed_optimizer, seed=seed,
                      make_vocab_size_divisible_by=make_vocab_size_divisible_by, max_sequence_length=max_sequence_length)
         return cls(chunks=chunks, optimizer=optimizer, scheduler=scheduler, config=config, shape=shape,
@@ -266,7 +281,7 @@ class Policy:
             adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2, adam_eps=tr.adam_eps,
             distributed_optimizer=par.distributed_optimizer,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
-            shared_prompt=tr.shared_prompt, moe_aux_loss_coef=model.moe_aux_loss_coef,
+            shared_prompt=tr.shared_prompt, cp=par.context, moe_aux_loss_coef=model.moe_aux_loss_coef,
             routing_replay=cfg.algo.routing_replay)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------

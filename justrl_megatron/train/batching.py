@@ -173,14 +173,73 @@ def make_micro_batch(samples: Sequence[Sample], ids: Sequence[int], *, pad_to_mu
 
 
 def gather_per_target(values: Sequence[torch.Tensor | Sequence[float]], mb: MicroBatch) -> torch.Tensor:
-    """Per-sample sequences (one per global sample id) -> one value per target of ``mb`` (fp32, on the CPU)."""
+    """Per-sample sequences (one per global sample id) -> one value per target of ``mb`` (fp32, on the CPU), read
+    at each target's (row, col): a context-parallel rank's micro-batch holds only some of each response's targets."""
     parts = []
     for i, n in zip(mb.sample_ids, mb.response_lengths):
         v = torch.as_tensor(values[i], dtype=torch.float32).reshape(-1).cpu()
         if v.numel() != n:
             raise ValueError(f"sample {i}: {v.numel()} values for {n} response tokens")
         parts.append(v)
-    return torch.cat(parts) if parts else torch.zeros(0)
+    if not parts:
+        return torch.zeros(0)
+    starts = torch.tensor([0, *mb.response_lengths[:-1]], dtype=torch.int64).cumsum(0)
+    return torch.cat(parts)[starts[mb.row.cpu()] + mb.col.cpu()]
+
+
+# --- context parallel --------------------------------------------------------------------------------------------
+
+# loss aggregations whose micro-batch losses stay partial sums when a sequence's tokens are spread over CP ranks;
+# seq-mean-token-mean and verl04-dynbsz divide by a per-sequence / per-micro-batch token count no CP rank holds
+CP_LOSS_AGGS = ("token-mean", "seq-mean-token-sum")
+
+
+def split_for_context_parallel(mb: MicroBatch, cp_size: int, cp_rank: int, *, multiple_of: int = 1,
+                               pad_token_id: int = 0) -> MicroBatch:
+    """This context-parallel rank's part of a packed micro-batch (megatron's and TransformerEngine's THD layout).
+
+    Every segment (sequence) is right-padded to a multiple of 2 * cp_size * ``multiple_of`` tokens (padding: never a
+    target, and after every real token, so causal attention never reads it) and cut into 2 * cp_size equal chunks;
+    rank r keeps chunks r and 2 * cp_size - 1 - r (the early and the late chunk: equal causal-attention work on every
+    rank), segment after segment. `cu_seqlens` / `max_seqlen` stay those of the padded GLOBAL row, as megatron's RoPE
+    (true global positions per rank) and the CP attention expect. Targets are chosen by where their predicting
+    position lands (labels are shifted before the split), so a logprob needs only the local hidden state; `row` /
+    `col` keep saying which response token each local target is."""
+    if cp_size <= 1:
+        return mb
+    if mb.shared is not None:
+        raise ValueError("shared-prompt micro-batches cannot be split for context parallelism")
+    unit = 2 * cp_size * max(multiple_of, 1)
+    bounds = mb.cu_seqlens.tolist()
+    tokens, positions = mb.tokens[0].tolist(), mb.position_ids[0].tolist()
+    new_start = []          # per segment: its first token in the padded global row
+    padded_tokens, padded_positions, cu = [], [], [0]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        n = b - a
+        padded = -(-n // unit) * unit
+        new_start.append(cu[-1])
+        padded_tokens += tokens[a:b] + [pad_token_id] * (padded - n)
+        padded_positions += positions[a:b] + list(range(positions[b - 1] + 1, positions[b - 1] + 1 + padded - n))
+        cu.append(cu[-1] + padded)
+    local = []              # the padded global index of each local token, in local order
+    for start, end in zip(cu[:-1], cu[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        for j in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            local += range(start + j * chunk, start + (j + 1) * chunk)
+    local_of = {g: i for i, g in enumerate(local)}
+    seg = torch.bucketize(mb.logit_positions, torch.tensor(bounds[1:]), right=True)
+    global_pos = (torch.tensor(new_start, dtype=torch.int64)[seg] + mb.logit_positions
+                  - torch.tensor(bounds[:-1], dtype=torch.int64)[seg]).tolist()
+    keep = [k for k, g in enumerate(global_pos) if g in local_of]
+    keep_t = torch.tensor(keep, dtype=torch.int64)
+    long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return MicroBatch(
+        sample_ids=mb.sample_ids, tokens=long([padded_tokens[g] for g in local]).unsqueeze(0),
+        position_ids=long([padded_positions[g] for g in local]).unsqueeze(0),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])),
+        logit_positions=long([local_of[global_pos[k]] for k in keep]), targets=mb.targets[keep_t],
+        row=mb.row[keep_t], col=mb.col[keep_t], response_lengths=mb.response_lengths,
+        num_real_tokens=mb.num_real_tokens, extras={k: v[keep_t] for k, v in mb.extras.items()})
 
 
 # --- shared prompt -----------------------------------------------------------------------------------------------

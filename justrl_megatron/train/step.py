@@ -36,8 +36,9 @@ from ..model.build import nonfinite_parameters, output_weight, returning_hidden_
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
-from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, make_shared_micro_batch, \
-    pack_micro_batches, prompt_units, response_offsets, split_over_dp, unit_length
+from .batching import CP_LOSS_AGGS, MicroBatch, Sample, check_samples_fit, gather_per_target, \
+    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, split_for_context_parallel, \
+    split_over_dp, unit_length
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
@@ -57,10 +58,11 @@ def _is_contributor() -> bool:
 
 
 def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Combine one value per DP replica into the same result on every training rank (DP group, then TP x PP group).
-    Non-contributors must hold the identity of ``op`` (0 for SUM, -inf for MAX, +inf for MIN)."""
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group())
+    """Combine one value per DP replica and CP rank (a CP rank's values cover its own tokens) into the same result
+    on every training rank (DP x CP group, then TP x PP group). Non-contributors must hold the identity of ``op``
+    (0 for SUM, -inf for MAX, +inf for MIN)."""
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(t, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
     if ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(t, op=op, group=ps.get_model_parallel_group())
     return t
@@ -83,6 +85,11 @@ def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], ma
     lengths = [unit_length(samples, u) for u in units]
     plans = pack_micro_batches(split_over_dp(range(len(units)), lengths, ps.get_data_parallel_world_size()), lengths,
                                max_tokens_per_micro_batch, multiple_of=multiple)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:  # each sequence split over the CP ranks, each part padded for SP (split_for_context_parallel)
+        return [split_for_context_parallel(make_shared_micro_batch(samples, [units[u] for u in b]), cp,
+                                           ps.get_context_parallel_rank(), multiple_of=pad)
+                for b in plans[ps.get_data_parallel_rank()]]
     return [make_shared_micro_batch(samples, [units[u] for u in b], pad_to_multiple_of=pad)
             for b in plans[ps.get_data_parallel_rank()]]
 
@@ -122,7 +129,8 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
     with returning_hidden_states(chunks), grad_mode:
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(mbs), seq_length=max(mb.tokens.size(1) for mb in mbs), micro_batch_size=1,
+            num_microbatches=len(mbs), micro_batch_size=1,  # the schedule divides seq_length by CP
+            seq_length=max(mb.tokens.size(1) for mb in mbs) * ps.get_context_parallel_world_size(),
             forward_only=forward_only)
 
 
@@ -259,6 +267,8 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                          f"per batch (mini_batch_size {mini_batch_size} < {len(samples)} samples)")
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (reference-policy logprobs of every response)")
+    if ps.get_context_parallel_world_size() > 1 and loss_agg not in CP_LOSS_AGGS:
+        raise ValueError(f"loss_agg={loss_agg} does not work with context parallelism; use {CP_LOSS_AGGS}")
     if rollout_correction != "none" and any(s.rollout_logprobs is None for s in samples):
         raise ValueError(f"rollout_correction={rollout_correction} needs the rollout engine's logprobs of every "
                          "response (Sample.rollout_logprobs)")
@@ -291,7 +301,8 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
         # MoE: the load-balancing loss weighs the model's coefficient per mini-batch (model/moe.py)
-        with moe.aux_loss_scale(policy.config, len(micro_batches) * ps.get_data_parallel_world_size()):
+        with moe.aux_loss_scale(policy.config,
+                                len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)):
             results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False,
                                     routes=None if reuse_forward else "replay")
         aux = moe.tracked_aux_loss(policy.config, len(micro_batches))

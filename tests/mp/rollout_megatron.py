@@ -6,7 +6,9 @@ Every rank hosts a vLLM engine in its own process (external_launcher, rollout TP
 model. Phase A, Megatron TP1 x DP2: sync the loaded weights, sample, one GRPO step (large LR so that the weights
 move), sync, sample again, and compare vLLM's logprobs of its sampled tokens with the trainer's recomputation
 (model/ + train/step.py). Phase B, Megatron TP2: a fresh policy loaded from the same HF folder streams its weights into
-the same engines; vLLM's greedy tokens must equal transformers' on the original HF weights. Verdicts:
+the same engines; vLLM's greedy tokens must equal transformers' on the original HF weights. Phase C, Megatron CP2
+(context parallel: both ranks split each sequence): its logprobs agree with the engines' on the same weights, then a
+GRPO step and a sync, after which they agree again (CP shards no weights: the stream is the same). Verdicts:
 OUT/rank{r}.json.
 """
 
@@ -26,11 +28,11 @@ PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 30
 N, STEPS = 4, 10
 
 
-def build_policy(shape, hf_dir, tp):
+def build_policy(shape, hf_dir, tp, cp=1):
     from justrl_megatron.convert.load import load_hf_weights
     from justrl_megatron.model.policy import Policy
 
-    policy = Policy.build(shape, tp=tp, dtype="fp32", transformer_impl="local", lr=2e-2, grad_clip=0.0,
+    policy = Policy.build(shape, tp=tp, cp=cp, dtype="fp32", transformer_impl="local", lr=2e-2, grad_clip=0.0,
                           distributed_optimizer=False, seed=1234)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
@@ -120,6 +122,24 @@ def main(hf_dir, out):
     g = engine.generate_all(PROMPTS, 1, greedy)
     v["greedy_tp2_equal"] = g.token_ids == reference_greedy
     v["greedy_tp2_version"] = g.weight_version
+
+    del policy
+
+    # --- phase C: Megatron CP2 (parallel.context=2) trains a step and streams it into the same engines ---------------
+    policy = build_policy(shape, hf_dir, tp=1, cp=2)
+    r2 = engine.generate_all(PROMPTS, N, sample, seed=9)  # the engines hold the original weights (version 2)
+    cp_samples = samples_of(r2, group_advantages(torch.tensor([1.0 if sum(t) % 3 == 0 else -1.0
+                                                               for t in r2.token_ids]), N))
+    old = compute_logprobs(policy, cp_samples, max_tokens_per_micro_batch=256)
+    v["gap_cp2_v2"] = logprob_gap(r2.logprobs, old)  # the same weights on both sides
+    m = grpo_update(policy, cp_samples, old, mini_batch_size=len(cp_samples), max_tokens_per_micro_batch=256)
+    v["grpo_cp2"] = {"num_optimizer_steps": m["num_optimizer_steps"], "grad_norm": m["grad_norm"]}
+    v["gap_cp2_before_sync"] = logprob_gap(
+        r2.logprobs, compute_logprobs(policy, cp_samples, max_tokens_per_micro_batch=256))
+    v["sync_cp2_v3"] = engine.update_weights(stream(policy, shape), version=3)
+    r3 = engine.generate_all(PROMPTS, N, sample, seed=10)
+    v["cp2_v3_version"] = r3.weight_version
+    v["gap_cp2_v3"] = logprob_gap(r3.logprobs, compute_logprobs(policy, samples_of(r3), max_tokens_per_micro_batch=256))
 
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(v, f, indent=1)
