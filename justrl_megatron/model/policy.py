@@ -117,6 +117,8 @@ def _context_parallel_options(cp: int, impl: str) -> dict:
     if cp <= 1:
         return {}
     return dict(context_parallel_size=cp, **({"cp_comm_type": "p2p"} if impl == "te" else {}))
+
+
 def _aux_loss(shape: ModelShape, coef: float | None) -> dict:
     """An MoE model's load-balancing loss weight other than its HF config's (0 turns the loss off)."""
     if coef is None or not shape.num_experts:
