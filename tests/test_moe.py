@@ -128,7 +128,7 @@ def test_megatron_moe_logits_equal_transformers_fp32(tiny_moe, name):
     from transformers import AutoConfig
 
     from justrl_megatron.convert import load_hf_weights
-    from justrl_megatron.convert.verify import hf_logits, megatron_logits, random_tokens
+    from justrl_megatron.convert.verify import hf_logits, megatron_logits
     from justrl_megatron.distributed import init_distributed, init_model_parallel
     from justrl_megatron.model.build import build_model_chunks
     from justrl_megatron.model.hf_config import transformer_config
