@@ -298,5 +298,5 @@ def test_policy_from_config_maps_the_config_knobs():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["hyper"] == dict(lr=3e-6, warmup_steps=2, weight_decay=0.05, grad_clip=1.0, tp=1, pp=1, vpp=None,
                                 sequence_parallel=False, recompute="none", distributed_optimizer=True, seed=7,
-                                make_vocab_size_divisible_by=128, max_sequence_length=None)
+                                make_vocab_size_divisible_by=128, max_sequence_length=None, cp=1, ep=1)
     assert out["dtype"] == "torch.float32" and out["impl"] == "local" and out["lr"] == 0.0  # warming up from 0
