@@ -356,7 +356,8 @@ def test_a_read_only_run_dir_is_one_line(tmp_path):
               f"justrl_megatron.cli train trainer.run_dir={tmp_path / 'ro' / 'run'}")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
     if proc.returncode == 77 or "unshare:" in proc.stderr:
-        pytest.skip(f"no private read-only mount here: {proc.stderr.strip()[:200]}")
+        pytest.fail(f"needs a private read-only bind mount (root: unshare -m, mount --bind -o ro), as CI has: "
+                    f"{proc.stderr.strip()[:200]}")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (f"justrl-train: invalid config: trainer.run_dir={tmp_path / 'ro' / 'run'}: "
                                    f"{tmp_path / 'ro'} is not writable (read-only); choose a writable folder")

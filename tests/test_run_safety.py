@@ -121,7 +121,7 @@ def test_a_second_ctrl_c_aborts_at_once_without_a_half_checkpoint(safety):
 
 def test_a_full_disk_is_one_line_and_leaves_nothing_behind(safety):
     if not safety["tmpfs"]:
-        pytest.skip("mounting a tmpfs is not allowed here (unshare -m / mount); the full-disk checks did not run")
+        pytest.fail("the full-disk checks need a private tmpfs mount (root: unshare -m, mount -t tmpfs), as CI has")
     v = json.loads((safety["out"] / "disk.json").read_text())
     root = safety["out"] / "full"
     # size known (step 1's): refused before writing, with the space needed
@@ -147,7 +147,7 @@ def test_a_trainer_on_a_full_disk_stops_with_one_line(tmp_path, tiny_llama):
     runs out of space. Before: 161 lines and 5 tracebacks, the staging folder kept. Now: exit 1, one error line naming
     the folder and the space, no traceback, nothing of the checkpoint left."""
     if not _tmpfs_works():
-        pytest.skip("mounting a tmpfs is not allowed here (unshare -m / mount); the full-disk run did not happen")
+        pytest.fail("the full-disk run needs a private tmpfs mount (root: unshare -m, mount -t tmpfs), as CI has")
     full = tmp_path / "full"
     full.mkdir()
     train = [sys.executable, "-m", "justrl_megatron.cli", "train", f"model.path={tiny_llama}",
