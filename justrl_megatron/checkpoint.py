@@ -305,7 +305,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file or a folder (its entries: a rename into it survives a crash) to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -327,7 +328,7 @@ def _write_text_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _layout() -> dict:
@@ -457,14 +458,14 @@ def _commit(run_dir, step: int, tmp: Path, keep_last: int | None) -> Path:
     if _rank() == 0:
         write_manifest(tmp)
         for dirpath, _, _ in os.walk(tmp):
-            _fsync_dir(Path(dirpath))
+            fsync_path(Path(dirpath))
         old = None
         if final.exists():  # re-saving a step (after a resume): keep the old one until the new one is in place
             old = root / f"{TMP_PREFIX}old_{final.name}"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         _write_text_atomically(root / LATEST, final.name + "\n")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import run_lock
+from ..checkpoint import fsync_path
 from ..convert.export import save_hf
 
 HF_DIR = "hf"
@@ -55,7 +56,7 @@ class HFSnapshots:
                     if final.exists():  # the same step again (after a resume): the new one replaces it
                         shutil.rmtree(final)
                     os.replace(tmp, final)
-                    _fsync(self.root)
+                    fsync_path(self.root)
                     self._retain(final)
             except BaseException:
                 if _rank0():
@@ -70,16 +71,8 @@ class HFSnapshots:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     for dirpath, _, files in os.walk(folder):
         for name in files:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
