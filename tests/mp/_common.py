@@ -1,8 +1,10 @@
-"""transformers references shared by the tests/mp worker scripts.
+"""transformers references and a random GRPO batch, shared by the tests/mp worker scripts.
 
 The scripts run as files (`python tests/mp/x.py`, or `torchrun tests/mp/x.py`), so Python puts tests/mp on sys.path
 and they import this module as `from _common import ...`.
 """
+
+import random
 
 import torch
 
@@ -26,3 +28,16 @@ def hf_logprobs(model, prompt, tokens):
         logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
     pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
     return logp[pos, torch.tensor(tokens)].tolist()
+
+
+def random_samples(vocab: int, n: int = 8, seed: int = 3) -> list:
+    """n GRPO samples of random tokens (prompts of 2-10, responses of 1-16), advantages in [-1.5, 1.5], groups of 4."""
+    from justrl_megatron.train.batching import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(2, 10))]
+        response = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
+        out.append(Sample(prompt, response, advantage=rng.uniform(-1.5, 1.5), group=i // 4))
+    return out

@@ -21,13 +21,13 @@ Each case writes its own verdict; every rank writes OUT/rank{r}.json.
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 
 import json
-import random
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
+from _common import random_samples
 from justrl_megatron.convert import export_hf_stream, load_hf_weights
 from justrl_megatron.convert.load import SafetensorsFolder
 from justrl_megatron.convert.mapping import live_parameters
@@ -35,7 +35,6 @@ from justrl_megatron.convert.verify import hf_logits, megatron_logits, random_to
 from justrl_megatron.distributed import init_distributed
 from justrl_megatron.model.hf_config import model_shape
 from justrl_megatron.model.policy import Policy
-from justrl_megatron.train.batching import Sample
 from justrl_megatron.train.step import compute_logprobs, grpo_update
 
 LAYOUTS = {2: {"ep2": dict(ep=2)}, 4: {"tp2ep2": dict(tp=2, ep=2), "pp2ep2": dict(pp=2, ep=2)}}
@@ -75,15 +74,6 @@ def case_roundtrip(policy, shape, original):
             "bad": bad[:5], "missing": missing[:5], "buckets": buckets, "expert_tensors": experts}
 
 
-def samples_for(vocab, n=8, seed=3):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(2, 10))]
-        response = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
-        out.append(Sample(prompt, response, advantage=rng.uniform(-1.5, 1.5), group=i // 4))
-    return out
-
 
 def one_update(policy, samples, old):
     grads = {}
@@ -99,7 +89,7 @@ def one_update(policy, samples, old):
 
 def case_grpo(hf_dir, shape):
     """EP1 then EP2 in this process (megatron's groups rebuilt by Policy.build), same DP2 split of the same data."""
-    samples = samples_for(shape.vocab_size)
+    samples = random_samples(shape.vocab_size)
     ep1 = build(hf_dir, shape, ep=1)
     lp = compute_logprobs(ep1, samples, max_tokens_per_micro_batch=MAX_TOKENS)
     g = torch.Generator().manual_seed(5)
@@ -156,7 +146,7 @@ def case_convert(hf_dir, shape, original, out):
 def case_resume(hf_dir, shape, out):
     from justrl_megatron.checkpoint import load_latest_checkpoint, save_checkpoint
 
-    samples = samples_for(shape.vocab_size)
+    samples = random_samples(shape.vocab_size)
     live = build(hf_dir, shape, ep=2, distopt=True)
     old = [x + 0.1 for x in compute_logprobs(live, samples, max_tokens_per_micro_batch=MAX_TOKENS)]
     update = dict(mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)

@@ -42,6 +42,16 @@ def staging_left(run_dir) -> list[str]:
     return sorted(p.name for p in root.glob(".tmp_*")) if root.is_dir() else []
 
 
+def save_on_full_disk(name: str, policy, run_dir, step: int) -> dict:
+    """The save's one-line error ("saved" if none), and the staging folders and `latest` it left."""
+    try:
+        save(policy, run_dir, step)
+        message = "saved"
+    except ckpt.CheckpointWriteError as exc:
+        message = str(exc)
+    return {name: message, f"{name}_staging": staging_left(run_dir), f"{name}_latest": ckpt.latest_step(run_dir)}
+
+
 def disk(policy, out: Path, full: Path) -> None:
     verdict = {}
     run_dir = full / "run"
@@ -51,22 +61,8 @@ def disk(policy, out: Path, full: Path) -> None:
     free = os.statvfs(full).f_bavail * os.statvfs(full).f_frsize
     with open(full / "filler", "wb") as f:  # leave half a checkpoint free
         f.write(b"\0" * max(free - size // 2, 0))
-    try:
-        save(policy, run_dir, 2)
-        verdict["precheck"] = "saved"
-    except ckpt.CheckpointWriteError as exc:
-        verdict["precheck"] = str(exc)
-    verdict["precheck_staging"] = staging_left(run_dir)
-    verdict["precheck_latest"] = ckpt.latest_step(run_dir)
-
-    fresh = full / "fresh"
-    try:
-        save(policy, fresh, 1)
-        verdict["midwrite"] = "saved"
-    except ckpt.CheckpointWriteError as exc:
-        verdict["midwrite"] = str(exc)
-    verdict["midwrite_staging"] = staging_left(fresh)
-    verdict["midwrite_latest"] = ckpt.latest_step(fresh)
+    verdict |= save_on_full_disk("precheck", policy, run_dir, 2)  # refused before writing: the size is known
+    verdict |= save_on_full_disk("midwrite", policy, full / "fresh", 1)  # a first save: it runs out while writing
     (out / "disk.json").write_text(json.dumps(verdict))
 
 
