@@ -21,7 +21,7 @@ def score(scorer, tokenizer, prompts: Sequence, rollouts, n: int) -> tuple[list,
     texts = tokenizer.batch_decode(rollouts.token_ids, skip_special_tokens=True)
     answers = [prompts[i // n].answer for i in range(len(texts))]
     rewards, correct = scorer.evaluate(texts, answers)
-    return rewards, correct, dict(getattr(scorer, "stats", {}))
+    return rewards, correct, dict(scorer.stats)
 
 
 def generate_and_score(rollout, prompts: Sequence, n: int, sampling, *, seed: int, scorer, tokenizer,
