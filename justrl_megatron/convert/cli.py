@@ -4,10 +4,15 @@
   justrl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16]
   justrl-convert verify --hf DIR --ckpt DIR [--tol 1e-3]
   justrl-convert lora-export --ckpt DIR --out DIR [--merged DIR] [--base HF_DIR]
+  justrl-convert upcycle --hf DIR --out DIR --experts E --top-k K [--aux-loss-coef 0.01]
 
 `lora-export` takes a LoRA training checkpoint (adapters only) and writes a PEFT adapter folder (adapter_config.json +
 adapter_model.safetensors, for `peft.PeftModel.from_pretrained` on the base model) and, with --merged, the merged HF
 model (W + scale * B A). One process; the base model defaults to the one the run trained on.
+
+`upcycle` turns a dense Llama / Mistral HF folder into a Mixtral one: every MLP copied into E experts, a zero
+(neutral) router, top-K renormalised, so the new model computes exactly what the dense one did (convert/upcycle.py).
+One process; tensors are copied one at a time.
 
 Each runs as one process, or under torchrun (world = a multiple of tp x pp and of ep x pp) to shard the work: every
 rank then reads only its own slices of the HF files and writes only its own shards (`--ep`: an MoE model's experts,
@@ -91,6 +96,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--base", default=None, help="the base HF model (default: the one recorded in the checkpoint)")
     s.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="merged model dtype (default: the run's)")
     s.add_argument("--force", action="store_true", help="overwrite non-empty outputs")
+
+    s = sub.add_parser("upcycle", help="dense Llama/Mistral HF folder -> Mixtral HF folder (E copies of each MLP, "
+                                       "neutral router): the same function, ready for MoE training")
+    s.add_argument("--hf", required=True, help="dense HF model folder")
+    s.add_argument("--out", required=True, help="output HF folder (Mixtral)")
+    s.add_argument("--experts", type=int, required=True, help="experts per layer (E >= 2)")
+    s.add_argument("--top-k", type=int, required=True, help="experts per token (1..E)")
+    s.add_argument("--aux-loss-coef", type=float, default=0.01,
+                   help="router_aux_loss_coef in the new config (the load-balancing loss's weight in training)")
+    s.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     return p
 
 
@@ -384,10 +399,29 @@ def verify(args) -> int:
     return 0 if ok else 1
 
 
+def upcycle(args) -> int:
+    from .upcycle import UpcycleError, mixtral_config, upcycle as write_upcycled
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("upcycle runs as one process (it only copies tensors): run it without torchrun")
+    hf = Path(args.hf)
+    if not (hf / "config.json").exists():
+        raise UsageError(f"--hf {hf}: no config.json (expected a Hugging Face model folder)")
+    _check_out(args.out, args.force, {"--hf": args.hf})
+    try:
+        mixtral_config(hf, args.experts, args.top_k, args.aux_loss_coef)  # every refusal before any writing
+        with _staged_output(args.out) as tmp:
+            write_upcycled(hf, tmp, args.experts, args.top_k, args.aux_loss_coef)
+    except UpcycleError as exc:
+        raise UsageError(str(exc)) from None
+    _say(f"done: {args.out} (Mixtral, {args.experts} experts, top-{args.top_k}; computes what {hf} does)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     command = {"hf-to-mcore": hf_to_mcore, "mcore-to-hf": mcore_to_hf, "verify": verify,
-               "lora-export": lora_export}[args.command]
+               "lora-export": lora_export, "upcycle": upcycle}[args.command]
     try:
         code = command(args)
     except UsageError as exc:  # found before any work, alike on every rank

