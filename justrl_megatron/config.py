@@ -52,6 +52,10 @@ class ModelConfig:
     # MoE models: the load-balancing loss's weight (logged as actor/moe_aux_loss); null: the HF config's
     # router_aux_loss_coef; 0: off
     moe_aux_loss_coef: Optional[float] = None
+    # MoE: the router z-loss's weight (ST-MoE; logged as actor/moe_z_loss); null or 0: off
+    moe_z_loss_coef: Optional[float] = None
+    # MoE: TransformerEngine's fused token permutation in the dispatcher; null: on with TE, off without; true needs TE
+    moe_permute_fusion: Optional[bool] = None
 
 
 @dataclass
@@ -125,8 +129,8 @@ class AlgoConfig:
     """The RL algorithm. The loss settings' defaults (and what each means) are algo/loss_config.LossConfig's."""
 
     reward: str = "dapo"
-    # MoE: off | old (the experts of the old-logprob pass replayed in the update; model/moe.py); rollout (vLLM's
-    # routed experts) is a GPU path not written yet
+    # MoE: off | old (the experts of the old-logprob pass replayed in the update) | rollout (vLLM's own experts,
+    # returned with each rollout, replayed in both passes; GPU vLLM only); model/moe.py
     routing_replay: str = "off"
     reward_options: dict = field(default_factory=dict)
     reward_workers: int = 2
@@ -234,6 +238,40 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
+def _routing_replay_problems(cfg, cp: int, shape) -> list[str]:
+    replay, par = cfg.algo.routing_replay, cfg.parallel
+    if replay not in ("off", "old", "rollout"):
+        return [f"algo.routing_replay must be off, old or rollout, got {replay!r}"]
+    if replay == "off":
+        return []
+    if replay == "rollout" and shape is not None and not shape.num_experts:
+        return ["algo.routing_replay=rollout needs an MoE model (vLLM returns routed experts of MoE layers only)"]
+    if replay == "rollout":
+        from .compat import cuda_available
+        from .rollout.base import ROUTED_EXPERTS_ON_CPU
+
+        if not cuda_available():
+            return [ROUTED_EXPERTS_ON_CPU]
+    if par.sequence_parallel or cp > 1:
+        return [f"algo.routing_replay={replay} needs parallel.sequence_parallel=false and parallel.context=1"]
+    if str(cfg.trainer.shared_prompt).lower() in ("on", "true", "auto"):
+        return [f"algo.routing_replay={replay} needs trainer.shared_prompt=off (experts are kept per sample)"]
+    return []
+
+
+def _transformer_engine_problems(cfg) -> list[str]:
+    """TE-only settings where TransformerEngine or a GPU is missing: one line each, before any model is built."""
+    asks = {"model.transformer_impl=te": "model.transformer_impl=auto or local",
+            "model.moe_permute_fusion=true": "model.moe_permute_fusion=null or false"}
+    asked = [k for k, on in zip(asks, (cfg.model.transformer_impl == "te", bool(cfg.model.moe_permute_fusion))) if on]
+    if not asked:
+        return []
+    from .model.spec import te_available
+
+    return [] if te_available() else [f"{k} needs transformer-engine and a CUDA device (none here); use {asks[k]}"
+                                      for k in asked]
+
+
 def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> None:
     """Check what the schema cannot. `shape` (a model.hf_config.ModelShape) enables the model-dependent checks;
     `also`: problems the caller found elsewhere (model, data, resume), reported in the same message."""
@@ -255,14 +293,10 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     if cfg.model.moe_aux_loss_coef is not None and not cfg.model.moe_aux_loss_coef >= 0:
         problems.append(f"model.moe_aux_loss_coef must be >= 0 (or null: the model's own), got "
                         f"{cfg.model.moe_aux_loss_coef}")
-    if algo.routing_replay not in ("off", "old"):
-        problems.append(f"algo.routing_replay must be off or old, got {algo.routing_replay!r}"
-                        + (" (rollout: vLLM's routed experts, a GPU path not written yet)"
-                           if algo.routing_replay == "rollout" else ""))
-    elif algo.routing_replay == "old" and (par.sequence_parallel or cp > 1):
-        problems.append("algo.routing_replay=old needs parallel.sequence_parallel=false and parallel.context=1")
-    elif algo.routing_replay == "old" and str(tr.shared_prompt).lower() in ("on", "true", "auto"):
-        problems.append("algo.routing_replay=old needs trainer.shared_prompt=off (experts are kept per sample)")
+    if cfg.model.moe_z_loss_coef is not None and not cfg.model.moe_z_loss_coef >= 0:
+        problems.append(f"model.moe_z_loss_coef must be >= 0 (or null: off), got {cfg.model.moe_z_loss_coef}")
+    problems += _routing_replay_problems(cfg, cp, shape)
+    problems += _transformer_engine_problems(cfg)
     if par.expert < 1:
         problems.append(f"parallel.expert must be >= 1, got {par.expert}")
     elif train_world > 0 and pp >= 1 and train_world % (par.expert * pp):  # megatron's expert grid: EP x PP

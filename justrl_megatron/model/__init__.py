@@ -7,7 +7,7 @@ norm.py       RMSNorm for the local spec that works with sequence parallelism
 build.py      GPTModel chunks per (virtual) pipeline stage; hidden-state output for fused logprobs
 logprobs.py   chunked vocab-parallel logprobs + entropy (from logits, or fused with the output projection)
 policy.py     Policy: chunks in megatron DDP + (distributed) Adam + warmup/constant LR schedule
-moe.py        MoE training glue: the load-balancing loss's weight per mini-batch and its logged value
+moe.py        MoE training glue: router losses' weights per mini-batch and logged values, router load, routing replay
 lora.py       LoRA adapters on the TP-parallel linears (frozen base), adapters on/off, merged weights
 reference.py  reference-policy logprobs for the KL penalty: adapters off (LoRA) or a frozen copy of the weights
 """

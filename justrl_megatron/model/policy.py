@@ -84,6 +84,17 @@ def fused_swiglu_check(device: str) -> str | None:
     return None if err <= 1e-4 else f"fused SwiGLU differs from F.silu(gate) * up by {err:.3g}"
 
 
+def _moe_options(shape: ModelShape, impl: str, z_loss_coef: float | None, permute_fusion: bool | None) -> dict:
+    """MoE TransformerConfig fields beyond the HF config's: the router z-loss (model/moe.py scales it like the aux
+    loss) and TE's fused token permutation (null: on with the TE spec; on without TE is refused in one line)."""
+    if not shape.num_experts:
+        return {}
+    fuse = impl == "te" if permute_fusion is None else bool(permute_fusion)
+    if fuse and impl != "te":
+        raise ValueError("model.moe_permute_fusion=true needs transformer-engine and a CUDA device (the TE spec)")
+    return dict(moe_z_loss_coeff=float(z_loss_coef) if z_loss_coef else None, moe_permute_fusion=fuse)
+
+
 def _gpu_fusions(impl: str) -> dict:
     """TransformerConfig fusion flags for this spec on this device (hf_config.transformer_config turns all off).
 
@@ -178,7 +189,7 @@ class Policy:
     # a GRPO group's responses attend to one copy of their prompt (train/batching.py); resolved from "auto"
     shared_prompt: bool = False
     skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
-    routing_replay: object = None  # MoE, algo.routing_replay=old: model/moe.RoutingReplay (train/step.py uses it)
+    routing_replay: object = None  # MoE, algo.routing_replay old|rollout: model/moe.RoutingReplay (train/step.py)
 
     @classmethod
     def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
@@ -187,18 +198,21 @@ class Policy:
               adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
               max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off",
-              cp: int = 1, moe_aux_loss_coef: float | None = None, routing_replay: str = "off") -> "Policy":
+              cp: int = 1, moe_aux_loss_coef: float | None = None, moe_z_loss_coef: float | None = None,
+              moe_permute_fusion: bool | None = None, routing_replay: str = "off") -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
         `shared_prompt` auto | on | off (`resolve_shared_prompt`). `cp`: context-parallel size (the batch split is
         train/batching.split_for_context_parallel; megatron's DDP and distributed optimizer reduce over DP x CP).
-        `moe_aux_loss_coef`: MoE models' load-balancing loss weight (None: the HF config's; 0: off; model/moe.py).
-        `routing_replay` off | old (model/moe.py)."""
-        replay = routing_replay == "old" and bool(shape.num_experts)
+        `moe_aux_loss_coef`: MoE models' load-balancing loss weight (None: the HF config's; 0: off; model/moe.py);
+        `moe_z_loss_coef`: their router z-loss weight (None or 0: off); `moe_permute_fusion` (`_moe_options`).
+        `routing_replay` off | old | rollout (model/moe.py)."""
+        replay = routing_replay != "off" and bool(shape.num_experts)
         if routing_replay not in ROUTING_REPLAY:
             raise ValueError(f"algo.routing_replay must be one of {', '.join(ROUTING_REPLAY)}, got {routing_replay!r}")
         if replay and (sequence_parallel or cp > 1):
-            raise ValueError("algo.routing_replay=old needs parallel.sequence_parallel=false and parallel.context=1")
+            raise ValueError(f"algo.routing_replay={routing_replay} needs parallel.sequence_parallel=false and "
+                             "parallel.context=1")
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
@@ -227,7 +241,8 @@ class Policy:
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
             **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_context_parallel_options(cp, impl),
-            **_aux_loss(shape, moe_aux_loss_coef), **(dict(moe_enable_routing_replay=True) if replay else {}))
+            **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion),
+            **(dict(moe_enable_routing_replay=True) if replay else {}))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         device = compat.default_device()
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
@@ -263,7 +278,7 @@ class Policy:
                    transformer_impl=impl, dtype=torch_dtype,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
                    hyper=hyper, lora=dict(lora) if lora else None, shared_prompt=shared,
-                   routing_replay=RoutingReplay(modules) if replay else None)
+                   routing_replay=RoutingReplay(modules, source=routing_replay) if replay else None)
 
     @classmethod
     def from_config(cls, cfg, shape: ModelShape) -> "Policy":
@@ -284,6 +299,7 @@ class Policy:
             distributed_optimizer=par.distributed_optimizer,
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
             shared_prompt=tr.shared_prompt, cp=par.context, moe_aux_loss_coef=model.moe_aux_loss_coef,
+            moe_z_loss_coef=model.moe_z_loss_coef, moe_permute_fusion=model.moe_permute_fusion,
             routing_replay=cfg.algo.routing_replay)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------

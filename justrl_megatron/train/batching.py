@@ -46,6 +46,7 @@ class Sample:
     rollout_logprobs: list[float] | None = None
     group: int = 0
     truncated: bool = False  # cut at rollout.max_response_length; leaves the loss with algo.mask_truncated
+    routed_experts: object = None  # MoE, algo.routing_replay=rollout: vLLM's experts [tokens - 1, layers, top-k]
 
     @property
     def length(self) -> int:

@@ -95,18 +95,31 @@ def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], ma
 
 
 def _routes(policy, routes: str | None, mb: MicroBatch, model):
-    """algo.routing_replay=old (model/moe.RoutingReplay): record the micro-batch's experts, or replay them."""
+    """algo.routing_replay old|rollout (model/moe.RoutingReplay): record the micro-batch's experts, or replay them."""
     replay = getattr(policy, "routing_replay", None)
     if replay is None or routes is None:
         return contextlib.nullcontext()
     if mb.shared is not None:
-        raise ValueError("algo.routing_replay=old needs trainer.shared_prompt=off (experts are kept per sample)")
+        raise ValueError("algo.routing_replay needs trainer.shared_prompt=off (experts are kept per sample)")
     n = len(mb.sample_ids)
     starts, ends = mb.cu_seqlens[:n].tolist(), mb.cu_seqlens[1:n + 1].tolist()
     lengths = [e - s for s, e in zip(starts, ends)]
     if routes == "record":
         return replay.recording(model, mb.sample_ids, starts, lengths)
     return replay.replaying(model, mb.sample_ids, starts, lengths, mb.tokens.size(1))
+
+
+def _load_routes(policy, samples) -> str | None:
+    """Before a pass over `samples`: algo.routing_replay=rollout replays vLLM's experts ("replay"); old records
+    this pass's experts for the update that follows ("record"); off: None."""
+    replay = getattr(policy, "routing_replay", None)
+    if replay is None:
+        return None
+    if replay.source == "rollout":
+        replay.use_rollout_routes(samples)
+        return "replay"
+    replay.clear()
+    return "record"
 
 
 def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool,
@@ -173,9 +186,7 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
         return zero, torch.tensor(mb.num_targets, dtype=torch.int, device=output.device), \
             {"logprobs": logp, "entropy": ent}
 
-    if getattr(policy, "routing_replay", None) is not None:
-        policy.routing_replay.clear()  # these samples' experts, for the update that follows
-    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes="record")
+    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes=_load_routes(policy, samples))
     logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
                                    policy.device)
     if not with_entropy:
@@ -274,7 +285,16 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                          "response (Sample.rollout_logprobs)")
     lr = policy.current_lr()
     totals = None
-    grad_norms, steps_ok, micro_batch_counts, tokens_total, aux_losses = [], [], [], 0, []
+    # the update replays the old pass's experts (routing_replay=old) or vLLM's (rollout; loaded here when no
+    # old-logprob pass ran); reusing the update's forward for the old logprobs with `old`: natural routing
+    replay = getattr(policy, "routing_replay", None)
+    from_rollout = replay is not None and replay.source == "rollout"
+    if reuse_forward and from_rollout:
+        replay.use_rollout_routes(samples)
+    routes = None if reuse_forward and not from_rollout else "replay"
+    router_load = (moe.RouterLoad(policy.chunks, policy.shape.num_layers, policy.shape.num_experts)
+                   if policy.shape.num_experts else contextlib.nullcontext())
+    grad_norms, steps_ok, micro_batch_counts, tokens_total, router_losses = [], [], [], 0, []
 
     for step, start in enumerate(range(0, len(samples), mini_batch_size)):
         ids = list(range(start, min(start + mini_batch_size, len(samples))))
@@ -300,13 +320,13 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
-        # MoE: the load-balancing loss weighs the model's coefficient per mini-batch (model/moe.py)
-        with moe.aux_loss_scale(policy.config,
-                                len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)):
+        # MoE: the router losses weigh the model's coefficients per mini-batch (model/moe.py)
+        with moe.loss_scale(policy.config,
+                            len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)), \
+                router_load:
             results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False,
-                                    routes=None if reuse_forward else "replay")
-        aux = moe.tracked_aux_loss(policy.config, len(micro_batches))
-        aux_losses += [] if aux is None else [aux]
+                                    routes=routes)
+        router_losses.append(moe.tracked_losses(policy.config, len(micro_batches)))
         forward_logprobs = [(mb, r.pop("target_logprobs")) for mb, r in zip(micro_batches, results)]
         if on_grads is not None:
             on_grads(policy, step)
@@ -330,8 +350,12 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
         old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
     metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
                                 tokens_total, lr, rollout_correction, with_kl=bool(kl_coef))
-    if aux_losses:  # logged as actor/moe_aux_loss: megatron's switch loss, mean over layers and micro-batches
-        metrics["moe_aux_loss"] = sum(aux_losses) / len(aux_losses)
+    # MoE: actor/moe_aux_loss (megatron's switch loss), actor/moe_z_loss, mean over layers and micro-batches; the
+    # update's router load per layer (max / mean tokens per expert)
+    for name in router_losses[0]:
+        metrics[name] = sum(r[name] for r in router_losses) / len(router_losses)
+    if policy.shape.num_experts:
+        metrics.update(router_load.imbalance())
     return metrics, list(old_logprobs)
 
 
