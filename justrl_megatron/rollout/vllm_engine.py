@@ -28,7 +28,7 @@ import torch
 
 from .. import compat
 from ..dtypes import DTYPES, torch_name
-from .base import Rollouts, SamplingConfig, WeightStream
+from .base import ROUTED_EXPERTS_ON_CPU, Rollouts, SamplingConfig, WeightStream
 from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, broadcast_object,
                               checkpoint_tensors, iter_buckets, tie_lm_head, tied_embeddings)
 from .weight_transfer import send_weights  # noqa: F401  (its earlier home: tests/mp import it from here)
@@ -74,6 +74,7 @@ class VLLMEngine:
         weight_sync_backend: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         progress: bool = False,
+        return_routed_experts: bool = False,
     ):
         from justrl_megatron import compat
         from justrl_megatron.assets import cache_dir
@@ -88,6 +89,9 @@ class VLLMEngine:
             raise ValueError(f"sleep_level must be 1 (offload weights) or 2 (discard weights), got {sleep_level}")
         self.model_dir = str(model_dir)
         self.on_gpu = compat.cuda_available()
+        if return_routed_experts and not self.on_gpu:
+            raise ValueError(ROUTED_EXPERTS_ON_CPU)
+        self.return_routed_experts = return_routed_experts
         self.in_process = in_process
         self.tensor_parallel = tensor_parallel
         self.bucket_bytes = bucket_bytes
@@ -111,6 +115,8 @@ class VLLMEngine:
             weight_transfer_config={"backend": self.backend},
             worker_extension_cls="justrl_megatron.rollout.weight_transfer.WorkerExtension",
         )
+        if return_routed_experts:  # MoE, algo.routing_replay=rollout: each completion's experts, per token and layer
+            kwargs["enable_return_routed_experts"] = True
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
@@ -232,10 +238,11 @@ class VLLMEngine:
                                         use_tqdm=self.progress)
             for j, out in enumerate(outputs):
                 completions[first + j] += sorted(out.outputs, key=lambda c: c.index)
-        prompt_index, token_ids, logprobs, finish, versions = [], [], [], [], []
+        prompt_index, token_ids, logprobs, finish, versions, routed = [], [], [], [], [], []
         for i, samples in enumerate(completions):
             for c in samples:
                 toks = list(c.token_ids)
+                routed.append(c.routed_experts)  # [prompt + response - 1, MoE layers, top-k], when asked
                 prompt_index.append(i)
                 token_ids.append(toks)
                 logprobs.append([step[t].logprob for step, t in zip(c.logprobs or [], toks)])
@@ -243,8 +250,10 @@ class VLLMEngine:
                 versions += [int(s.version) for s in (c.weight_versions or []) if str(s.version).isdigit()]
         # every token must come from one version; the oldest counts for staleness
         version = min(versions) if versions else self._version
+        if self.return_routed_experts and any(r is None for r in routed):
+            raise RuntimeError("vLLM returned no routed experts for some completions (enable_return_routed_experts)")
         return Rollouts(prompt_index=prompt_index, token_ids=token_ids, logprobs=logprobs, finish_reasons=finish,
-                        weight_version=version)
+                        weight_version=version, routed_experts=routed if self.return_routed_experts else None)
 
     def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
                      seed: int | None = None) -> Rollouts:
@@ -269,10 +278,7 @@ class VLLMEngine:
             for k, local in enumerate(r.prompt_index):
                 samples.setdefault(indices[local], []).append((r, k))
         order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
-        return Rollouts(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
-                        logprobs=[r.logprobs[k] for r, k, _ in order],
-                        finish_reasons=[r.finish_reasons[k] for r, k, _ in order],
-                        weight_version=min(versions.values()))
+        return Rollouts.in_order(order, min(versions.values()))
 
     # -- weight sync -------------------------------------------------------------------------------------------------
 

@@ -166,7 +166,8 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 def _samples(prompts, rollouts, advantages, n: int) -> list[Sample]:
     """The update's samples: sample i answers prompt i // n (its group) and carries its advantage."""
     return [Sample(prompt_ids=prompts[i // n].ids, response_ids=rollouts.token_ids[i], advantage=float(advantages[i]),
-                   rollout_logprobs=rollouts.logprobs[i], group=i // n, truncated=bool(rollouts.truncated[i]))
+                   rollout_logprobs=rollouts.logprobs[i], group=i // n, truncated=bool(rollouts.truncated[i]),
+                   routed_experts=None if rollouts.routed_experts is None else rollouts.routed_experts[i])
             for i in range(len(rollouts.token_ids))]
 
 

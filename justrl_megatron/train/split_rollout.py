@@ -156,10 +156,7 @@ def merge_parts(parts, num_prompts: int) -> Rollouts:
         for k, local in enumerate(r.prompt_index):
             samples.setdefault(indices[local], []).append((r, k))
     order = [(r, k, g) for g in range(num_prompts) for r, k in samples.get(g, [])]
-    return Rollouts(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
-                    logprobs=[r.logprobs[k] for r, k, _ in order],
-                    finish_reasons=[r.finish_reasons[k] for r, k, _ in order],
-                    weight_version=min(r.weight_version for _, r, _ in parts))  # the oldest weights count
+    return Rollouts.in_order(order, min(r.weight_version for _, r, _ in parts))  # the oldest weights count
 
 
 def serve(cfg, model_dir, roles) -> None:
