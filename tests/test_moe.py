@@ -323,9 +323,8 @@ def test_z_loss_weighs_its_coefficient_and_router_load_is_logged(tiny_moe):
     assert abs(metrics["moe_load_imbalance"] - sum(per_layer) / len(per_layer)) <= 1e-9
 
 
-def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
-    """algo.routing_replay=old: the old-logprob pass records every token's experts; after the router weights move
-    (so natural routing now differs), the update routes every real token to exactly the recorded experts."""
+def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int):
+    """A tiny Mixtral policy with routing replay, and six random samples of mixed lengths (two groups)."""
     import random
 
     from transformers import AutoConfig
@@ -333,17 +332,25 @@ def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
     from justrl_megatron.convert import load_hf_weights
     from justrl_megatron.model.policy import Policy
     from justrl_megatron.train.batching import Sample
+
+    shape = model_shape(AutoConfig.from_pretrained(model_dir))
+    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
+                          routing_replay=routing_replay)
+    load_hf_weights(policy.chunks, model_dir, progress=False)
+    policy.optimizer.reload_model_params()
+    rng = random.Random(seed)
+    samples = [Sample([rng.randrange(shape.vocab_size) for _ in range(rng.randint(3, 8))],
+                      [rng.randrange(shape.vocab_size) for _ in range(rng.randint(4, 12))],
+                      advantage=rng.uniform(-1, 1), group=i // 3) for i in range(6)]
+    return policy, samples
+
+
+def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
+    """algo.routing_replay=old: the old-logprob pass records every token's experts; after the router weights move
+    (so natural routing now differs), the update routes every real token to exactly the recorded experts."""
     from justrl_megatron.train.step import compute_logprobs, grpo_update, plan_micro_batches
 
-    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["mixtral"]))
-    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
-                          routing_replay="old")
-    load_hf_weights(policy.chunks, tiny_moe["mixtral"], progress=False)
-    policy.optimizer.reload_model_params()
-    rng = random.Random(1)
-    samples = [Sample([rng.randrange(1009) for _ in range(rng.randint(3, 8))],
-                      [rng.randrange(1009) for _ in range(rng.randint(4, 12))], advantage=rng.uniform(-1, 1),
-                      group=i // 3) for i in range(6)]
+    policy, samples = _replay_policy_and_samples(tiny_moe["mixtral"], "old", seed=1)
     budget, layers = 48, policy.modules[0].decoder.layers
     seen = {i: [] for i in range(len(layers))}  # layer -> the routing maps of its calls, in order
     hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[1].detach().clone()))
@@ -433,24 +440,9 @@ def test_routing_replay_rollout_replays_the_given_experts(tiny_moe):
     from, replaying them changes nothing (trainer logprobs equal the unreplayed ones); after the routers move, both
     the old-logprob pass and the update route every token to exactly the given experts (the last token: its
     predecessor's). Malformed routes are refused naming the sample."""
-    import random
-
-    from transformers import AutoConfig
-
-    from justrl_megatron.convert import load_hf_weights
-    from justrl_megatron.model.policy import Policy
-    from justrl_megatron.train.batching import Sample
     from justrl_megatron.train.step import compute_logprobs, grpo_update
 
-    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["mixtral"]))
-    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
-                          routing_replay="rollout")
-    load_hf_weights(policy.chunks, tiny_moe["mixtral"], progress=False)
-    policy.optimizer.reload_model_params()
-    rng = random.Random(2)
-    samples = [Sample([rng.randrange(1009) for _ in range(rng.randint(3, 8))],
-                      [rng.randrange(1009) for _ in range(rng.randint(4, 12))], advantage=rng.uniform(-1, 1),
-                      group=i // 3) for i in range(6)]
+    policy, samples = _replay_policy_and_samples(tiny_moe["mixtral"], "rollout", seed=2)
     for s, routes in zip(samples, _hf_routes(tiny_moe["mixtral"], samples)):
         s.routed_experts = routes
     replay, policy.routing_replay = policy.routing_replay, None

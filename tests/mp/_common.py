@@ -41,3 +41,12 @@ def random_samples(vocab: int, n: int = 8, seed: int = 3) -> list:
         response = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
         out.append(Sample(prompt, response, advantage=rng.uniform(-1.5, 1.5), group=i // 4))
     return out
+
+
+def rollout_samples(prompts, rollouts, advantages=None) -> list:
+    """A Rollouts batch as GRPO samples (prompt i's responses form group i), with their rollout logprobs."""
+    from justrl_megatron.train.batching import Sample
+
+    return [Sample(prompt_ids=prompts[i], response_ids=toks, rollout_logprobs=lps,
+                   advantage=0.0 if advantages is None else float(advantages[k]), group=i)
+            for k, (i, toks, lps) in enumerate(zip(rollouts.prompt_index, rollouts.token_ids, rollouts.logprobs))]

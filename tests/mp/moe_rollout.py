@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _common import hf_greedy
+from _common import hf_greedy, rollout_samples
 
 PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301], [17, 18, 19]]
 N, STEPS = 4, 10
@@ -36,7 +36,6 @@ def main(hf_dir, out):
     from justrl_megatron.model.policy import Policy
     from justrl_megatron.rollout import SamplingConfig, logprob_gap
     from justrl_megatron.rollout.vllm_engine import VLLMEngine
-    from justrl_megatron.train.batching import Sample
     from justrl_megatron.train.step import compute_logprobs, grpo_update
 
     rank, world = init_distributed()
@@ -61,9 +60,7 @@ def main(hf_dir, out):
             yield bucket
 
     def samples_of(rollouts, advantages=None):
-        return [Sample(prompt_ids=PROMPTS[i], response_ids=toks, rollout_logprobs=lps,
-                       advantage=0.0 if advantages is None else float(advantages[k]), group=i)
-                for k, (i, toks, lps) in enumerate(zip(rollouts.prompt_index, rollouts.token_ids, rollouts.logprobs))]
+        return rollout_samples(PROMPTS, rollouts, advantages)
 
     greedy = SamplingConfig(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     sample = SamplingConfig(max_tokens=STEPS)

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from _common import hf_greedy
+from _common import hf_greedy, rollout_samples
 
 PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301], [17, 18, 19]]
 N, STEPS = 4, 10
@@ -46,11 +46,7 @@ def stream(policy, shape, bucket_bytes=64 << 10):
 
 
 def samples_of(rollouts, advantages=None):
-    from justrl_megatron.train.batching import Sample
-
-    return [Sample(prompt_ids=PROMPTS[i], response_ids=toks, rollout_logprobs=lps,
-                   advantage=0.0 if advantages is None else float(advantages[k]), group=i)
-            for k, (i, toks, lps) in enumerate(zip(rollouts.prompt_index, rollouts.token_ids, rollouts.logprobs))]
+    return rollout_samples(PROMPTS, rollouts, advantages)
 
 
 def main(hf_dir, out):
