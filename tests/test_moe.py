@@ -187,7 +187,7 @@ def _failed(verdicts):
 @pytest.mark.slow
 def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
     """EP2: logits vs transformers, the bitwise HF -> Megatron -> HF round trip (weight stream, and the converter
-    CLI's dist checkpoint resharded EP2 -> EP1), one GRPO update equal to EP1 (also with the distributed
+    CLI's dist checkpoint resharded EP2 -> EP1 and TP2 -> TP1), one GRPO update equal to EP1 (also with the distributed
     optimizer), and an exact resume from a training checkpoint at EP2 with the distributed optimizer."""
     verdicts = _launch(tiny_moe, tmp_path, 2)
     assert not _failed(verdicts), _failed(verdicts)
@@ -196,7 +196,9 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
         for r, v in enumerate(verdicts):
             assert v[f"{family}/ep2/logits"]["max_abs_diff"] <= 1e-5
             assert v[f"{family}/ep2/roundtrip"]["expert_tensors"] == 2 * 3 * 4  # layers x (gate, up, down) x experts
-            assert v[f"{family}/ep2/convert"]["codes"] == [0, 0, 0]  # hf-to-mcore, mcore-to-hf, verify
+            for layout in ("ep2", "tp2"):  # hf-to-mcore at 2, mcore-to-hf at 1 (every tensor bitwise), verify at 2
+                assert v[f"{family}/{layout}/convert"]["codes"] == [0, 0, 0]
+                assert v[f"{family}/{layout}/convert"]["tensors"] > 2 * 3 * 4  # the experts and the rest
             grpo = v[f"{family}/ep2_vs_ep1/grpo"]
             assert grpo["experts_here"] == [2 * r, 2 * r + 1]  # each EP rank holds (and compared) its own half
             assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6 and grpo["grad_diff"] <= 1e-6

@@ -139,7 +139,10 @@ def _check(verdicts, layouts):
                 assert v["logprob_diff"] <= 1e-6, where
                 assert v["metrics_diff"] <= 1e-6, where
                 assert v["grad_diff"] <= 1e-6 and v["grad_norm"] > 1e-3, where
-                assert v["weight_diff"] <= 1e-6 and v["weight_moved"] > 1e-5, where
+                # Adam's first step is lr x g / (|g| + eps): on a coordinate whose gradient is ~eps (1e-8), the
+                # gradients' 1e-8 summation-order difference moves it by ~1% of lr (1.09e-6 of 1e-4 measured on an
+                # AVX512 machine; <= 1e-6 on AVX2), so the bound is 2% of the step, not an absolute 1e-6
+                assert v["weight_moved"] > 1e-5 and v["weight_diff"] <= 0.02 * v["weight_moved"], where
                 assert 0 in v["num_logprobs"] and sum(v["num_logprobs"]) > 50, where  # the empty response too
                 # the budget cuts groups into units over several micro-batches, most of them shared
                 assert v["micro_batches"] >= 2 and v["shared_micro_batches"] >= 1, where

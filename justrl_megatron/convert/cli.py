@@ -429,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()  # its groups die with the process group: none may outlive it
         torch.distributed.destroy_process_group()
     return code
 

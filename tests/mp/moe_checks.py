@@ -9,7 +9,8 @@ Per tiny MoE model (Mixtral, Qwen3-MoE) and per layout of this world size (2: EP
   roundtrip  the live model streamed back (`export_hf_stream`, small buckets: experts EP-broadcast one at a time)
              against the original safetensors, every tensor bitwise, and every expert present;
   convert    (world 2) `justrl-convert hf-to-mcore --ep 2`, `mcore-to-hf --ep 1` (the dist checkpoint resharded
-             from EP2 to EP1) bitwise equal to the original files, and `verify --ep 2` within 1e-5;
+             from EP2 to EP1) bitwise equal to the original files, and `verify --ep 2` within 1e-5; the same at
+             --tp 2 / --tp 1 (attention split over TP2, every expert whole on each TP rank: expert TP 1);
   grpo       (world 2) one GRPO update at EP2 vs at EP1 on the same ranks and data (DP2 both): loss, grad norm,
              and every gradient of this rank by its global Megatron name (expert gradients on their EP rank); then
              EP2 with the distributed optimizer: loss, grad norm and the logprobs after the optimizer step.
@@ -122,7 +123,7 @@ def case_grpo(hf_dir, shape):
     return out
 
 
-def case_convert(hf_dir, shape, original, out):
+def case_convert(hf_dir, shape, original, out, flag="--ep"):
     from justrl_megatron.convert import cli
     from justrl_megatron.convert.load import SafetensorsFolder
 
@@ -130,10 +131,10 @@ def case_convert(hf_dir, shape, original, out):
         args = cli._parser().parse_args([str(a) for a in argv])  # main() would end the process group
         return {"hf-to-mcore": cli.hf_to_mcore, "mcore-to-hf": cli.mcore_to_hf, "verify": cli.verify}[argv[0]](args)
 
-    ckpt, back = f"{out}/mcore_{shape.family}", f"{out}/hf_{shape.family}"
-    codes = [run("hf-to-mcore", "--hf", hf_dir, "--out", ckpt, "--ep", 2, "--force"),
-             run("mcore-to-hf", "--ckpt", ckpt, "--out", back, "--ep", 1, "--force"),
-             run("verify", "--hf", hf_dir, "--ckpt", ckpt, "--ep", 2, "--tol", 1e-5)]
+    ckpt, back = f"{out}/mcore_{shape.family}{flag}", f"{out}/hf_{shape.family}{flag}"
+    codes = [run("hf-to-mcore", "--hf", hf_dir, "--out", ckpt, flag, 2, "--force"),
+             run("mcore-to-hf", "--ckpt", ckpt, "--out", back, flag, 1, "--force"),
+             run("verify", "--hf", hf_dir, "--ckpt", ckpt, flag, 2, "--tol", 1e-5)]
     dist.barrier()
     files = SafetensorsFolder(back)
     bad = sorted(n for n in original if n not in files.names() or not torch.equal(files.read(n, None, 0, 0),
@@ -198,6 +199,7 @@ def main():
             del policy
         if world == 2:
             run_case(verdict, f"{family}/ep2/convert", case_convert, hf_dir, shape, original, out)
+            run_case(verdict, f"{family}/tp2/convert", case_convert, hf_dir, shape, original, out, "--tp")
             run_case(verdict, f"{family}/ep2_vs_ep1/grpo", case_grpo, hf_dir, shape)
     if world == 2:  # one model is enough: the checkpoint code does not depend on the family
         run_case(verdict, f"{family}/ep2/resume", case_resume, hf_dir, shape, out)
