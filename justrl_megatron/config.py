@@ -261,15 +261,17 @@ def _routing_replay_problems(cfg, cp: int, shape) -> list[str]:
 
 def _transformer_engine_problems(cfg) -> list[str]:
     """TE-only settings where TransformerEngine or a GPU is missing: one line each, before any model is built."""
-    asks = {"model.transformer_impl=te": "model.transformer_impl=auto or local",
-            "model.moe_permute_fusion=true": "model.moe_permute_fusion=null or false"}
-    asked = [k for k, on in zip(asks, (cfg.model.transformer_impl == "te", bool(cfg.model.moe_permute_fusion))) if on]
-    if not asked:
+    fixes = {}  # the setting asked for -> what to use instead
+    if cfg.model.transformer_impl == "te":
+        fixes["model.transformer_impl=te"] = "model.transformer_impl=auto or local"
+    if cfg.model.moe_permute_fusion:
+        fixes["model.moe_permute_fusion=true"] = "model.moe_permute_fusion=null or false"
+    if not fixes:
         return []
     from .model.spec import te_available
 
-    return [] if te_available() else [f"{k} needs transformer-engine and a CUDA device (none here); use {asks[k]}"
-                                      for k in asked]
+    return [] if te_available() else [f"{asked} needs transformer-engine and a CUDA device (none here); use {fix}"
+                                      for asked, fix in fixes.items()]
 
 
 def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> None:

@@ -112,16 +112,20 @@ def test_expert_parallel_layout_is_checked(tmp_path):
     assert "needs an MoE model" in check_parallel_layout(dense, 1, 1, None, 2)[0]
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
+def tiny_moe_models(root) -> dict:
+    """The TINY_MOE models as HF folders under `root` (also tests/gpu/test_gpu_moe.py's)."""
     from justrl_megatron.assets import tiny_model
 
-    root = tmp_path_factory.mktemp("moe")
     out = {}
     for name, kw in TINY_MOE.items():
         kw = dict(kw)
         out[name] = tiny_model(root / name, kw.pop("family"), **kw)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return tiny_moe_models(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MOE))
@@ -226,11 +230,9 @@ def _switch_loss(hidden, weight, top_k):
     return experts / (top_k * tokens * tokens) * (probs.sum(0) * counts).sum()
 
 
-@pytest.mark.parametrize("coef", [0.05, 0.0])
-def test_aux_loss_weighs_the_coefficient_per_mini_batch_and_is_logged(tiny_moe, coef):
-    """Zero advantages: the update's only gradient is the load-balancing loss's. The last router's gradient equals
-    coef x the mean over micro-batches of the hand-computed switch loss's (not x the token count, as megatron's
-    per-token mode would make it here); the logged actor/moe_aux_loss is that loss's mean. coef=0: no gradient."""
+def _router_loss_setup(model_dir, seed: int, **coefs):
+    """A tiny MoE policy with the given router-loss weights, six zero-advantage samples of 6 + 10 tokens (several
+    micro-batches at 40 tokens) and their old logprobs: (shape, policy, samples, old)."""
     import random
 
     from transformers import AutoConfig
@@ -238,17 +240,27 @@ def test_aux_loss_weighs_the_coefficient_per_mini_batch_and_is_logged(tiny_moe, 
     from justrl_megatron.convert import load_hf_weights
     from justrl_megatron.model.policy import Policy
     from justrl_megatron.train.batching import Sample
-    from justrl_megatron.train.step import compute_logprobs, grpo_update
+    from justrl_megatron.train.step import compute_logprobs
 
-    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["qwen3_moe"]))
+    shape = model_shape(AutoConfig.from_pretrained(model_dir))
     policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, distributed_optimizer=False,
-                          moe_aux_loss_coef=coef)
-    load_hf_weights(policy.chunks, tiny_moe["qwen3_moe"], progress=False)
+                          **coefs)
+    load_hf_weights(policy.chunks, model_dir, progress=False)
     policy.optimizer.reload_model_params()
-    rng = random.Random(0)
-    samples = [Sample([rng.randrange(997) for _ in range(6)], [rng.randrange(997) for _ in range(10)], advantage=0.0,
-                      group=0) for _ in range(6)]
-    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=40)
+    rng = random.Random(seed)
+    samples = [Sample([rng.randrange(shape.vocab_size) for _ in range(6)],
+                      [rng.randrange(shape.vocab_size) for _ in range(10)], advantage=0.0, group=0) for _ in range(6)]
+    return shape, policy, samples, compute_logprobs(policy, samples, max_tokens_per_micro_batch=40)
+
+
+@pytest.mark.parametrize("coef", [0.05, 0.0])
+def test_aux_loss_weighs_the_coefficient_per_mini_batch_and_is_logged(tiny_moe, coef):
+    """Zero advantages: the update's only gradient is the load-balancing loss's. The last router's gradient equals
+    coef x the mean over micro-batches of the hand-computed switch loss's (not x the token count, as megatron's
+    per-token mode would make it here); the logged actor/moe_aux_loss is that loss's mean. coef=0: no gradient."""
+    from justrl_megatron.train.step import grpo_update
+
+    shape, policy, samples, old = _router_loss_setup(tiny_moe["qwen3_moe"], seed=0, moe_aux_loss_coef=coef)
     router = policy.modules[0].decoder.layers[-1].mlp.router
     weight = router.weight.detach().clone().requires_grad_()  # before the optimizer step moves it
     inputs = []
@@ -273,25 +285,11 @@ def test_z_loss_weighs_its_coefficient_and_router_load_is_logged(tiny_moe):
     over micro-batches of the hand-computed z-loss's (mean over tokens of logsumexp(router logits)^2), which is
     logged as actor/moe_z_loss; each layer's load imbalance (max / mean tokens per expert over the update's
     forwards) equals the count by hand from the router inputs."""
-    import random
-
-    from transformers import AutoConfig
-
-    from justrl_megatron.convert import load_hf_weights
-    from justrl_megatron.model.policy import Policy
-    from justrl_megatron.train.batching import Sample
-    from justrl_megatron.train.step import compute_logprobs, grpo_update
+    from justrl_megatron.train.step import grpo_update
 
     coef = 0.01
-    shape = model_shape(AutoConfig.from_pretrained(tiny_moe["qwen3_moe"]))
-    policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, distributed_optimizer=False,
-                          moe_aux_loss_coef=0.0, moe_z_loss_coef=coef)
-    load_hf_weights(policy.chunks, tiny_moe["qwen3_moe"], progress=False)
-    policy.optimizer.reload_model_params()
-    rng = random.Random(3)
-    samples = [Sample([rng.randrange(997) for _ in range(6)], [rng.randrange(997) for _ in range(10)], advantage=0.0,
-                      group=0) for _ in range(6)]
-    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=40)
+    shape, policy, samples, old = _router_loss_setup(tiny_moe["qwen3_moe"], seed=3, moe_aux_loss_coef=0.0,
+                                                     moe_z_loss_coef=coef)
     routers = [layer.mlp.router for layer in policy.modules[0].decoder.layers]
     weights = [r.weight.detach().clone() for r in routers]  # before the optimizer step moves them
     weight = weights[-1].requires_grad_()

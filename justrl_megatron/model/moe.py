@@ -41,8 +41,7 @@ def prepare_routers(chunks) -> None:
 def loss_scale(config, micro_batches_all_ranks: int):
     """Within: the routers' aux and z-loss coefficients are the model's / micro-batches of the mini-batch over all
     DP ranks."""
-    coefs = {name: getattr(config, name, None) for name in _COEFFICIENTS} \
-        if getattr(config, "num_moe_experts", None) else {}
+    coefs = {name: getattr(config, name, None) for name in _COEFFICIENTS if getattr(config, "num_moe_experts", None)}
     coefs = {name: c for name, c in coefs.items() if c}
     if not coefs:
         yield
@@ -60,13 +59,13 @@ def loss_scale(config, micro_batches_all_ranks: int):
 def tracked_losses(config, micro_batches_per_rank: int) -> dict[str, float]:
     """{moe_aux_loss, moe_z_loss}: the mean, over layers and micro-batches, of each router loss that is on (without
     its coefficient) since `loss_scale` began; the same on every rank. Collective over all training ranks."""
-    if not getattr(config, "num_moe_experts", None) or not any(getattr(config, n, None) for n in _COEFFICIENTS):
+    on = {name: metric for name, (coef, metric) in TRACKED.items() if getattr(config, coef, None)}
+    if not getattr(config, "num_moe_experts", None) or not on:
         return {}
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
-    on = {name: metric for name, (coef, metric) in TRACKED.items() if getattr(config, coef, None)}
     values = torch.stack([torch.zeros(config.num_layers, device=compat.default_device()) if name not in tracker
                           else tracker[name]["values"].detach().float().clone() for name in on])
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -86,13 +85,14 @@ class RouterLoad:
     def __init__(self, chunks, num_layers: int, num_experts: int):
         self.routers = [(layer.layer_number - 1, layer.mlp.router) for chunk in chunks
                         for layer in unwrap(chunk).decoder.layers if hasattr(layer.mlp, "router")]
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        # on the model's device: a hook that copied to the host would sync the GPU at every layer of every forward
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=compat.default_device())
         self._hooks = []
 
     def __enter__(self):
         def count(layer):
             def hook(module, args, output):
-                self.counts[layer] += output[1].detach().sum(0).to("cpu", torch.float64)
+                self.counts[layer] += output[1].detach().sum(0)
             return hook
         self._hooks = [router.register_forward_hook(count(layer)) for layer, router in self.routers]
         return self
@@ -105,7 +105,7 @@ class RouterLoad:
     def imbalance(self) -> dict[str, float]:
         """{moe_load_imbalance: mean over layers, moe_load_imbalance/layer_NN: each layer}; the same on every rank.
         Collective over all training ranks."""
-        counts = self.counts.to(compat.default_device())
+        counts = self.counts
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
         per_layer = (counts.max(1).values / counts.mean(1).clamp_min(1e-12)).tolist()
@@ -142,16 +142,15 @@ class RoutingReplay:
         if source not in ("old", "rollout"):
             raise ValueError(f"routing replay source must be old or rollout, got {source!r}")
         self.source = source
-        self.num_layers = max((layer.layer_number for chunk in chunks for layer in unwrap(chunk).decoder.layers),
-                              default=0)  # this stage's last layer; vLLM's arrays hold every layer
         self.routers = {}  # id(chunk module) -> [(global layer index, RouterReplay)]
+        self.num_layers = self.num_experts = 0  # this stage's last MoE layer (vLLM's arrays hold every layer), E
         for chunk in chunks:
             model = unwrap(chunk)
-            self.routers[id(model)] = [(layer.layer_number - 1, layer.mlp.router.router_replay)
-                                       for layer in model.decoder.layers
-                                       if getattr(getattr(layer.mlp, "router", None), "router_replay", None)]
-        self.num_experts = max((layer.mlp.router.num_experts for chunk in chunks
-                                for layer in unwrap(chunk).decoder.layers if hasattr(layer.mlp, "router")), default=0)
+            routers = [(layer.layer_number - 1, layer.mlp.router) for layer in model.decoder.layers
+                       if getattr(getattr(layer.mlp, "router", None), "router_replay", None)]
+            self.routers[id(model)] = [(i, router.router_replay) for i, router in routers]
+            for i, router in routers:
+                self.num_layers, self.num_experts = max(self.num_layers, i + 1), router.num_experts
         self.routes: dict = {}  # key -> {layer: LongTensor [length, k]} (CPU)
 
     def clear(self) -> None:

@@ -76,7 +76,6 @@ class VLLMEngine:
         progress: bool = False,
         return_routed_experts: bool = False,
     ):
-        from justrl_megatron import compat
         from justrl_megatron.assets import cache_dir
 
         from . import weight_transfer  # noqa: F401  (registers the local and gloo backends)

@@ -10,21 +10,14 @@ import torch
 from gpu_util import hf_policy, random_samples, require
 from justrl_megatron.convert.verify import hf_logits, megatron_logits, random_tokens
 from justrl_megatron.train.step import compute_logprobs, grpo_update
-from test_moe import TINY_MOE, _hf_routes
+from test_moe import TINY_MOE, _hf_routes, tiny_moe_models
 
 TOL = {"fp32": 1e-4, "bf16": 5e-2}  # logits max |diff| / (1 + max |logit|)
 
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    from justrl_megatron.assets import tiny_model
-
-    root = tmp_path_factory.mktemp("moe_gpu")
-    out = {}
-    for name, kw in TINY_MOE.items():
-        kw = dict(kw)
-        out[name] = tiny_model(root / name, kw.pop("family"), **kw)
-    return out
+    return tiny_moe_models(tmp_path_factory.mktemp("moe_gpu"))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
