@@ -7,30 +7,38 @@ Fixed bytes per parameter on this GPU: bf16/fp16 weights 2 + fp32 gradient buffe
 weights and Adam state over the data-parallel ranks (the gradient buffer stays whole). Weights are split over TP; over
 PP we take the heaviest stage (the first holds the embedding, the last the output layer and final norm).
 
-Activation bytes per token and layer are what autograd keeps for backward with the local spec, term by term (read off
-megatron-core 0.16.1 / 0.19.2 and our norm.py / attention.py, and checked against `saved_tensors_hooks` measurements
-of a real GPTModel on CPU in tests/test_memory.py). b = bytes of the model dtype, q = heads x head_dim, kv = KV groups x
-head_dim, f = ffn size; per layer and token:
-  2 RMSNorms (norm.py)     fp32 copy of the input 4h + rsqrt 4 + normalised input before the weight b.h
+Activation bytes per token and layer are what autograd keeps for backward, term by term, and they follow the kernels
+that run (`Kernels`: CUDA_KERNELS on a GPU, CPU_KERNELS on the CPU; read off megatron-core 0.16.1 / 0.19.2, torch
+2.13 and our norm.py / attention.py, and checked against `saved_tensors_hooks` measurements of a real GPTModel on CPU
+in tests/test_memory.py). b = bytes of the model dtype, q = heads x head_dim, kv = KV groups x head_dim, f = ffn
+size; per layer and token:
+  2 RMSNorms               fused (CUDA: F.rms_norm's kernel, whose FusedRmsNormBackward0 keeps the input and the fp32
+                           rstd; TE's norm likewise): b.h + 4; reference (norm.py's CPU form): fp32 copy of the input
+                           4h + rsqrt 4 + normalised input before the weight b.h
   2 linear inputs          qkv and fc1 save their input: b.h each
   RoPE                     cos and sin, for q and for k: 4 b.head_dim
   core attention (flash)   q, k after RoPE b(q + kv); v is a view of the fused QKV output, which stays: b(q + 2kv);
                            the output b.q (linear_proj's input is a view of it) and the logsumexp 4 x heads (fp32)
-  SwiGLU MLP               fc1 output 2f.b, silu(gate) f.b, `x_linear + glu_linear_offset` f.b (an extra tensor in
-                           megatron's unfused GLU), fc2 input f.b: 5f.b
-DeepSeek-R1-Distill-Qwen-1.5B in bf16: 126,008 B = 82 h per token and layer (58 GiB at 16K tokens x 28 layers).
-On CPU the attention differs (attention.py): half dtypes run attention in fp32 (fp32 copies of q, k, v and the output)
-and the per-sequence path concatenates its output (one more b.q); `attention="cpu"` models that for the tests.
+  SwiGLU MLP               fused (megatron's bias_swiglu_impl, on with the local spec on CUDA when it compiles, and
+                           with TE): its autograd function keeps only fc1's output 2f.b, fc2 its input f.b: 3f.b;
+                           plain (CPU): fc1 output 2f.b, silu(gate) f.b, `x_linear + glu_linear_offset` f.b (an extra
+                           tensor in megatron's unfused GLU), fc2 input f.b: 5f.b
+DeepSeek-R1-Distill-Qwen-1.5B in bf16 on CUDA: 77,880 B = 50.7 h per token and layer (33 GiB at 16K tokens x 28
+layers); with the CPU path's norms and SwiGLU it would be 126,008 B = 82 h.
+On CPU the attention differs too (attention.py): half dtypes run attention in fp32 (fp32 copies of q, k, v and the
+output) and the per-sequence path concatenates its output (one more b.q).
 
 Recompute (megatron's `recompute_granularity`):
   selective  checkpoints the core attention only (`recompute_modules` default ["core_attn"], 0.16 and 0.19). With our
              SDPA/flash attention there is no S x S score matrix to drop, and its output stays alive as linear_proj's
-             input, so selective saves only the logsumexp (4 x heads bytes: 48 B of 126 KB per token and layer for the
+             input, so selective saves only the logsumexp (4 x heads bytes: 48 B of 78 KB per token and layer for the
              1.5B model). It is modelled as such; `auto` in effect goes from none to full.
   full       every layer is checkpointed (uniform, 1 layer per unit): each keeps only its input, b.h; in backward one
              layer at a time is recomputed, so one layer of full activations is added.
-Backward also holds gradient temporaries of the layer in flight (SwiGLU/fc1 gradients dominate): an estimate of half a
-layer of activations (BACKWARD_WORKING_LAYERS), not measured here. Per token outside the layers: the final norm, the
+Backward also holds gradient temporaries of the layer in flight: the MLP's backward has the gradients of fc2's input
+(f.b) and of fc1's output (2f.b) alive at once, plus two h-sized gradients (3f.b + 2b.h); with the plain SwiGLU its
+autograd graph holds more, counted as half a layer of activations (BACKWARD_WORKING_LAYERS); the larger of the two.
+Not measured on a GPU yet. Per token outside the layers: the final norm, the
 hidden states kept by the logprob head and the loss's per-token fp32 values (EXTRA_FP32_PER_TOKEN).
 With PP, 1F1B's first stage holds up to PP micro-batches in flight: L/PP layers x PP = L layers' activations.
 Context parallelism (CP): a rank holds 1/CP of every sequence, so the activations and the logprob head's rows are
@@ -104,45 +112,59 @@ def fixed_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, dty
 
 # --- activations ------------------------------------------------------------------------------------------------------
 
-def layer_terms(shape: ModelShape, *, tp: int = 1, sequence_parallel: bool = False,
-                dtype: torch.dtype = torch.bfloat16, impl: str = "local", attention: str = "flash") -> dict[str, float]:
-    """Bytes per token that autograd keeps for backward in one decoder layer without recompute, term by term.
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels whose saved tensors the activation terms follow (see the module docstring)."""
+    attention: str = "flash"  # "flash": varlen flash / SDPA in the model dtype; "cpu": attention.py's CPU path
+    norm: str = "fused"       # "fused": F.rms_norm's CUDA kernel or TE's norm; "reference": norm.py's CPU form
+    swiglu: str = "fused"     # "fused": megatron's bias_swiglu_impl; "plain": megatron's unfused GLU
 
-    ``attention``: "flash" (GPU: varlen flash / SDPA in the model dtype) or "cpu" (attention.py's CPU path: fp32
-    attention for half dtypes and a concatenated output)."""
-    if attention not in ("flash", "cpu"):
-        raise ValueError(f"attention must be flash or cpu, got {attention!r}")
+    def __post_init__(self):
+        for field, value, choices in (("attention", self.attention, ("flash", "cpu")),
+                                      ("norm", self.norm, ("fused", "reference")),
+                                      ("swiglu", self.swiglu, ("fused", "plain"))):
+            if value not in choices:
+                raise ValueError(f"Kernels.{field} must be one of {choices}, got {value!r}")
+
+
+CUDA_KERNELS = Kernels()  # the local spec with the fused SwiGLU on, and the TE spec
+CPU_KERNELS = Kernels(attention="cpu", norm="reference", swiglu="plain")
+
+
+def _norm_bytes(h_seq: float, b: int, kernels: Kernels) -> float:
+    return b * h_seq + 4 if kernels.norm == "fused" else 4 * h_seq + 4 + b * h_seq
+
+
+def layer_terms(shape: ModelShape, *, tp: int = 1, sequence_parallel: bool = False,
+                dtype: torch.dtype = torch.bfloat16, kernels: Kernels = CUDA_KERNELS) -> dict[str, float]:
+    """Bytes per token that autograd keeps for backward in one decoder layer without recompute, term by term, with
+    ``kernels`` running (CUDA_KERNELS: the GPU's; CPU_KERNELS: the CPU path's)."""
     s, b = shape, _bytes(dtype)
     h_seq = s.hidden_size / tp if sequence_parallel and tp > 1 else s.hidden_size  # SP splits the h-sized tensors
     q = s.num_attention_heads * s.head_dim / tp
     kv = s.num_query_groups * s.head_dim / tp
     heads, f = s.num_attention_heads / tp, s.ffn_hidden_size / tp
-    if impl == "te":  # TE's fused norm+linear keeps its input and rstd, no fp32 copy (modelled, not measured)
-        norm = b * h_seq + 4
-    else:
-        norm = 4 * h_seq + 4 + b * h_seq
     terms = {
-        "norms": 2 * norm,
+        "norms": 2 * _norm_bytes(h_seq, b, kernels),
         "linear_inputs": 2 * b * h_seq,
         "rope": 4 * b * s.head_dim,
-        "mlp": 5 * b * f,
+        "mlp": (3 if kernels.swiglu == "fused" else 5) * b * f,
     }
-    if attention == "cpu" and b < 4:  # fp32 copies of q, k, v and of the output, then a cast + concatenated output
+    if kernels.attention == "cpu" and b < 4:  # fp32 copies of q, k, v and of the output, then a cast + concatenated
         terms.update(attn_qkv=4 * (q + 2 * kv), attn_out=4 * q + 4 * heads, attn_proj_input=b * q)
     else:
         terms.update(attn_qkv=b * (q + kv) + b * (q + 2 * kv), attn_out=b * q + 4 * heads,
-                     attn_proj_input=b * q if attention == "cpu" else 0)
+                     attn_proj_input=b * q if kernels.attention == "cpu" else 0)
     return terms
 
 
 def layer_saved_bytes_per_token(shape: ModelShape, *, recompute: str = "none", tp: int = 1,
                                 sequence_parallel: bool = False, dtype: torch.dtype = torch.bfloat16,
-                                impl: str = "local", attention: str = "flash") -> float:
+                                kernels: Kernels = CUDA_KERNELS) -> float:
     """What autograd keeps per token for one layer between its forward and its backward (what
     `saved_tensors_hooks` sees), under ``recompute``."""
     _check_mode(recompute)
-    terms = layer_terms(shape, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl,
-                        attention=attention)
+    terms = layer_terms(shape, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, kernels=kernels)
     if recompute == "full":
         h_seq = shape.hidden_size / tp if sequence_parallel and tp > 1 else shape.hidden_size
         return float(_bytes(dtype) * h_seq)  # the checkpoint keeps the layer's input only
@@ -154,38 +176,50 @@ def layer_saved_bytes_per_token(shape: ModelShape, *, recompute: str = "none", t
         q = shape.num_attention_heads * shape.head_dim / tp
         kv = shape.num_query_groups * shape.head_dim / tp
         total += b * (q + kv) + b * (q + 2 * kv) - terms["attn_qkv"] - terms["attn_out"]
-        if attention == "flash":
+        if kernels.attention == "flash":
             total += b * q
     return total
 
 
-def _extra_per_token(shape: ModelShape, dtype: torch.dtype) -> float:
+def backward_working_bytes_per_token(shape: ModelShape, *, tp: int = 1, sequence_parallel: bool = False,
+                                     dtype: torch.dtype = torch.bfloat16, kernels: Kernels = CUDA_KERNELS) -> float:
+    """Gradient temporaries of the layer in backward, per token (estimated, see the module docstring)."""
+    b = _bytes(dtype)
+    h_seq = shape.hidden_size / tp if sequence_parallel and tp > 1 else shape.hidden_size
+    mlp_grads = 3 * b * shape.ffn_hidden_size / tp + 2 * b * h_seq
+    full_layer = layer_saved_bytes_per_token(shape, tp=tp, sequence_parallel=sequence_parallel, dtype=dtype,
+                                             kernels=kernels)
+    return max(mlp_grads, BACKWARD_WORKING_LAYERS * full_layer)
+
+
+def _extra_per_token(shape: ModelShape, dtype: torch.dtype, kernels: Kernels) -> float:
     """Per token outside the layers (last stage): embedding ids, final norm, the head's hidden rows, loss values."""
     b, h = _bytes(dtype), shape.hidden_size
-    return 8 + (4 * h + 4 + b * h) + b * h + 4 * EXTRA_FP32_PER_TOKEN
+    return 8 + _norm_bytes(h, b, kernels) + b * h + 4 * EXTRA_FP32_PER_TOKEN
 
 
 def activation_bytes_per_token(shape: ModelShape, *, recompute: str = "none", tp: int = 1, pp: int = 1,
                                sequence_parallel: bool = False, dtype: torch.dtype = torch.bfloat16,
-                               impl: str = "local", cp: int = 1) -> float:
+                               impl: str = "local", cp: int = 1, kernels: Kernels = CUDA_KERNELS) -> float:
     """Peak activation bytes per token of a micro-batch for the whole model on one GPU (all its layers, PP
     micro-batches in flight), including the layer being recomputed (full) and backward's working set. With context
     parallelism (``cp`` > 1): per token of the whole micro-batch, of which this GPU holds 1/cp."""
     if cp > 1:
         local = activation_bytes_per_token(shape, recompute=recompute, tp=tp, pp=pp,
-                                           sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
+                                           sequence_parallel=sequence_parallel, dtype=dtype, impl=impl,
+                                           kernels=kernels)
         if impl == "te":
             return local / cp
         kv = shape.num_query_groups * shape.head_dim / tp
         layers = 1 if recompute == "full" else math.ceil(shape.num_layers / pp) * pp
         return local / cp + layers * 2 * _bytes(dtype) * kv  # the gathered K and V, kept for backward
-    kw = dict(tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl)
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, dtype=dtype, kernels=kernels)
     full_layer = layer_saved_bytes_per_token(shape, recompute="none", **kw)
     saved = layer_saved_bytes_per_token(shape, recompute=recompute, **kw)
     layers_in_flight = math.ceil(shape.num_layers / pp) * pp  # 1F1B: the first stage holds PP micro-batches
     recomputed = full_layer if recompute == "full" else 0.0
-    return layers_in_flight * saved + recomputed + BACKWARD_WORKING_LAYERS * full_layer + \
-        _extra_per_token(shape, dtype)
+    return layers_in_flight * saved + recomputed + backward_working_bytes_per_token(shape, **kw) + \
+        _extra_per_token(shape, dtype, kernels)
 
 
 def logprob_head_bytes(shape: ModelShape, *, tp: int = 1, dtype: torch.dtype = torch.bfloat16,
@@ -203,13 +237,14 @@ def logprob_head_bytes(shape: ModelShape, *, tp: int = 1, dtype: torch.dtype = t
 
 def estimate_peak_bytes(shape: ModelShape, *, tokens: int, recompute: str = "none", tp: int = 1, pp: int = 1,
                         dp: int = 1, dtype: torch.dtype = torch.bfloat16, sequence_parallel: bool = False,
-                        distributed_optimizer: bool = True, impl: str = "local", cp: int = 1) -> int:
+                        distributed_optimizer: bool = True, impl: str = "local", cp: int = 1,
+                        kernels: Kernels = CUDA_KERNELS) -> int:
     """Predicted peak bytes (what torch.cuda.max_memory_allocated would report) of one update micro-batch of
     ``tokens`` tokens (over all ``cp`` context-parallel ranks; the distributed optimizer shards over dp x cp)."""
     return int(fixed_bytes(shape, tp=tp, pp=pp, dp=dp * cp, dtype=dtype, distributed_optimizer=distributed_optimizer)
                + tokens * activation_bytes_per_token(shape, recompute=recompute, tp=tp, pp=pp,
                                                      sequence_parallel=sequence_parallel, dtype=dtype, impl=impl,
-                                                     cp=cp)
+                                                     cp=cp, kernels=kernels)
                + logprob_head_bytes(shape, tp=tp, dtype=dtype, tokens=-(-tokens // cp)))
 
 
@@ -274,7 +309,7 @@ def max_tokens_that_fit(shape: ModelShape, *, device_bytes: int, margin: float =
 def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto", max_tokens_per_micro_batch: int,
                 min_tokens: int, tp: int = 1, pp: int = 1, dp: int = 1, dtype: torch.dtype = torch.bfloat16,
                 sequence_parallel: bool = False, distributed_optimizer: bool = True, impl: str = "local",
-                margin: float = 0.1, cp: int = 1) -> MemoryPlan:
+                margin: float = 0.1, cp: int = 1, kernels: Kernels = CUDA_KERNELS) -> MemoryPlan:
     """Choose the recompute mode (``auto``: the first of none, selective, full under which one full sample of
     ``min_tokens`` fits) and clamp the token budget to what fits (never below ``min_tokens``; rounded down to a
     multiple of 128). A manual mode that cannot fit ``min_tokens``, or ``auto`` when nothing fits, raises
@@ -286,7 +321,7 @@ def plan_memory(shape: ModelShape, *, device_bytes: int, recompute: str = "auto"
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     if recompute != "auto":
         _check_mode(recompute)
-    act_kw = dict(tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl, cp=cp)
+    act_kw = dict(tp=tp, pp=pp, sequence_parallel=sequence_parallel, dtype=dtype, impl=impl, cp=cp, kernels=kernels)
     all_kw = dict(act_kw, dp=dp, distributed_optimizer=distributed_optimizer)
     fit = {m: max_tokens_that_fit(shape, device_bytes=device_bytes, margin=margin, recompute=m, **all_kw)
            for m in RECOMPUTE_MODES}
@@ -370,7 +405,21 @@ def memory_plan_for(cfg, shape: ModelShape, world_size: int, *, device_bytes: in
                        min_tokens=cfg.data.max_prompt_length + ro.max_response_length, tp=tp, pp=pp,
                        dp=max(world_size // (tp * pp * cp), 1), cp=cp, dtype=dtype,
                        sequence_parallel=bool(par.sequence_parallel and tp > 1),
-                       distributed_optimizer=par.distributed_optimizer, impl=impl, margin=margin)
+                       distributed_optimizer=par.distributed_optimizer, impl=impl, margin=margin,
+                       kernels=gpu_kernels(impl))
+
+
+def gpu_kernels(impl: str) -> Kernels:
+    """The kernels the policy runs on this GPU: CUDA_KERNELS, or the plain SwiGLU when the local spec's fused one
+    does not compile here (policy._gpu_fusions decides that for the model too). Without CUDA the plan is for a GPU
+    image, which has the fused SwiGLU."""
+    from .. import compat
+
+    if impl == "te" or not compat.cuda_available():
+        return CUDA_KERNELS
+    from .policy import _gpu_fusions
+
+    return CUDA_KERNELS if _gpu_fusions(impl).get("bias_activation_fusion") else Kernels(swiglu="plain")
 
 
 def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: int | None = None,

@@ -45,7 +45,8 @@ def main(out, recompute, tokens):
     torch.cuda.synchronize()
     result = {"recompute": recompute, "tokens": tokens, "peak_bytes": torch.cuda.max_memory_allocated() - start,
               "after_build_bytes": after_build - start, "num_micro_batches": metrics["num_micro_batches"],
-              "grad_norm": metrics["grad_norm"], "device": torch.cuda.get_device_name()}
+              "grad_norm": metrics["grad_norm"], "device": torch.cuda.get_device_name(),
+              "bias_activation_fusion": bool(policy.config.bias_activation_fusion)}
     with open(os.path.join(out, f"peak_{recompute}.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result))
