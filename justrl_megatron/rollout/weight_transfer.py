@@ -370,10 +370,12 @@ class BroadcastSender:
         if self.backend == "gloo":
             self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s)
         else:
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+            # vLLM 0.33 dropped nccl_common.trainer_init; the group it opened (this rank 0 of the transfer group,
+            # on the current CUDA device) is stateless_init_process_group's, in 0.32 and 0.33 alike
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-            self.group = trainer_init({"master_address": self.master_address, "master_port": self.master_port,
-                                       "world_size": self.world_size}, rank=0)
+            self.group = stateless_init_process_group(self.master_address, self.master_port, 0, self.world_size,
+                                                      torch.cuda.current_device())
 
     def send_bucket(self, bucket: list[NamedTensor]) -> None:
         """Broadcast one bucket; the receivers are inside `update_weights(bucket_metadata(bucket))` meanwhile."""
