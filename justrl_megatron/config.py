@@ -561,7 +561,19 @@ def context_parallel_problems(cfg) -> list[str]:
                         "over every token of a response, spread over the context-parallel ranks); use ppo or cispo")
     if cfg.model.lora.enabled:
         problems.append("model.lora does not work with parallel.context > 1 yet; set parallel.context=1")
+    if cfg.model.dtype == "fp32" and _runs_te(cfg.model.transformer_impl):
+        problems.append("parallel.context > 1 with the TE spec has no fp32 attention (TE's fused and flash attention "
+                        "take bf16/fp16, its unfused one has no context parallelism); set model.dtype=bf16, or "
+                        "model.transformer_impl=local")
     return problems
+
+
+def _runs_te(transformer_impl: str) -> bool:
+    if transformer_impl in ("te", "auto"):
+        from .model.spec import te_available
+
+        return transformer_impl == "te" or te_available()
+    return False
 
 
 def value_problems(cfg, world_size: int) -> list[str]:

@@ -46,6 +46,21 @@ def test_context_parallel_refuses_shared_prompt_on_and_non_additive_loss_aggrega
         resolve_shared_prompt("on", "local", 2)
 
 
+def test_context_parallel_with_te_in_fp32_is_refused(monkeypatch):
+    """TE has no fp32 attention under CP: refused in one line where TE would run (te, or auto with TE on a GPU)."""
+    from justrl_megatron.model import spec
+
+    msg = _problems(["parallel.context=2", "model.dtype=fp32", "model.transformer_impl=te"], 2)
+    assert "parallel.context > 1 with the TE spec has no fp32 attention" in msg and "model.dtype=bf16" in msg
+    monkeypatch.setattr(spec, "te_available", lambda: True)
+    assert "has no fp32 attention" in _problems(["parallel.context=2", "model.dtype=fp32"], 2)
+    validate(compose(["recipe=justrl_deepseek_1p5b", "parallel.context=2", "model.dtype=bf16"]), world_size=2)
+    validate(compose(["recipe=justrl_deepseek_1p5b", "parallel.context=2", "model.dtype=fp32",
+                      "model.transformer_impl=local"]), world_size=2)
+    monkeypatch.setattr(spec, "te_available", lambda: False)  # CPU: auto is the local spec, which runs fp32 CP
+    validate(compose(["recipe=justrl_deepseek_1p5b", "parallel.context=2", "model.dtype=fp32"]), world_size=2)
+
+
 # --- the batch split ---------------------------------------------------------------------------------------------------
 
 def _samples(seed=0, n=7):
