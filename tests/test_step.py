@@ -389,6 +389,64 @@ def test_a_step_that_makes_the_weights_non_finite_is_taken_back(dtype, distopt):
     assert [k for k in before if not torch.equal(after[k], before[k])] == []
 
 
+def test_adam_update_bound_holds_for_torchs_adamw():
+    """The bound the guard relies on, against torch's own AdamW (what megatron runs on CPU; TE's and apex's FusedAdam
+    compute the same update) on gradient sequences built to push |m_hat| / sqrt(v_hat) up: long runs of tiny
+    gradients then a large one, growing geometric spikes, constant gradients, and g_k ~ (b2 / b1)^k, which makes
+    the bound's Cauchy-Schwarz step an equality. One element per sequence (shorter ones end in zero gradients)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from justrl_megatron.train.step import adam_update_bound
+
+    g = torch.Generator().manual_seed(0)
+    for betas in [(0.9, 0.999), (0.0, 0.999), (0.9, 0.95), (0.5, 0.3)]:
+        bound = adam_update_bound(*betas)
+        seqs = [torch.cat([torch.full((k,), 1e-12), torch.tensor([1.0])]) for k in (0, 1, 3, 10, 100, 1000)]
+        seqs += [torch.tensor([2.0 ** i for i in range(60)]), torch.ones(500), torch.randn(300, generator=g) ** 5]
+        if betas[0] > 0:
+            seqs.append((betas[1] / betas[0]) ** torch.arange(1200, dtype=torch.float64))
+        grads = pad_sequence([x.double() for x in seqs], batch_first=True).T  # [steps, sequences]
+        w = torch.nn.Parameter(torch.zeros(grads.shape[1], dtype=torch.float64))
+        opt = torch.optim.AdamW([w], lr=1.0, betas=betas, eps=1e-30, weight_decay=0.0)
+        worst = 0.0
+        for row in grads:
+            before = w.detach().clone()
+            w.grad = row.clone()
+            opt.step()
+            worst = max(worst, float((w.detach() - before).abs().max()))
+        assert worst <= bound * (1 + 1e-9), (betas, worst, bound)
+        assert worst >= 0.5 * bound, (betas, worst, bound)  # nearly reached: not loose by orders of magnitude
+    assert adam_update_bound(0.99, 0.9) == math.inf  # beta1^2 >= beta2: unbounded, the guard copies instead
+
+
+def test_a_normal_step_takes_no_host_copy_and_a_risky_one_does():
+    """The guard's cost: no copy of the weights for a step `step_cannot_overflow` clears (lr 1e-2, small weights);
+    a weight near fp32's largest number keeps the copy-and-check path (and the step is still taken)."""
+    from justrl_megatron.train.step import compute_logprobs, grpo_update, step_cannot_overflow
+
+    copies = []
+
+    class CountCopies(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and kwargs.get("copy"):
+                copies.append(args[0].numel())
+            return func(*args, **kwargs)
+
+    policy = _policy("fp32", True)
+    samples = _batch([5, 3, 7, 2])
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=32)
+    assert step_cannot_overflow(policy, 1.0) and not step_cannot_overflow(policy, 1e38)
+    with CountCopies():
+        assert grpo_update(policy, samples, old, mini_batch_size=4, **STEP_KW)["skipped_steps"] == 0
+    assert copies == []
+    with torch.no_grad():
+        next(policy.chunks[0].module.parameters()).view(-1)[0] = 1e38
+    with CountCopies():
+        assert grpo_update(policy, samples, old, mini_batch_size=4, **STEP_KW)["skipped_steps"] == 0
+    assert sum(copies) == sum(p.numel() for c in policy.chunks for p in c.parameters())
+
+
 @pytest.mark.slow
 def test_all_ranks_skip_together(tmp_path):
     """2 ranks (DP2, DP2 with the distributed optimizer, TP2): a NaN in one rank's gradients skips the step on both."""

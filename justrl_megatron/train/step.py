@@ -11,8 +11,10 @@ modes) is computed locally, with no collective. Each micro-batch's loss is `poli
 partial sum that adds up to the mini-batch loss; megatron is configured not to rescale it (model/policy.py).
 
 Non-finite gradients (as verl 0.4.0): an optimizer step whose global grad norm is NaN or inf is skipped — gradients
-zeroed, weights and optimizer state untouched — and counted (`skipped_steps`, `Policy.skipped_in_a_row`). A step whose
-new weights are NaN or inf is taken back and counted the same way.
+zeroed, weights and optimizer state untouched — and counted (`skipped_steps`, `Policy.skipped_in_a_row`). A step that
+could make a weight NaN or inf (never, with a validated config: see `step_cannot_overflow`) is taken back if it did,
+and counted the same way; the normal step pays fused norms of its gradients and weights on the device, one host
+sync and no host copy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from ..algo.grpo import AGG_MODES, policy_loss
 from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
-from ..model.build import nonfinite_parameters, output_weight, returning_hidden_states, unwrap
+from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
@@ -365,39 +367,103 @@ def optimizer_step_if_finite(policy) -> tuple[bool, float]:
     were. Every training rank decides the same way.
 
     megatron skips only on its fp16 loss scaler's inf check, which bf16 / fp32 never use: without this guard a NaN
-    norm makes the clip factor NaN and Adam writes NaN into every weight. The norm is all-reduced by megatron over its
-    grad-stats group; the skip flag is reduced over all training ranks on top, so a NaN that appeared on one replica
-    after the DP reduction still stops every rank. `optimizer.step()` then repeats the (idempotent, scaler-free)
-    grad copy and the norm: one more pass over the gradients, kept so that megatron's own clipping runs unchanged.
+    norm makes the clip factor NaN and Adam writes NaN into every weight. Decided on the device before the step, in
+    one host sync: fused per-tensor norms of this rank's whole DDP gradient buffer (after the DP reduction; a NaN or
+    inf anywhere in it, or a sum of squares that overflows, makes the global norm non-finite, and with the
+    distributed optimizer a NaN another replica contributed lands in some rank's own shard) and of the trainable
+    weights, the largest of each reduced over all training ranks at once. The largest weight norm (>= every |w|)
+    decides whether the step could make a weight non-finite (`_step_keeping_finite_weights`). megatron's own step
+    then runs unchanged (one grad copy, one norm, its clip).
     """
     optimizer = policy.optimizer
-    found_inf = optimizer.prepare_grads()  # DDP grads -> main grads (the norm reads the main grads)
-    norm = float(optimizer.get_grad_norm())
-    bad = torch.tensor([float(found_inf or not math.isfinite(norm))], device=policy.device)
-    skip = bool(_reduce_over_training_ranks(bad, dist.ReduceOp.MAX).item())
-    if skip:
+    params = _trainable_params(policy)
+    grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+    flags = torch.stack([_largest_norm(grads, policy.device), _largest_norm(params, policy.device)])
+    largest_grad, largest_weight = _reduce_over_training_ranks(flags, dist.ReduceOp.MAX).tolist()
+    if not math.isfinite(largest_grad):
+        optimizer.prepare_grads()  # the norm megatron would have logged (NaN / inf), for the metrics
+        norm = float(optimizer.get_grad_norm())
         optimizer.zero_grad()
         for chunk in policy.chunks:
             chunk.zero_grad_buffer()
         policy.skipped_in_a_row += 1
         return False, norm
-    ok, grad_norm, weights_ok = _step_keeping_finite_weights(policy)
-    if not weights_ok:  # the new weights were not finite: taken back, a skipped step like a non-finite norm
+    ok, grad_norm, weights_ok = _step_keeping_finite_weights(policy, params, largest_weight)
+    if grad_norm is None:  # megatron's fp32 optimizer without clipping does not compute it
+        grad_norm = optimizer.get_grad_norm()
+    if not ok or not weights_ok:  # megatron's own skip (fp16 scaler), or new weights taken back: a skipped step
         policy.skipped_in_a_row += 1
-        return False, norm
+        return False, float(grad_norm)
     policy.skipped_in_a_row = 0
-    return bool(ok), float(grad_norm) if grad_norm is not None else norm
+    return True, float(grad_norm)
 
 
-def _step_keeping_finite_weights(policy) -> tuple[bool, float | None, bool]:
-    """``optimizer.step()`` -> (ok, grad norm, weights finite). A step that leaves any trainable weight NaN or inf on
-    any training rank (a finite gradient times a huge learning rate) is taken back: the weights before it are
-    restored from a host copy (its only cost: one device-to-host copy of the trainable weights per optimizer step,
-    and a fused max-|w| check). Adam's moments keep that step's (finite) gradient."""
-    params = [p for chunk in policy.chunks for p in chunk.parameters() if p.requires_grad]
+def _trainable_params(policy) -> list[torch.Tensor]:
+    return [p for chunk in policy.chunks for p in chunk.parameters() if p.requires_grad]
+
+
+def _largest_norm(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """The largest per-tensor 2-norm over ``tensors`` (>= every |x|; finite iff every element is finite and no sum of
+    squares overflows) as a 0-d fp32 tensor on the device, +inf if any is not finite: one fused multi-tensor pass
+    (the inf-norm has no fused CPU kernel: 200x slower there)."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    worst = torch.stack([n.float() for n in torch._foreach_norm([t.detach() for t in tensors], 2)]).max()
+    return torch.where(torch.isfinite(worst), worst, torch.full_like(worst, float("inf")))
+
+
+@functools.lru_cache(maxsize=None)
+def adam_update_bound(beta1: float, beta2: float) -> float:
+    """The largest |m_hat / (sqrt(v_hat) + eps)| bias-corrected Adam can produce for ANY gradients (inf when
+    beta1^2 >= beta2). By Cauchy-Schwarz, |m_t| <= (1 - b1) sqrt(S_t v_t / (1 - b2)) with S_t = sum_j<t (b1^2/b2)^j,
+    so |m_hat_t| / sqrt(v_hat_t) <= (1 - b1) / (1 - b1^t) * sqrt((1 - b2^t) / (1 - b2)) * sqrt(S_t): the sup over t
+    (dense up to 1e4, then log-spaced to 1e15, and the limit)."""
+    gamma = beta1 ** 2 / beta2 if beta2 > 0 else math.inf
+    if not 0 <= beta1 < 1 or not 0 < beta2 < 1 or gamma >= 1:
+        return math.inf
+    t = torch.cat([torch.arange(1, 10_001, dtype=torch.float64), torch.logspace(4, 15, 2000, dtype=torch.float64)])
+    b1, b2, g = (torch.tensor(x, dtype=torch.float64) for x in (beta1, beta2, gamma))
+    ratio = (1 - b1) / (1 - b1 ** t) * torch.sqrt((1 - b2 ** t) / (1 - b2)) * torch.sqrt((1 - g ** t) / (1 - g))
+    limit = (1 - beta1) / math.sqrt((1 - beta2) * (1 - gamma))
+    return max(float(ratio.max()), limit)
+
+
+def step_cannot_overflow(policy, largest_weight: float) -> bool:
+    """True when this Adam step provably leaves every trainable weight finite, from host figures only
+    (``largest_weight``: a bound on every |w|, the largest weight tensor's norm over all ranks): with finite
+    gradients a step moves each weight to w (1 - lr wd) - lr u with |u| <= adam_update_bound(betas) (eps > 0), and
+    that stays well inside the weight dtype's range. A validated config (trainer.lr in (0, 1], adam_eps > 0) always
+    passes unless a weight is already near the dtype's largest number or beta1^2 >= beta2."""
+    limit = min(torch.finfo(policy.dtype).max, torch.finfo(torch.float32).max) / 4
+    if not math.isfinite(largest_weight) or largest_weight > limit:
+        return False
+    for group in policy.optimizer.param_groups:
+        lr, wd, eps = group.get("lr"), group.get("weight_decay", 0.0), group.get("eps")
+        betas = group.get("betas")
+        if lr is None or eps is None or betas is None or not eps > 0 or not 0 <= lr < math.inf:
+            return False
+        bound = adam_update_bound(float(betas[0]), float(betas[1]))
+        if not largest_weight * max(1.0, abs(1 - lr * wd)) + 2 * lr * bound < limit:
+            return False
+    return True
+
+
+def _step_keeping_finite_weights(policy, params: list[torch.Tensor], largest_weight: float
+                                 ) -> tuple[bool, float | None, bool]:
+    """``optimizer.step()`` -> (ok, grad norm, weights finite), never leaving a NaN or inf in a trainable weight.
+
+    The normal case costs nothing: `step_cannot_overflow` clears the step from figures already on the host (the
+    largest weight came with the skip flag), and it runs as megatron's step. Only a step it cannot clear (lr = inf
+    given to Policy.build directly, a weight near the dtype's range, beta1^2 >= beta2) keeps a host copy of the
+    trainable weights first and is taken back if any weight on any training rank came out NaN or inf; Adam's moments
+    keep that step's (finite) gradient."""
+    if step_cannot_overflow(policy, largest_weight):
+        ok, grad_norm, _ = policy.optimizer.step()
+        return ok, grad_norm, True
     before = [p.detach().to("cpu", copy=True) for p in params]
     ok, grad_norm, _ = policy.optimizer.step()
-    bad = torch.tensor([float(bool(nonfinite_parameters(policy.chunks, trainable_only=True)))], device=policy.device)
+    with torch.no_grad():  # exact here (no norm that could overflow): any element NaN or inf
+        bad = (~torch.stack([torch.isfinite(p).all() for p in params])).any().float().reshape(1)
     if not _reduce_over_training_ranks(bad, dist.ReduceOp.MAX).item():
         return ok, grad_norm, True
     with torch.no_grad():
