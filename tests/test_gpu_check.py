@@ -45,7 +45,7 @@ def test_dry_run_without_a_bundle_says_so_and_prints_the_plan(tmp_path):
     assert "call 1: bash tools/gpu_check.sh   (420 s of stages)" in proc.stdout
     assert "call 2: bash tools/gpu_check.sh --stages budget   (300 s of stages)" in proc.stdout
     # the 1.5B update on one 80 GB H100 needs full recompute (without it one 16K sample does not fit)
-    assert "memory plan: recompute=full, 16384 tokens/micro-batch" in proc.stdout
+    assert "memory plan: recompute=none, 16384 tokens/micro-batch" in proc.stdout
 
 
 def test_unknown_arguments_are_refused():
@@ -318,6 +318,83 @@ def test_the_report_is_written_before_and_after_every_stage(tmp_path, monkeypatc
     assert report["complete"] and not report["ok"]
     md = (tmp_path / "gpu_check.md").read_text()
     assert "Not in this call: `bash tools/gpu_check.sh --stages pytest,budget`" in md
+
+
+def test_a_stage_run_alone_or_last_may_use_the_rest_of_the_call(tmp_path, monkeypatch):
+    """`--stages pytest` has the whole call (not pytest's 210 s); in a call of several stages only the last one may
+    run past its own cap, into what the stages before it left."""
+    caps, now = [], [0.0]
+
+    def fake_stage(name, cap, out_dir, on_progress, cmd=None):
+        caps.append((name, round(cap)))
+        now[0] += 5  # each stage finishes early
+        return {"stage": name, "status": "done", "ok": True, "seconds": 5.0}
+
+    monkeypatch.setattr(gpu_check, "_run_stage", fake_stage)
+    assert gpu_check.run_stages(["pytest"], tmp_path, clock=lambda: now[0]) == 0
+    assert caps == [("pytest", TOTAL_CAP_S)]
+    caps.clear()
+    assert gpu_check.run_stages(["probe", "train", "pytest"], tmp_path, clock=lambda: now[0]) == 0
+    assert caps == [("probe", STAGES["probe"][0]), ("train", STAGES["train"][0]), ("pytest", TOTAL_CAP_S - 10)]
+
+
+def test_out_of_memory_is_recognised_however_cuda_libraries_report_it():
+    import torch
+
+    from justrl_megatron.bench.gpu_check import is_out_of_memory, runs_in_memory
+
+    ooms = [torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+            RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL version 2.21.5\n"
+                         "Last error:\nCuda failure 'out of memory'"),
+            RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+            RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")]
+    for exc in ooms:
+        assert is_out_of_memory(exc), exc
+
+        def update(exc=exc):
+            raise exc
+        assert runs_in_memory(update) is False
+    assert runs_in_memory(lambda: None) is True
+    for other in (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), ValueError("out of memory?")):
+        assert not is_out_of_memory(other)
+
+        def broken(other=other):
+            raise other
+        with pytest.raises(type(other)):  # a bug is not "does not fit"
+            runs_in_memory(broken)
+
+
+def test_the_train_stage_measures_under_full_recompute_when_the_plan_runs_out_of_memory(monkeypatch):
+    """The plan picks recompute=none for the 16K sample; if that does not fit after all (cuBLAS saying so with a
+    RuntimeError), the stage says the plan was wrong and still measures the update under full recompute."""
+    import torch
+
+    from justrl_megatron.bench import train as bench_train_mod
+
+    phase = {"time_s": 1.0, "tokens_per_s_per_device": 16384.0, "tflops_per_device": 100.0, "mfu": 0.1}
+    ran = []
+
+    def fake_bench_train(**kw):
+        ran.append(kw["recompute"])
+        if kw["recompute"] != "full":
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return {"transformer_impl": "local", "tokens_per_step": 16384, "device": "H100", "peak_tflops": 989.0,
+                "logprob": phase, "update": phase, "gpu_peak_allocated_gib": 40.0}
+
+    class Props:
+        total_memory = gpu_check.H100_80GB_BYTES
+
+    monkeypatch.setattr(gpu_check, "_require_cuda", lambda: None)
+    monkeypatch.setattr(bench_train_mod, "bench_train", fake_bench_train)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+    record = gpu_check.stage_train(seen.append, 170, Path("."))
+    assert ran == ["none", "full"]
+    assert record["recompute"] == "full" and not record["ok"] and "ran out of memory" in record["plan_oom"]
+    assert record["update"]["tokens_per_s_per_gpu"] == 16384.0 and record["peak_over_prediction"] is None
+    assert seen[-1]["plan_oom"] == record["plan_oom"]
 
 
 # --- the rehearsal of the GPU box on the CPU --------------------------------------------------------------------------

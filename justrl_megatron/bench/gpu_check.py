@@ -7,8 +7,8 @@ the first call run in a second one:
     bash tools/gpu_check.sh                    # call 1: probe, train, pytest  (40 + 170 + 210 s)
     bash tools/gpu_check.sh --stages budget    # call 2: the token-budget search (300 s)
 
-Any stage can be redone alone the same way (`--stages pytest`). Stages, each in a process group of its own with its
-own time cap (a crash, hang or CUDA OOM in one is recorded and the next still runs; the whole group is killed after
+Any stage can be redone alone the same way (`--stages pytest`); the last stage of a call (a stage run alone too) may
+use the rest of the call's time. Stages, each in a process group of its own with its own time cap (a crash, hang or CUDA OOM in one is recorded and the next still runs; the whole group is killed after
 every stage, so nothing a stage left behind holds the GPU into the next; the exit code is non-zero if any failed):
   probe   torch / CUDA / device / megatron-core versions (CUDA as `compat` sees it), and which torch varlen
           flash-attention call works here
@@ -20,8 +20,9 @@ every stage, so nothing a stage left behind holds the GPU into the next; the exi
           wandb, ... which the box lacks), streamed to $OUT/pytest.log, a per-test timeout (pytest-timeout, carried
           in .whl/), `-rA --durations=0`
   budget  the largest token budget per micro-batch that fits: upward from the plan's budget (one update per try,
-          catching torch.cuda.OutOfMemoryError), then bisection in 1,024-token steps; it stops before a try that
-          would end past its deadline, with the best so far
+          catching an out-of-memory error: torch.cuda.OutOfMemoryError or the RuntimeError cuBLAS / cuDNN / NCCL
+          raise), then bisection in 1,024-token steps; it stops before a try that would end past its deadline, with
+          the best so far
 Results: gpu_check.json and gpu_check.md in $OUT when set, else ./gpu_check_out/, rewritten before and after every
 stage and after every budget try, so that a call killed at its limit still brings back what was measured.
 
@@ -193,12 +194,36 @@ def search_budget(fits: Callable[[int], bool], start: int, *, multiple: int = BU
 
 def memory_plan(device_bytes: int, *, max_tokens: int | None = None, impl: str = "local"):
     """The memory plan for one sample of PROMPT + RESPONSE tokens of the MODEL shape at TP=1 on one GPU."""
-    from ..model.memory import plan_memory
+    from ..model.memory import gpu_kernels, plan_memory
     from .train import BUILTIN_SHAPES
 
     return plan_memory(BUILTIN_SHAPES[MODEL], device_bytes=device_bytes,
                        max_tokens_per_micro_batch=max_tokens or PROMPT + RESPONSE,
-                       min_tokens=PROMPT + RESPONSE, tp=1, pp=1, dp=1, impl=impl)
+                       min_tokens=PROMPT + RESPONSE, tp=1, pp=1, dp=1, impl=impl, kernels=gpu_kernels(impl))
+
+
+# CUDA's allocator raises torch.cuda.OutOfMemoryError; cuBLAS, cuDNN and NCCL report running out of device memory as
+# a plain RuntimeError (a failed workspace or handle allocation), which is the same "does not fit" to the budget search
+OOM_MESSAGES = re.compile(r"out of memory|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED|"
+                          r"CUDNN_STATUS_NOT_ENOUGH_WORKSPACE|Failed to CUDA calloc|cudaErrorMemoryAllocation",
+                          re.IGNORECASE)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or (isinstance(exc, RuntimeError)
+                                                         and bool(OOM_MESSAGES.search(str(exc))))
+
+
+def runs_in_memory(update: Callable[[], object]) -> bool:
+    """True if ``update`` ran, False if it ran out of device memory (any of the ways CUDA libraries say so); any other
+    error propagates (the stage fails with it instead of calling a bug "does not fit")."""
+    try:
+        update()
+    except Exception as exc:  # noqa: BLE001  (sorted just below)
+        if not is_out_of_memory(exc):
+            raise
+        return False
+    return True
 
 
 # --- stages (each runs in its own process group: `--stage NAME --result FILE --cap S --out DIR`) ----------------------
@@ -340,15 +365,33 @@ def stage_train(progress, cap_s: float, out_dir: Path) -> dict:
     print(plan.describe(), flush=True)
     progress({"plan": plan.describe(), "recompute": plan.recompute, "predicted_peak_gib": plan.peak_bytes / 2**30})
     tokens = PROMPT + RESPONSE
-    raw = bench_train(model=MODEL, tokens=tokens, seq_len=tokens, prompt_len=PROMPT, dtype="bf16", tp=1,
-                      transformer_impl=impl, recompute=plan.recompute, steps=2, warmup=1,
-                      max_tokens_per_micro_batch=tokens)
+    raws, oom = [], None
+
+    def run(recompute: str) -> None:
+        raws.append(bench_train(model=MODEL, tokens=tokens, seq_len=tokens, prompt_len=PROMPT, dtype="bf16", tp=1,
+                                transformer_impl=impl, recompute=recompute, steps=2, warmup=1,
+                                max_tokens_per_micro_batch=tokens))
+
+    recompute = plan.recompute
+    if not runs_in_memory(lambda: run(recompute)) and recompute != "full":
+        # the plan promised a fit that did not hold: say so, and still measure the update under full recompute
+        import gc
+
+        oom, recompute = f"recompute={recompute} ran out of memory (the plan predicted a fit)", "full"
+        progress({"plan": plan.describe(), "recompute": recompute, "plan_oom": oom})
+        gc.collect()
+        torch.cuda.empty_cache()
+        run(recompute)
+    if not raws:
+        raise RuntimeError("recompute=full ran out of memory: the plan predicted a fit")
+    raw = raws[-1]
     peak = raw.get("gpu_peak_allocated_gib")
-    return {"plan": plan.describe(), "recompute": plan.recompute, "transformer_impl": raw["transformer_impl"],
+    return {"plan": plan.describe(), "recompute": recompute, "plan_oom": oom, "ok": oom is None,
+            "transformer_impl": raw["transformer_impl"],
             "tokens": raw["tokens_per_step"], "device": raw["device"], "peak_tflops": raw["peak_tflops"],
             "forward_only": _phase(raw["logprob"]), "update": _phase(raw["update"]),
-            "peak_allocated_gib": peak, "predicted_peak_gib": plan.peak_bytes / 2**30,
-            "peak_over_prediction": None if peak is None else peak * 2**30 / plan.peak_bytes}
+            "peak_allocated_gib": peak, "predicted_peak_gib": plan.peak_bytes / 2**30 if oom is None else None,
+            "peak_over_prediction": None if peak is None or oom else peak * 2**30 / plan.peak_bytes}
 
 
 def _phase(p: dict) -> dict:
@@ -364,7 +407,7 @@ def stage_budget(progress, cap_s: float, out_dir: Path) -> dict:
     import torch
 
     from ..distributed import init_distributed
-    from ..model.memory import estimate_peak_bytes
+    from ..model.memory import estimate_peak_bytes, gpu_kernels
     from ..model.policy import Policy
     from ..model.spec import resolve_impl
     from ..train.batching import Sample
@@ -401,19 +444,16 @@ def stage_budget(progress, cap_s: float, out_dir: Path) -> dict:
     def fits(tokens: int) -> bool:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        try:
-            grpo_update_on_policy(policy, samples(tokens), max_tokens_per_micro_batch=tokens)
-            torch.cuda.synchronize()
-            ok = True
-        except torch.cuda.OutOfMemoryError:
-            ok = False
+        ok = runs_in_memory(lambda: (grpo_update_on_policy(policy, samples(tokens), max_tokens_per_micro_batch=tokens),
+                                     torch.cuda.synchronize()))
         peak = torch.cuda.max_memory_allocated()
         for chunk in policy.chunks:  # drop what the failed step left behind
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
         gc.collect()
         torch.cuda.empty_cache()
-        predicted = estimate_peak_bytes(shape, tokens=tokens, recompute=plan.recompute, impl=impl)
+        predicted = estimate_peak_bytes(shape, tokens=tokens, recompute=plan.recompute, impl=impl,
+                                        kernels=gpu_kernels(impl))
         records.append({"tokens": tokens, "fits": ok, "seconds": round(time.perf_counter() - t0, 2),
                         "peak_allocated_gib": round(peak / 2**30, 2),
                         "predicted_peak_gib": round(predicted / 2**30, 2)})
@@ -663,7 +703,9 @@ def _run_stages(names: list[str], out_dir: Path, t_end: float, clock: Callable[[
               "stages": stages}
     write_report(out_dir, report)
     for i, name in enumerate(names):
-        cap = min(STAGES[name][0], t_end - clock())
+        # a stage's cap keeps a hang from eating the stages after it; the last one (a stage run alone too) has none
+        # after it and may use the rest of the call
+        cap = t_end - clock() if i == len(names) - 1 else min(STAGES[name][0], t_end - clock())
         if cap < MIN_STAGE_S:
             rest = names[i:]
             report["plan"]["second_call"] = call_command(rest)
