@@ -33,7 +33,8 @@ def _fill_grads(policy, update, samples, old):
 
 
 def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, seq_len: int = 256,
-                repeats: int = 7) -> dict:
+                repeats: int = 7, shape=None) -> dict:
+    """``shape`` (a ModelShape) instead of a named ``model``: the GPU test's moderate model."""
     from ..distributed import init_distributed
     from ..model.build import nonfinite_parameters
     from ..model.policy import Policy
@@ -42,7 +43,9 @@ def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, s
     from .train import resolve_shape
 
     init_distributed()
-    shape = resolve_shape(model)
+    if shape is not None:
+        model = f"{shape.num_layers} layers, hidden {shape.hidden_size}, ffn {shape.ffn_hidden_size}"
+    shape = shape or resolve_shape(model)
     policy = Policy.build(shape, dtype=dtype, transformer_impl="local", lr=1e-6, weight_decay=0.1, grad_clip=1.0,
                           seed=1)
     g = torch.Generator().manual_seed(0)
@@ -86,11 +89,14 @@ def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, s
         step_mod.grpo_update(policy, batch, old, mini_batch_size=samples, **kw)
         _sync()
         times["update"].append(time.perf_counter() - t0)
+    grads()
+    copies = _host_copies(lambda: step_mod.optimizer_step_if_finite(policy))
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}  # the least disturbed run of each: machine load only adds time
     params = sum(p.numel() for c in policy.chunks for p in c.parameters())
     return {"model": model, "dtype": dtype, "params": params, "tokens": samples * seq_len, "repeats": repeats,
-            "threads": torch.get_num_threads(), "median_s": {k: round(v, 5) for k, v in med.items()},
+            "threads": torch.get_num_threads(), "device": str(policy.device),
+            "host_copies_in_a_guarded_step": copies, "median_s": {k: round(v, 5) for k, v in med.items()},
             "min_s": {k: round(v, 5) for k, v in low.items()},
             "guard_overhead_of_update": round((med["on"] - med["off"]) / med["update"], 5),
             "old_guard_overhead_of_update": round((med["copy"] - med["off"]) / med["update"], 5),
@@ -101,6 +107,22 @@ def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, s
 
 class _GradsReady(Exception):
     pass
+
+
+def _host_copies(fn) -> int:
+    """How many tensors ``fn`` copied with ``Tensor.to(..., copy=True)`` (the former guard's host copy)."""
+    seen = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and kwargs.get("copy"):
+                seen.append(1)
+            return func(*args, **kwargs)
+
+    with Count():
+        fn()
+    return len(seen)
 
 
 def main(argv: list[str] | None = None) -> int:
