@@ -438,11 +438,12 @@ def step_cannot_overflow(policy, largest_weight: float) -> bool:
     if not math.isfinite(largest_weight) or largest_weight > limit:
         return False
     for group in policy.optimizer.param_groups:
-        lr, wd, eps = group.get("lr"), group.get("weight_decay", 0.0), group.get("eps")
-        betas = group.get("betas")
-        if lr is None or eps is None or betas is None or not eps > 0 or not 0 <= lr < math.inf:
+        if any(group.get(k) is None for k in ("lr", "eps", "betas")):  # not an Adam we know: no bound
             return False
-        bound = adam_update_bound(float(betas[0]), float(betas[1]))
+        lr, wd, eps = float(group["lr"]), float(group.get("weight_decay") or 0.0), float(group["eps"])
+        if not eps > 0 or not 0 <= lr < math.inf:
+            return False
+        bound = adam_update_bound(float(group["betas"][0]), float(group["betas"][1]))
         if not largest_weight * max(1.0, abs(1 - lr * wd)) + 2 * lr * bound < limit:
             return False
     return True
