@@ -323,7 +323,7 @@ def test_z_loss_weighs_its_coefficient_and_router_load_is_logged(tiny_moe):
     assert abs(metrics["moe_load_imbalance"] - sum(per_layer) / len(per_layer)) <= 1e-9
 
 
-def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int):
+def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int, **build):
     """A tiny Mixtral policy with routing replay, and six random samples of mixed lengths (two groups)."""
     import random
 
@@ -335,7 +335,7 @@ def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int):
 
     shape = model_shape(AutoConfig.from_pretrained(model_dir))
     policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
-                          routing_replay=routing_replay)
+                          routing_replay=routing_replay, **build)
     load_hf_weights(policy.chunks, model_dir, progress=False)
     policy.optimizer.reload_model_params()
     rng = random.Random(seed)
@@ -369,10 +369,10 @@ def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
 
     old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
     recorded = per_sample(plan_micro_batches(policy, samples, range(6), budget))
-    stored = policy.routing_replay.routes  # what the old pass kept: the same experts as its routing maps
+    stored = policy.routing_replay.routes  # what the old pass kept ([tokens, layers, k]): its routing maps
     for i in recorded:
         for sid, m in recorded[i].items():
-            assert torch.equal(torch.zeros_like(m).scatter(1, stored[sid][i], True), m)
+            assert torch.equal(torch.zeros_like(m).scatter(1, stored[sid][:, i].long(), True), m)
     with torch.no_grad():  # move the routers: natural routing changes for many tokens
         for layer in layers:
             layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
@@ -390,6 +390,39 @@ def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
     for i in recorded:
         for sid in recorded[i]:
             assert torch.equal(replayed[i][sid], recorded[i][sid]), (i, sid)
+
+
+def test_routing_replay_holds_in_the_recomputed_backward(tiny_moe):
+    """model.recompute=full with routing_replay=old: the routers move between the old-logprob pass and the update,
+    so natural routing now differs; the recomputation inside backward routes as the replayed forward did, and the
+    update's gradients equal those of recompute=none (every parameter, two mini-batches)."""
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    runs = {}
+    for recompute in ("none", "full"):
+        policy, samples = _replay_policy_and_samples(tiny_moe["mixtral"], "old", seed=1, recompute=recompute)
+        layers = policy.modules[0].decoder.layers
+        old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in layers:
+                layer.mlp.router.weight.add_(torch.randn(layer.mlp.router.weight.shape, generator=g))
+        in_backward = []
+        hooks = [layer.mlp.router.register_forward_hook(
+            lambda m, a, out: in_backward.append(torch._C._current_graph_task_id() != -1)) for layer in layers]
+        grads = []
+        named = [(n, p) for n, p in policy.modules[0].named_parameters() if p.requires_grad]
+        metrics = grpo_update(policy, samples, old, mini_batch_size=3, max_tokens_per_micro_batch=48,
+                              on_grads=lambda pol, step: grads.append({n: p.main_grad.clone() for n, p in named}))
+        for h in hooks:
+            h.remove()
+        runs[recompute] = metrics, grads, sum(in_backward)
+    (m0, g0, recomputed0), (m1, g1, recomputed1) = runs["none"], runs["full"]
+    assert recomputed0 == 0 and recomputed1 >= 2 * len(layers)  # full recompute re-ran every router in backward
+    assert len(g0) == len(g1) == 2
+    assert abs(m0["loss"] - m1["loss"]) <= 1e-7 and abs(m0["grad_norm"] - m1["grad_norm"]) <= 1e-6
+    diff = max(float((a[n] - b[n]).abs().max()) for a, b in zip(g0, g1) for n in a)
+    assert diff <= 1e-6 and m0["grad_norm"] > 1e-3, diff
 
 
 def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
