@@ -207,13 +207,28 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
             assert grpo["experts_here"] == [2 * r, 2 * r + 1]  # each EP rank holds (and compared) its own half
             assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6 and grpo["grad_diff"] <= 1e-6
             assert abs(grpo["distopt"]["grad_norm"] - grpo["grad_norm"][1]) <= 1e-5
+    for v in verdicts:  # routes travel with their samples: a sample recorded on one DP rank replayed on the other
+        replay = v["qwen3_moe/ep2/replay_dp2"]
+        assert replay["tokens_not_replayed"] == 0 and replay["moved_samples"] and replay["optimizer_steps"] == 2
+        for ep in ("ep1", "ep2"):  # MoE x CP: router losses and their gradient as at CP1
+            cp = v["qwen3_moe/cp2_vs_cp1/router_losses"][ep]
+            assert cp["router_grad_diff"] <= 1e-6 and cp["router_grad_max"] > 1e-4
+            for key in ("moe_aux_loss", "moe_z_loss"):
+                assert abs(cp[key][0] - cp[key][1]) <= 1e-5 * cp[key][0], (ep, key, cp[key])
 
 
 @pytest.mark.slow
 def test_expert_parallel_with_tensor_and_pipeline_parallel(tiny_moe, tmp_path):
-    """TP2 x EP2 and PP2 x EP2 on 4 ranks: logits vs transformers and the bitwise round trip."""
+    """TP2 x EP2 and PP2 x EP2 on 4 ranks: logits vs transformers and the bitwise round trip; one GRPO update with
+    routing replay at TP2 x EP2 (sequence parallelism on for MoE) equal to TP1 x EP1, routers moved after the
+    old-logprob pass."""
     verdicts = _launch(tiny_moe, tmp_path, 4)
     assert not _failed(verdicts), _failed(verdicts)
+    for v in verdicts:
+        grpo = v["qwen3_moe/tp2ep2_vs_tp1ep1/replay_grpo"]
+        assert grpo["sequence_parallel"] and grpo["grad_diff"] <= 1e-6
+        assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6
+        assert abs(grpo["grad_norm"][0] - grpo["grad_norm"][1]) <= 1e-6
     for family in ("mixtral", "qwen3_moe"):
         assert all(v[f"{family}/tp2ep2/logits"]["max_abs_diff"] <= 1e-5 for v in verdicts)
         assert [v[f"{family}/pp2ep2/logits"].get("max_abs_diff", 0) <= 1e-5 for v in verdicts] == [True] * 4
@@ -537,7 +552,7 @@ def test_ep2_policy_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(tmp_path)
         assert v["experts_here"] == [2 * r, 2 * r + 1]
         assert v["expert_tensors_sent"] == 2 * 3 * 4  # layers x (w1, w2, w3) x experts, each once
         assert v["greedy_equal"]
-        assert v["routes_recorded"] == 5 * 4 // 2  # the experts of this DP rank's samples, for the replayed update
+        assert v["routes_recorded"] == 5 * 4  # every sample's experts on every rank: the update may place it anywhere
         assert v["grpo"]["num_optimizer_steps"] == 2
         for gap in ("gap_v0", "gap_v1"):
             assert v[gap]["logprob_diff_tokens"] >= 100, v[gap]

@@ -80,12 +80,15 @@ def tracked_losses(config, micro_batches_per_rank: int) -> dict[str, float]:
                           else tracker[name]["values"].detach().float().clone() for name in on])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values)  # each layer lives on one stage
-    # a micro-batch's loss is split over its TP x CP ranks (megatron counts tokens over that group and each rank
-    # adds its own tokens' part; without SP each TP rank adds half of a doubled count): one whole loss per DP rank
-    replicas = ps.get_data_parallel_world_size()
+    # megatron's switch loss of a micro-batch is split over its TP x CP ranks (tokens counted over that group, each
+    # rank adds its own tokens' part; without SP each TP rank adds half of a doubled count): one whole loss per DP
+    # rank. Its z-loss tracker holds each rank's own token mean: one per rank of the stage.
+    dp = ps.get_data_parallel_world_size()
+    replicas = {"load_balancing_loss": dp, "z_loss": dp * ps.get_tensor_model_parallel_world_size()
+                * ps.get_context_parallel_world_size()}
     _clear_tracker()
-    scale = replicas * max(micro_batches_per_rank, 1) * config.num_layers
-    return {metric: float(v.sum()) / scale for metric, v in zip(on.values(), values)}
+    per = max(micro_batches_per_rank, 1) * config.num_layers
+    return {metric: float(v.sum()) / (replicas[name] * per) for (name, metric), v in zip(on.items(), values)}
 
 
 class RouterLoad:
