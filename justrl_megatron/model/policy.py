@@ -87,12 +87,11 @@ def fused_swiglu_check(device: str) -> str | None:
 
 def _moe_options(shape: ModelShape, impl: str, z_loss_coef: float | None, permute_fusion: bool | None) -> dict:
     """MoE TransformerConfig fields beyond the HF config's: the router z-loss (model/moe.py scales it like the aux
-    loss) and TE's fused token permutation (null: on with the TE spec; on without TE is refused in one line)."""
+    loss) and TE's fused token permutation (null: on with the TE spec; on without TE is refused by validation,
+    config._transformer_engine_problems)."""
     if not shape.num_experts:
         return {}
     fuse = impl == "te" if permute_fusion is None else bool(permute_fusion)
-    if fuse and impl != "te":
-        raise ValueError("model.moe_permute_fusion=true needs transformer-engine and a CUDA device (the TE spec)")
     return dict(moe_z_loss_coeff=float(z_loss_coef) if z_loss_coef else None, moe_permute_fusion=fuse)
 
 
