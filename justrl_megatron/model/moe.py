@@ -11,6 +11,12 @@ number of micro-batches over all DP ranks (`loss_scale`): the update then adds
 and the same for the z-loss (`model.moe_z_loss_coef x mean over micro-batches of mean_t logsumexp(logits_t)^2`).
 (megatron's switch loss is per layer and equals transformers' Mixtral/Qwen3-MoE `load_balancing_loss_func` / top-k;
 transformers pools all layers' tokens into one loss. Same coefficient, megatron's definition.)
+Under context parallelism (and sequence parallelism) each rank's router loss is its tokens' part of the
+micro-batch's, and DDP sums those parts: the coefficient is divided by the DP ranks only, never by CP.
+
+Routing replay (`RoutingReplay`, `RouteSlot`): megatron's router asks the object in its `router_replay` slot for
+every top-k; ours replays recorded or given experts, and keeps what a checkpointed layer chose for its recomputation
+in backward. Recorded routes are gathered after the recording pass, so they travel with their samples.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def _device():
     from .. import compat
 
     return compat.default_device()
+
 
 # megatron's router losses: its tracker name (router.py; the loss divided by its coefficient) -> (the
 # TransformerConfig coefficient, our metric)

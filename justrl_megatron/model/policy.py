@@ -212,7 +212,10 @@ class Policy:
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
         shared = resolve_shared_prompt(shared_prompt, impl, cp, replay)
-        sequence_parallel = sequence_parallel or moe_needs_sequence_parallel(shape, tp)
+        if moe_needs_sequence_parallel(shape, tp) and not sequence_parallel:
+            logger.warning("MoE model at parallel.tensor=%d: sequence parallelism turned on (megatron's MoE layer "
+                           "trains at TP > 1 only with it)", tp)
+            sequence_parallel = True
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
