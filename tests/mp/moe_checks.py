@@ -44,10 +44,10 @@ MAX_TOKENS = 40  # several micro-batches per DP rank
 STEP_KW = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=2.0, loss_agg="token-mean")
 
 
-def build(hf_dir, shape, tp=1, pp=1, ep=1, distopt=False):
+def build(hf_dir, shape, tp=1, pp=1, ep=1, distopt=False, **kw):
     # plain optimizer by default: every rank's main_grad holds its parameters' whole reduced gradient
     policy = Policy.build(shape, tp=tp, pp=pp, ep=ep, dtype="fp32", transformer_impl="local", lr=1e-3,
-                          grad_clip=1.0, distributed_optimizer=distopt, seed=1234)
+                          grad_clip=1.0, distributed_optimizer=distopt, seed=1234, **kw)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
     return policy
@@ -120,6 +120,149 @@ def case_grpo(hf_dir, shape):
                  and len(experts_here) == shape.num_experts // 2
                  and abs(m3["loss"] - m2["loss"]) <= 1e-6 and abs(m3["grad_norm"] - m2["grad_norm"]) <= 1e-5
                  and out["distopt"]["logprob_diff_after_step"] <= 1e-5)
+    return out
+
+
+def _move_routers(policy, seed=11):
+    """The same random step on every router on every rank: natural routing now differs from the recorded one."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in policy.modules[0].decoder.layers:
+            w = layer.mlp.router.weight
+            w.add_(torch.randn(w.shape, generator=g))
+
+
+def _routing_maps(policy):
+    """Hooks collecting (layer, routing map) of every router call, in call order."""
+    calls = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out, i=layer.layer_number - 1:
+                                                    calls.append((i, out[1].detach().clone())))
+             for layer in policy.modules[0].decoder.layers]
+    return calls, hooks
+
+
+def _per_sample(calls, plans):
+    """{(layer, sample): routing map of its real tokens} from the calls of the forwards of `plans`, in order."""
+    out = {}
+    assert len(calls) % max(len(plans), 1) == 0, (len(calls), len(plans))
+    per_mb = len(calls) // max(len(plans), 1)
+    for j, mb in enumerate(plans):
+        for layer, routing_map in calls[j * per_mb:(j + 1) * per_mb]:
+            for k, sid in enumerate(mb.sample_ids):
+                a, b = int(mb.cu_seqlens[k]), int(mb.cu_seqlens[k + 1])
+                out[(layer, sid)] = routing_map[a:b]
+    calls.clear()
+    return out
+
+
+def case_replay_dp2(hf_dir, shape):
+    """routing_replay=old at EP2 (DP2), unequal lengths, two mini-batches of several micro-batches: a sample's
+    update may run on another DP rank than its old-logprob pass; after the routers move, every token of the update
+    still takes exactly the experts the old pass chose for it (on whichever rank that pass ran)."""
+    from justrl_megatron.train.step import plan_micro_batches
+
+    samples = random_samples(shape.vocab_size)
+    policy = build(hf_dir, shape, ep=2, routing_replay="old", shared_prompt="auto")
+    calls, hooks = _routing_maps(policy)
+    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    mine = _per_sample(calls, plan_micro_batches(policy, samples, range(len(samples)), MAX_TOKENS))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    recorded = {k: v for part in everyone for k, v in part.items()}
+    _move_routers(policy)
+    half = len(samples) // 2
+    m = grpo_update(policy, samples, old, mini_batch_size=half, max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
+    plans = [mb for ids in (range(half), range(half, len(samples)))
+             for mb in plan_micro_batches(policy, samples, list(ids), MAX_TOKENS)]
+    replayed = _per_sample(calls, plans)
+    for h in hooks:
+        h.remove()
+    moved = sorted({sid for (_, sid) in replayed if (0, sid) not in mine})  # recorded on the other rank
+    differ = sum(int((replayed[k] != recorded[k]).any(-1).sum()) for k in replayed)
+    lengths = sorted({s.length for s in samples})
+    out = {"moved_samples": moved, "replayed": len(replayed), "tokens_not_replayed": differ,
+           "shared_prompt": policy.shared_prompt, "optimizer_steps": m["num_optimizer_steps"],
+           "micro_batches": m["num_micro_batches"], "distinct_lengths": len(lengths)}
+    out["ok"] = (differ == 0 and bool(moved) and len(replayed) > 0 and not policy.shared_prompt
+                 and m["num_optimizer_steps"] == 2 and m["num_micro_batches"] > 2 and len(lengths) > 2)
+    return out
+
+
+def case_cp_router_losses(hf_dir, shape):
+    """MoE x context parallelism: the load-balancing and z-loss values logged and their gradient (every router) at
+    parallel.context=2 equal CP1's, at EP1 and EP2. One 16-token sample per micro-batch (a multiple of 2 x CP: no
+    CP padding), so both layouts see the same micro-batches."""
+    import random
+
+    from justrl_megatron.train.batching import Sample
+
+    rng = random.Random(4)
+    samples = [Sample([rng.randrange(shape.vocab_size) for _ in range(6)],
+                      [rng.randrange(shape.vocab_size) for _ in range(10)], advantage=rng.uniform(-1, 1), group=i // 2)
+               for i in range(4)]
+    out, ok = {}, True
+    for ep in (1, 2):
+        runs = {}
+        for cp in (1, 2):
+            policy = build(hf_dir, shape, ep=ep, cp=cp, moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01)
+            old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=16)
+            routers = {layer.layer_number - 1: layer.mlp.router.weight for layer in policy.modules[0].decoder.layers}
+            grads = {}
+            m = grpo_update(policy, samples, old, mini_batch_size=4, max_tokens_per_micro_batch=16,
+                            on_grads=lambda pol, step: grads.update({i: w.main_grad.clone()
+                                                                     for i, w in routers.items()}), **STEP_KW)
+            runs[cp] = m, grads
+            del policy
+        (m1, g1), (m2, g2) = runs[1], runs[2]
+        diff = max(float((g1[i] - g2[i]).abs().max()) for i in g1)
+        res = {k: (m1[k], m2[k]) for k in ("moe_aux_loss", "moe_z_loss", "loss", "grad_norm")}
+        res["router_grad_diff"], res["router_grad_max"] = diff, max(float(g.abs().max()) for g in g1.values())
+        out[f"ep{ep}"] = res
+        ok = ok and diff <= 1e-6 and res["router_grad_max"] > 1e-4 and all(
+            abs(res[k][0] - res[k][1]) <= 1e-5 * abs(res[k][0]) for k in ("moe_aux_loss", "moe_z_loss", "loss",
+                                                                         "grad_norm"))
+    out["ok"] = ok
+    return out
+
+
+def case_tp2ep2_replay(hf_dir, shape):
+    """One GRPO update with routing_replay=old at TP2 x EP2 (sequence parallelism turned on for MoE: each TP rank
+    records and replays its slice of the row) equals TP1 x EP1 (DP4): loss, grad norm and every gradient of this
+    rank (TP shards against the same slice of the TP1 gradient). The routers move between the old-logprob pass and
+    the update, so only replayed experts can make the two agree. Aux loss off: its value depends on how samples
+    are packed into micro-batches, which DP4 and DP2 do differently."""
+    samples = random_samples(shape.vocab_size)
+    g = torch.Generator().manual_seed(5)
+    old, runs = None, {}
+    for name, layout in (("tp1ep1", {}), ("tp2ep2", dict(tp=2, ep=2))):
+        policy = build(hf_dir, shape, routing_replay="old", moe_aux_loss_coef=0.0, **layout)
+        lp = compute_logprobs(policy, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+        if old is None:
+            old = [x + 0.3 * torch.randn(x.shape, generator=g) for x in lp]
+        _move_routers(policy)
+        live = live_parameters(policy.chunks)
+        grads = {}
+
+        def capture(pol, step, live=live, grads=grads):
+            grads.update({n: p.main_grad.detach().clone() for n, p in live.items()})
+
+        m = grpo_update(policy, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
+                        on_grads=capture, **STEP_KW)
+        runs[name] = m, grads, policy.config.sequence_parallel
+        del policy
+    (m1, g1, _), (m2, g2, sp) = runs["tp1ep1"], runs["tp2ep2"]
+    from megatron.core import parallel_state as ps
+
+    tp_rank, diff = ps.get_tensor_model_parallel_rank(), 0.0
+    for n, grad in g2.items():  # a TP-split tensor: this rank's contiguous part of the TP1 one (experts: whole)
+        ref = g1[n]
+        split = [d for d in range(grad.dim()) if grad.shape[d] != ref.shape[d]]
+        ref = ref.chunk(2, dim=split[0])[tp_rank] if split else ref
+        diff = max(diff, float((grad - ref).abs().max()))
+    out = {"loss": (m1["loss"], m2["loss"]), "grad_norm": (m1["grad_norm"], m2["grad_norm"]), "grad_diff": diff,
+           "grads_compared": len(g2), "sequence_parallel": sp}
+    out["ok"] = (sp and abs(m1["loss"] - m2["loss"]) <= 1e-6 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-6
+                 and diff <= 1e-6 and m1["grad_norm"] > 1e-3)
     return out
 
 
@@ -201,6 +344,11 @@ def main():
             run_case(verdict, f"{family}/ep2/convert", case_convert, hf_dir, shape, original, out)
             run_case(verdict, f"{family}/tp2/convert", case_convert, hf_dir, shape, original, out, "--tp")
             run_case(verdict, f"{family}/ep2_vs_ep1/grpo", case_grpo, hf_dir, shape)
+    if world == 2:  # one model is enough for these: routing and router losses do not depend on the family
+        run_case(verdict, f"{family}/ep2/replay_dp2", case_replay_dp2, hf_dir, shape)
+        run_case(verdict, f"{family}/cp2_vs_cp1/router_losses", case_cp_router_losses, hf_dir, shape)
+    if world == 4:
+        run_case(verdict, f"{family}/tp2ep2_vs_tp1ep1/replay_grpo", case_tp2ep2_replay, hf_dir, shape)
     if world == 2:  # one model is enough: the checkpoint code does not depend on the family
         run_case(verdict, f"{family}/ep2/resume", case_resume, hf_dir, shape, out)
     with open(f"{out}/rank{rank}.json", "w") as f:
