@@ -113,6 +113,15 @@ class RunDirLock(Callback):
     (run_dir/hydra/) and before any slow check, so a second trainer on the run dir exits 2 at once, in one line."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        if not _is_rank0():  # the other ranks write only once the lock is this launch's (run_lock.join_launch)
+            try:
+                run_lock.join_launch(config.trainer.run_dir)
+            except run_lock.RunDirBusy:
+                sys.exit(2)  # rank 0 says why, in one line
+            except TimeoutError as exc:
+                print(f"justrl-train: rank {os.environ.get('RANK')}: {exc}", file=sys.stderr)
+                sys.exit(1)
+            return
         try:
             lock_run_dir(config)
         except (run_lock.RunDirBusy, ConfigError) as exc:
@@ -273,6 +282,7 @@ def main() -> None:
     """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
     every other problem is found too) and reported with them."""
     lifeline.bind_helpers_to_this_process()  # before any helper process exists
+    run_lock.adopt_inherited()  # under justrl's launcher: the run dir's lock, taken for the whole launch
     _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
     # before hydra, which creates the run dir and writes into it (an empty value: into the current folder)
     run_dir = _run_dir_of(sys.argv[1:]) if not _cli_problems else None
