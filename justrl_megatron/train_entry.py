@@ -208,23 +208,32 @@ def _run_dir_of(args: list[str]) -> str | None:
 
 
 def prompt_length_problems(cfg, model_dir) -> list[str]:
-    """A problem when every training prompt is longer than data.max_prompt_length (after the chat template): a few
-    rows first, all of them only when none of those fits."""
+    """A problem for each data split (data.train, data.eval as the held-out evaluation reads it, every data.val set)
+    whose prompts are all longer than data.max_prompt_length (after the chat template): a few rows first, all of them
+    only when none of those fits."""
     from transformers import AutoTokenizer
 
     from .train.sampler import load_training_rows, tokenize_prompts
+    from .train.validation import length_problems
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    splits = [("train", "data.train", None)]
+    if cfg.data.eval and cfg.trainer.eval_samples > 0:
+        splits.append(("eval", "data.eval", cfg.trainer.eval_samples))
+    problems = []
     with contextlib.redirect_stderr(io.StringIO()):
-        rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, limit=DATA_SAMPLE_ROWS)
-        if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
-            return []
-        rows = load_training_rows(cfg.data, seed=cfg.trainer.seed)
-        prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
-    if prompts:
-        return []
-    return [f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of data.train are longer "
-            f"(with data.template={cfg.data.template}); raise it or use shorter prompts"]
+        for split, key, limit in splits:
+            rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=DATA_SAMPLE_ROWS)
+            if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
+                continue
+            rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=limit)
+            prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
+            if not prompts:
+                problems.append(f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of "
+                                f"{key} are longer (with data.template={cfg.data.template}); raise it or use shorter "
+                                f"prompts")
+        problems += length_problems(cfg, tokenizer)
+    return problems
 
 
 def resume_check(cfg, shape):
