@@ -9,6 +9,8 @@ loads: `problems(cfg)`, collected by config.validate. Checked against vLLM 0.32'
 
 from __future__ import annotations
 
+import math
+
 GREEDY_BELOW = 1e-5  # vllm.sampling_params._SAMPLING_EPS
 MAX_TEMPERATURE = 2.0
 MAX_N = 16384  # vllm.envs.VLLM_MAX_N_SEQUENCES' default
@@ -17,8 +19,8 @@ MAX_N = 16384  # vllm.envs.VLLM_MAX_N_SEQUENCES' default
 def sampling_problems(where: str, *, n: int, temperature: float) -> list[str]:
     """One line per refused combination of one sampling setting (`where` names its keys' prefix)."""
     problems = []
-    if not isinstance(temperature, (int, float)) or temperature != temperature:
-        return problems  # a type or NaN: said by the config's own checks
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        return problems  # a type, NaN or inf: said by the config's own checks
     if 0 <= temperature < GREEDY_BELOW and n > 1:
         problems.append(f"{where}temperature={temperature} is greedy sampling, which gives one answer per prompt, "
                         f"but {where}n={n}; use a temperature > 0 (JustRL: 1.0 for training, 0.7 for validation) "

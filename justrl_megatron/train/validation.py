@@ -178,8 +178,11 @@ def length_problems(cfg, tokenizer) -> list[str]:
         return []
     problems = []
     for i, entry in enumerate(cfg.data.val):
-        prompts, too_long = load_set(cfg, entry, tokenizer)
-        if not prompts:
+        try:
+            prompts, too_long = load_set(cfg, entry, tokenizer)
+        except Exception:  # noqa: BLE001  (a missing or unreadable set: config_problems or the loader says so)
+            continue
+        if not prompts and too_long:
             problems.append(f"data.val[{i}] ({set_name(entry)}): all {too_long} prompts are longer than "
                             f"data.max_prompt_length={cfg.data.max_prompt_length} (with data.template="
                             f"{cfg.data.template}); raise it, or drop the set")
