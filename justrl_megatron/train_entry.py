@@ -92,7 +92,7 @@ def check_config(cfg, *, also=()):
         if note:
             print(f"justrl-train: {note}", flush=True)
         lock_run_dir(cfg)  # (held since hydra started: RunDirLock; a no-op then) before the launch is recorded
-        record_launch(launched, resume.step)
+        record_launch(launched, resume.step, resume.fingerprints)
     return model_dir, shape
 
 
