@@ -148,14 +148,12 @@ def _is_torchrun(pid: int) -> bool:
 
 
 def watch_launcher() -> bool:
-    """In a rank: SIGKILL this process when its launcher (its parent: justrl's launcher or torchrun's agent) exits;
-    at once when it is already gone. Returns whether a watch was started."""
+    """In a rank: SIGKILL this process when its launcher (justrl's launcher, JUSTRL_LAUNCHER_PID, or torchrun's agent:
+    its parent) exits; at once when it is already gone. Returns whether a watch was started."""
     parent = os.getppid()
     launcher = os.environ.pop(LAUNCHER_ENV, "")  # helpers this rank starts must not take it for theirs
-    if launcher:
-        if not launcher.isdigit() or int(launcher) != parent:  # orphaned before this line ran
-            os.kill(os.getpid(), signal.SIGKILL)
-        _die_with(parent)
+    if launcher.isdigit():  # (its parent, or above it when JUSTRL_ENTRY is a wrapper); already gone: dies at once
+        _die_with(int(launcher))
         return True
     if os.environ.get("LOCAL_RANK") is not None and _is_torchrun(parent):
         _die_with(parent)

@@ -29,8 +29,9 @@ time.sleep(600)
 """
 
 # a rank for the launcher (JUSTRL_ENTRY): rank 1 fails after a moment, rank 0 would run for 10 minutes
-FAILING_RANK = ("-c", "import os, signal, sys, time; rank = int(os.environ['RANK']); print(f'rank {rank} pid {os.getpid()}',"
-                " flush=True); time.sleep(1.0 if rank == 1 else 600); how = sys.argv[1]; "
+FAILING_RANK = ("-c", "import os, signal, sys, time; rank = int(os.environ['RANK']); "
+                "print(f'rank {rank} pid {os.getpid()}', flush=True); time.sleep(1.0 if rank == 1 else 600); "
+                "how = sys.argv[1]; "
                 "os.kill(os.getpid(), signal.SIGKILL) if how == 'kill' else sys.exit(int(how))")
 
 

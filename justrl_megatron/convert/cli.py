@@ -22,8 +22,9 @@ make_vocab_size_divisible_by x TP) and is checked against the heads / query grou
 `--ckpt` takes a converter output, a training checkpoint step folder, or a training run folder (its latest step).
 
 `--out` is never an input, inside one, or a folder holding one (symlinks resolved), with or without `--force`. The
-output is written into a temporary sibling (`.NAME.justrl-convert-tmp.XXXXXX`, new for each run) and renamed into place when complete, so a
-failed run leaves an existing output as it was, and `--force` replaces it only with a finished one.
+output is written into a temporary sibling (`.NAME.justrl-convert-tmp.XXXXXX`, new for each run) and renamed into
+place when complete, so a failed run leaves an existing output as it was, and `--force` replaces it only with a
+finished one. The converter removes no folder it did not create in the same run (other than the --out it replaces).
 """
 
 from __future__ import annotations
