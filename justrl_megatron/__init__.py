@@ -11,3 +11,8 @@ if _os.environ.get("JUSTRL_TRAINER_PID"):  # a helper a trainer started (lifelin
     from .lifeline import watch_from_env as _watch_from_env
 
     _watch_from_env()
+elif _os.environ.get("JUSTRL_LAUNCHER_PID") or _os.environ.get("LOCAL_RANK") is not None:
+    # a rank of a launch (justrl's launcher or torchrun): it dies with its launcher (lifeline.py)
+    from .lifeline import watch_launcher as _watch_launcher
+
+    _watch_launcher()

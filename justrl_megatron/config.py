@@ -275,6 +275,12 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
 
     problems += moe.problems(cfg, shape)
     problems += _transformer_engine_problems(cfg)
+    from .rollout.limits import problems as sampling_problems  # what vLLM's SamplingParams would refuse
+
+    problems += sampling_problems(cfg)
+    if isinstance(tr.seed, int) and tr.seed + max(world_size, 1) - 1 > SEED_MAX:  # engine i seeds numpy with seed + i
+        problems.append(f"trainer.seed={tr.seed}: numpy and vLLM take 32-bit seeds (one per engine: seed + its "
+                        f"index); use a seed <= {SEED_MAX - max(world_size, 1) + 1}")
     if par.expert < 1:
         problems.append(f"parallel.expert must be >= 1, got {par.expert}")
     elif train_world > 0 and pp >= 1 and train_world % (par.expert * pp):  # megatron's expert grid: EP x PP
@@ -348,6 +354,9 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
 
         problems += check_parallel_layout(shape, tp, pp, par.virtual_pipeline, max(par.expert, 1))
         context = cfg.model.max_context or shape.max_position_embeddings
+        if cfg.model.max_context and cfg.model.max_context > shape.max_position_embeddings:
+            problems.append(f"model.max_context={cfg.model.max_context} exceeds the model's positions "
+                            f"(max_position_embeddings {shape.max_position_embeddings}); lower it or leave it null")
         if total_len > context:
             problems.append(
                 f"data.max_prompt_length + rollout.max_response_length = {total_len} exceeds the model context "
@@ -477,6 +486,7 @@ RANGES = {
     "model.make_vocab_size_divisible_by": (_AT_LEAST_1, ">= 1"),
     "model.max_context": (_AT_LEAST_1, ">= 1 (or null: the model's own)"),
 }
+SEED_MAX = 2**32 - 1  # numpy's (np.random.seed) and vLLM's engine seed range
 # key -> the names it accepts (the engine's own list for weight_sync_backend: cpu is an alias of local)
 CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),

@@ -15,6 +15,10 @@ A killed trainer cannot clean up, so the helpers must notice by themselves:
   at-fork hook; a spawned Python child that imports justrl_megatron (multiprocessing's spawn imports the trainer's
   main module, so every spawned helper does) finds the trainer's pid in JUSTRL_TRAINER_PID and watches it from the
   package's import. multiprocessing's resource tracker ends by itself once every process that holds its pipe has.
+- the ranks of a multi-process launch (`watch_launcher`, from the package's import, so before the slow imports): a rank
+  SIGKILLs itself when its launcher exits, justrl's (launch.py, JUSTRL_LAUNCHER_PID) or torchrun's agent (its parent,
+  recognised by its command line). A launcher killed with SIGKILL (a lost Slurm step, `kill -9`) leaves no rank
+  training headless, holding the run dir's lock.
 A helper stuck in C code that holds the GIL is killed when it lets go of it.
 """
 
@@ -129,3 +133,29 @@ def watch_from_env() -> bool:
         return False
     _die_with(pid)
     return True
+
+
+LAUNCHER_ENV = "JUSTRL_LAUNCHER_PID"  # set by launch.py for its ranks only (a rank takes it out of its environment)
+
+
+def _is_torchrun(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return any(a == "torch.distributed.run" or a.endswith(("/torchrun", "torch/distributed/run.py")) for a in args[:4])
+
+
+def watch_launcher() -> bool:
+    """In a rank: SIGKILL this process when its launcher (justrl's launcher, JUSTRL_LAUNCHER_PID, or torchrun's agent:
+    its parent) exits; at once when it is already gone. Returns whether a watch was started."""
+    parent = os.getppid()
+    launcher = os.environ.pop(LAUNCHER_ENV, "")  # helpers this rank starts must not take it for theirs
+    if launcher.isdigit():  # (its parent, or above it when JUSTRL_ENTRY is a wrapper); already gone: dies at once
+        _die_with(int(launcher))
+        return True
+    if os.environ.get("LOCAL_RANK") is not None and _is_torchrun(parent):
+        _die_with(parent)
+        return True
+    return False

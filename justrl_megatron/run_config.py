@@ -6,6 +6,10 @@ newest history entry is the previous launch, so before any heavy work the two ar
     indexes, the seed) stop the run with one message;
   * every other difference takes effect (the LR schedule too: model/policy.py lets the config override the saved
     scheduler) and is listed once, by rank 0.
+Data files are pinned by content too: each launch records a fingerprint (sha256) of every local data file it reads
+(data.train, data.eval, data.val[i].path) beside its history entry (NNNN.data.json). On resume a changed data.train
+stops the run (the saved sampler position indexes its rows), a changed data.eval or validation set is read anew and
+said so, one line each.
 hydra's own run_dir/hydra/config.yaml is rewritten by every launch (also one refused later); the history keeps every
 launch that passed the checks, resolved, with the command that made it.
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -79,6 +85,50 @@ def pinned_root(key: str) -> str | None:
     return next((p for p in PINNED if key == p or key.startswith(p + ".")), None)
 
 
+FINGERPRINTS = ".data.json"  # NNNN.data.json beside NNNN.yaml
+_HASH_CHUNK = 1 << 20
+
+
+def _fingerprint(spec) -> str | None:
+    """sha256 of a local data file (of a folder: its data files' names and contents), None for what is not local
+    (a hub name, generated:<task>)."""
+    if not spec or str(spec).startswith("generated:"):
+        return None
+    path = Path(str(spec)).expanduser()
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".parquet", ".jsonl", ".json"))
+    else:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def data_fingerprints(cfg) -> dict:
+    """{"data.train": {"path": ..., "fingerprint": "sha256:..."}, ...} for every local data file of the config."""
+    specs = {"data.train": cfg.data.train, "data.eval": cfg.data.eval}
+    specs.update({f"data.val[{i}].path": entry.path for i, entry in enumerate(cfg.data.val)})
+    out = {}
+    for key, spec in specs.items():
+        fingerprint = _fingerprint(spec)
+        if fingerprint is not None:
+            out[key] = {"path": str(spec), "fingerprint": fingerprint}
+    return out
+
+
+def _saved_fingerprints(entry: Path) -> dict:
+    try:
+        return json.loads(entry.with_name(entry.stem + FINGERPRINTS).read_text())
+    except (OSError, ValueError):
+        return {}  # an entry from before fingerprints existed (or damaged): nothing to compare
+
+
 class ResumeCheck:
     """The previous launch vs this one, for a run dir with a checkpoint at `step` (None: a fresh start).
     `saved_shape` (the checkpoint's metadata "shape") and `shape` (this launch's ModelShape) compare the model itself,
@@ -86,6 +136,7 @@ class ResumeCheck:
 
     def __init__(self, cfg, step: int | None, *, saved_shape: dict | None = None, shape=None):
         self.step, self.previous, self.changes, self.problems = step, None, [], []
+        self.fingerprints = data_fingerprints(cfg)  # recorded with the launch (record_launch)
         if step is None:
             return
         if saved_shape and shape is not None:
@@ -115,6 +166,21 @@ class ResumeCheck:
                     f"{step} pins it: {PINNED[root]}. Set it back, or start a new run (another trainer.run_dir)")
             else:
                 self.changes.append(f"{key}: {_show(old)} -> {_show(new)}")
+        self._compare_data(_saved_fingerprints(self.previous), step)
+
+    def _compare_data(self, saved: dict, step: int) -> None:
+        """A data file at the same path with other content: data.train is refused, the others are read anew."""
+        for key, now in self.fingerprints.items():
+            then = saved.get(key)
+            if then is None or then.get("path") != now["path"] or then.get("fingerprint") == now["fingerprint"]:
+                continue  # new, moved (a changed setting: compared above) or unchanged
+            what = f"{key}={now['path']}: its content changed since the last launch ({then['fingerprint'][:19]} -> " \
+                   f"{now['fingerprint'][:19]})"
+            if key == "data.train":
+                self.problems.append(f"{what} but the checkpoint at step {step} pins it: {PINNED['data.train']}. "
+                                     f"Restore the file, or start a new run (another trainer.run_dir)")
+            else:
+                self.changes.append(f"{what}; it is read anew")
 
     def describe(self, run_dir) -> str | None:
         """The changes that take effect, for rank 0 to print once (None when nothing changed)."""
@@ -132,8 +198,9 @@ def _show(value) -> str:
     return repr(value) if isinstance(value, str) and value != UNSET else str(value)
 
 
-def record_launch(cfg, step: int | None) -> Path:
-    """Write this launch's resolved config as the next history entry (rank 0, after the checks passed)."""
+def record_launch(cfg, step: int | None, fingerprints: dict | None = None) -> Path:
+    """Write this launch's resolved config as the next history entry, and its data files' fingerprints beside it
+    (`fingerprints`: ResumeCheck's, else computed; rank 0, after the checks passed)."""
     folder = history_dir(cfg.trainer.run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     entries = history(cfg.trainer.run_dir)
@@ -143,6 +210,10 @@ def record_launch(cfg, step: int | None) -> Path:
     start = f"resumed at step {step}" if step else "fresh start"
     header = f"# launch {number}, {when}, {start}\n# command: {' '.join(sys.argv)}\n"
     tmp = path.with_name(f".{path.name}.tmp")
+    data = path.with_name(path.stem + FINGERPRINTS)
+    data_tmp = data.with_name(f".{data.name}.tmp")
+    data_tmp.write_text(json.dumps(data_fingerprints(cfg) if fingerprints is None else fingerprints, indent=1))
+    os.replace(data_tmp, data)  # before the entry: an entry never lacks the fingerprints it was launched with
     tmp.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
     os.replace(tmp, path)  # a reader never sees half an entry
     return path

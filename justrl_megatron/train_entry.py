@@ -92,7 +92,7 @@ def check_config(cfg, *, also=()):
         if note:
             print(f"justrl-train: {note}", flush=True)
         lock_run_dir(cfg)  # (held since hydra started: RunDirLock; a no-op then) before the launch is recorded
-        record_launch(launched, resume.step)
+        record_launch(launched, resume.step, resume.fingerprints)
     return model_dir, shape
 
 
@@ -113,6 +113,15 @@ class RunDirLock(Callback):
     (run_dir/hydra/) and before any slow check, so a second trainer on the run dir exits 2 at once, in one line."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        if not _is_rank0():  # the other ranks write only once the lock is this launch's (run_lock.join_launch)
+            try:
+                run_lock.join_launch(config.trainer.run_dir)
+            except run_lock.RunDirBusy:
+                sys.exit(2)  # rank 0 says why, in one line
+            except TimeoutError as exc:
+                print(f"justrl-train: rank {os.environ.get('RANK')}: {exc}", file=sys.stderr)
+                sys.exit(1)
+            return
         try:
             lock_run_dir(config)
         except (run_lock.RunDirBusy, ConfigError) as exc:
@@ -199,23 +208,32 @@ def _run_dir_of(args: list[str]) -> str | None:
 
 
 def prompt_length_problems(cfg, model_dir) -> list[str]:
-    """A problem when every training prompt is longer than data.max_prompt_length (after the chat template): a few
-    rows first, all of them only when none of those fits."""
+    """A problem for each data split (data.train, data.eval as the held-out evaluation reads it, every data.val set)
+    whose prompts are all longer than data.max_prompt_length (after the chat template): a few rows first, all of them
+    only when none of those fits."""
     from transformers import AutoTokenizer
 
     from .train.sampler import load_training_rows, tokenize_prompts
+    from .train.validation import length_problems
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
+    splits = [("train", "data.train", None)]
+    if cfg.data.eval and cfg.trainer.eval_samples > 0:
+        splits.append(("eval", "data.eval", cfg.trainer.eval_samples))
+    problems = []
     with contextlib.redirect_stderr(io.StringIO()):
-        rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, limit=DATA_SAMPLE_ROWS)
-        if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
-            return []
-        rows = load_training_rows(cfg.data, seed=cfg.trainer.seed)
-        prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
-    if prompts:
-        return []
-    return [f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of data.train are longer "
-            f"(with data.template={cfg.data.template}); raise it or use shorter prompts"]
+        for split, key, limit in splits:
+            rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=DATA_SAMPLE_ROWS)
+            if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
+                continue
+            rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=limit)
+            prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
+            if not prompts:
+                problems.append(f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of "
+                                f"{key} are longer (with data.template={cfg.data.template}); raise it or use shorter "
+                                f"prompts")
+        problems += length_problems(cfg, tokenizer)
+    return problems
 
 
 def resume_check(cfg, shape):
@@ -273,6 +291,7 @@ def main() -> None:
     """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
     every other problem is found too) and reported with them."""
     lifeline.bind_helpers_to_this_process()  # before any helper process exists
+    run_lock.adopt_inherited()  # under justrl's launcher: the run dir's lock, taken for the whole launch
     _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
     # before hydra, which creates the run dir and writes into it (an empty value: into the current folder)
     run_dir = _run_dir_of(sys.argv[1:]) if not _cli_problems else None

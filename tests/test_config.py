@@ -373,3 +373,21 @@ def test_every_prompt_too_long_is_found_before_the_run_dir_is_written(tmp_path, 
     assert lines == ["  - data.max_prompt_length=8: all 16 prompts of data.train are longer (with "
                      "data.template=boxed); raise it or use shorter prompts"], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_pins_the_training_data_by_content_and_rereads_a_changed_eval_set(tmp_path):
+    """Only data.train's path was pinned: a file rewritten between launches resumed silently (issue 42)."""
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text('{"problem": "1+1", "answer": "2"}\n')
+    held_out.write_text('{"problem": "2+2", "answer": "4"}\n')
+    launch = _launch(tmp_path, f"data.train={train}", f"data.eval={held_out}")
+    record_launch(launch, None)
+    assert ResumeCheck(launch, 3).problems == []  # same files
+    train.write_text('{"problem": "1+1", "answer": "3"}\n')
+    held_out.write_text('{"problem": "2+2", "answer": "5"}\n')
+    check = ResumeCheck(launch, 3)
+    assert len(check.problems) == 1 and check.problems[0].startswith(f"data.train={train}: its content changed since "
+                                                                     f"the last launch (sha256:")
+    assert "the checkpoint at step 3 pins it" in check.problems[0] and "Restore the file" in check.problems[0]
+    assert len(check.changes) == 1 and check.changes[0].startswith(f"data.eval={held_out}: its content changed")
+    assert check.changes[0].endswith("it is read anew")

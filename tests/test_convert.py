@@ -424,3 +424,30 @@ def test_smollm2_135m_logits_and_export(tmp_path):
     assert v["megatron_vs_fp64"] <= 2 * noise and v["megatron_vs_fp64"] <= 5e-4, v
     assert v["megatron_vs_hf_eager_fp32"] <= 5e-4, v
     assert v["exported"] == v["in_hf_file"] == 272 and v["mismatched"] == [], v
+
+
+def test_the_converter_removes_only_folders_it_created(tmp_path):
+    """An input named like the converter's staging folders (.OUT.justrl-convert-tmp / -old) was deleted (issue 42):
+    each run stages into a new folder of its own, and replacing --out (--force) parks it under a new name too."""
+    import pytest as _pytest
+
+    from justrl_megatron.convert.cli import _staged_output
+
+    out = tmp_path / "out"
+    lookalikes = [tmp_path / ".out.justrl-convert-tmp", tmp_path / ".out.justrl-convert-old"]
+    for folder in lookalikes:
+        folder.mkdir()
+        (folder / "model.safetensors").write_text("someone's input")
+    with _pytest.raises(RuntimeError):
+        with _staged_output(out) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("conversion failed")
+    assert not out.exists()
+    for round_ in ("first", "second"):  # a fresh output, then one replacing it
+        with _staged_output(out) as tmp:
+            assert tmp.parent == tmp_path and tmp not in lookalikes and not any(tmp.iterdir())
+            (tmp / "model.safetensors").write_text(round_)
+        assert (out / "model.safetensors").read_text() == round_
+    for folder in lookalikes:
+        assert (folder / "model.safetensors").read_text() == "someone's input"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(p.name for p in lookalikes)])

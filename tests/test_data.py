@@ -388,3 +388,16 @@ def test_prepare_data_tool(tmp_path):
                           str(tmp_path / "missing.jsonl"), "--format", "gsm8k", "--output", str(out)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "missing.jsonl" in bad.stderr
+
+
+def test_a_structured_ground_truth_needs_a_value_at_every_depth(tmp_path, capsys):
+    """{"foo": null} and [null, {...}] were kept as valid rows and always scored 0 (issue 42)."""
+    answers = [{"foo": None}, [None, {"a": 1}], {"a": {"b": [1, {"c": float("nan")}]}}, [], {"a": [1, 2]},
+               {"tests": ["assert f() is None"], "setup": ""}, [[[[1]]]]]
+    rows = [{"problem": f"p{i}", "answer": a} for i, a in enumerate(answers)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # NaN as json's NaN token
+    res = load_rows(str(path), "generic")
+    assert [r["answer"] for r in res.rows] == answers[4:]
+    assert res.skipped == {"null_answer": 3, "empty_answer": 1}
+    assert "skipped 4 malformed (empty_answer=1, null_answer=3)" in capsys.readouterr().err

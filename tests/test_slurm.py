@@ -255,8 +255,9 @@ def test_train_sbatch_requeue_resumes_without_losing_a_step(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_local_train_sh_stops_all_ranks_together_and_resumes(tmp_path):
-    """launch/local/train.sh: 2 ranks under torchrun --standalone; rank 1 alone gets SIGUSR1 in step 2, both stop
-    after step 2 with a checkpoint; the same command again resumes at step 3."""
+    """launch/local/train.sh: 2 ranks under justrl's launcher; rank 1 alone gets SIGUSR1 in step 2, both stop
+    after step 2 with a checkpoint; a launch whose launcher is SIGKILLed in step 3 leaves no rank alive; the same
+    command again resumes at step 3."""
     env = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1",
            "JUSTRL_ENTRY": str(REPO / "tests/slurm/step_worker.py")}
     cmd = ["bash", str(REPO / "launch/local/train.sh"), f"trainer.run_dir={tmp_path}", "trainer.total_steps=4",
@@ -265,6 +266,19 @@ def test_local_train_sh_stops_all_ranks_together_and_resumes(tmp_path):
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert first.stdout.count("checkpoint saved at step 2; exiting for requeue") == 2, first.stdout
     assert json.loads((tmp_path / "checkpoint.json").read_text()) == {"step": 2, "world": 2}
+    # SIGKILL of the launcher (what a lost node or `kill -9` does) in step 3: no rank outlives it, and the lock
+    # (held by every process of the launch) is free again for the next launch
+    killed = subprocess.Popen([*cmd[:-2], "step_seconds=60"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    assert [killed.stdout.readline() for _ in range(2)][-1].startswith("rank "), "the ranks did not start"
+    ranks = [int(p) for p in Path(f"/proc/{killed.pid}/task/{killed.pid}/children").read_text().split()]
+    assert len(ranks) == 2
+    killed.kill()
+    killed.wait()
+    deadline = time.monotonic() + 5.0
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "a rank outlived its launcher by 5 s"
     second = subprocess.run(cmd[:-1], env=env, capture_output=True, text=True, timeout=180)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert "resuming after step 2" in second.stdout and "finished 4 steps" in second.stdout

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ENV, SHORT_TRAIN as SHORT, TORCHRUN, run_ok
+from helpers import ENV, SHORT_TRAIN as SHORT, run_ok
 
 
 
 def train_cmd(args, nproc=1):
     if nproc == 1:
         return [sys.executable, "-m", "justrl_megatron.cli", "train", *args]
-    return [*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "justrl_megatron.cli", "train", *args]
+    return [sys.executable, "-m", "justrl_megatron.cli", "train", f"--nproc-per-node={nproc}", *args]  # launch.py
 
 
 def train(args, nproc=1, timeout=900):

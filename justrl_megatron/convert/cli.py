@@ -22,8 +22,9 @@ make_vocab_size_divisible_by x TP) and is checked against the heads / query grou
 `--ckpt` takes a converter output, a training checkpoint step folder, or a training run folder (its latest step).
 
 `--out` is never an input, inside one, or a folder holding one (symlinks resolved), with or without `--force`. The
-output is written into a temporary sibling (`.NAME.justrl-convert-tmp`) and renamed into place when complete, so a
-failed run leaves an existing output as it was, and `--force` replaces it only with a finished one.
+output is written into a temporary sibling (`.NAME.justrl-convert-tmp.XXXXXX`, new for each run) and renamed into
+place when complete, so a failed run leaves an existing output as it was, and `--force` replaces it only with a
+finished one. The converter removes no folder it did not create in the same run (other than the --out it replaces).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -163,21 +165,35 @@ def _check_out(out: str, force: bool, inputs: dict[str, str | os.PathLike | None
         raise UsageError(f"--out {out} is not empty (pass --force to overwrite)")
 
 
+STAGING_SUFFIX = ".justrl-convert-tmp"  # .NAME.justrl-convert-tmp.XXXXXX: the folder an output is written into
+
+
 def _staging(out: str | os.PathLike) -> Path:
-    """The temporary sibling the output is written into (the same on every rank)."""
+    """A new, empty staging folder beside --out, created by this invocation (rank 0 makes it; every rank gets its
+    name). Its name is unique: a folder already there (an input named like a staging folder, or the leftover of a
+    run that died) is never reused, so never deleted."""
     out = Path(out)
-    return out.parent / f".{out.name}.justrl-convert-tmp"
+    name = [None]
+    if _rank0():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        name[0] = tempfile.mkdtemp(prefix=f".{out.name}{STAGING_SUFFIX}.", dir=out.parent)
+        leftovers = [p for p in out.parent.glob(f".{out.name}{STAGING_SUFFIX}*") if str(p) != name[0]]
+        if leftovers:
+            _say(f"note: {len(leftovers)} staging folder(s) of earlier conversions are beside --out (e.g. "
+                 f"{leftovers[0]}); remove them once no conversion writes there")
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(name, src=0)
+    return Path(name[0])
 
 
 @contextlib.contextmanager
 def _staged_output(out: str | os.PathLike):
-    """All ranks: yields a fresh, empty staging folder to write into; on success it replaces --out (an old output is
-    removed only after the rename). On failure --out is left as it was; a single process also removes the staging
-    folder (under torchrun the other ranks may still write into it: the next run removes it)."""
-    out, tmp = Path(out), _staging(out)
-    if _rank0():
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died
-        tmp.mkdir(parents=True)
+    """All ranks: yields a fresh, empty staging folder (made by this invocation) to write into; on success it replaces
+    --out (an old output, with --force, is removed only after the rename). On failure --out is left as it was; a
+    single process also removes the staging folder (under torchrun the other ranks may still write into it). Nothing
+    this invocation did not create is ever removed, except the --out that --force replaces."""
+    out = Path(out)
+    tmp = _staging(out)
     _barrier()
     try:
         yield tmp
@@ -187,12 +203,13 @@ def _staged_output(out: str | os.PathLike):
         raise
     _barrier()
     if _rank0():
-        old = out.parent / f".{out.name}.justrl-convert-old"
-        shutil.rmtree(old, ignore_errors=True)
         if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.justrl-convert-old.", dir=out.parent))
+            os.replace(out, old)  # (onto the empty folder just made: a name nobody else uses)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
     _barrier()
 
 

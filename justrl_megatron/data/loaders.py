@@ -34,6 +34,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -254,6 +255,24 @@ def _scalar_answer(value) -> str:
     return text
 
 
+_MAX_ANSWER_DEPTH = 32  # a structured ground truth nested deeper than this is not one a verifier reads
+
+
+def _check_structured(value, depth: int = 0) -> None:
+    """A dict / list ground truth must be non-empty and hold a value at every depth: a null (None, NaN, inf) leaf
+    anywhere ({"foo": null}, [null, {...}]) makes it one no verifier can match. Strings are kept as they are (an
+    empty setup string or an expected "None" can be a code test's real value)."""
+    if depth > _MAX_ANSWER_DEPTH:
+        raise _Skip("bad_type_answer")
+    if isinstance(value, (dict, list, tuple)):
+        if not value and depth == 0:
+            raise _Skip("empty_answer")
+        for item in value.values() if isinstance(value, dict) else value:
+            _check_structured(item, depth + 1)
+    elif value is None or (isinstance(value, float) and not math.isfinite(value)):
+        raise _Skip("null_answer")
+
+
 def _ground_truth(rec: dict, names: tuple[str, ...]):
     """The first present answer column; verl's ``reward_model`` column holds it under ``ground_truth``."""
     value = _get(rec, names)
@@ -421,8 +440,8 @@ def _parse_generic(rec):
     answer = _ground_truth(rec, _GENERIC_ANSWER)
     if not isinstance(answer, (dict, list)):
         answer = _scalar_answer(answer)
-    elif not answer:
-        raise _Skip("empty_answer")
+    else:
+        _check_structured(answer)
     return problem, answer, _get(rec, ("id", "unique_id", "task_id")), _source_prompt(raw, problem)
 
 

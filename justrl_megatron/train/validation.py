@@ -138,6 +138,54 @@ def config_problems(cfg) -> list[str]:
         if entry.reward is not None and entry.reward not in REWARD_NAMES:
             problems.append(f"{where}: unknown reward {entry.reward!r}; known: {', '.join(REWARD_NAMES)} (null: "
                             f"algo.reward)")
+        elif entry.reward is not None or entry.reward_options:
+            problems += _verifier_problems(where, entry, cfg.algo)
+    return problems
+
+
+def _verifier_problems(where: str, entry, algo) -> list[str]:
+    """The set's reward_options must be its verifier's keywords (as algo.reward_options are algo.reward's)."""
+    from ..rewards import REWARD_NAMES, get_reward_fn
+
+    name = entry.reward if entry.reward is not None else algo.reward
+    if name not in REWARD_NAMES:
+        return []  # algo.reward itself is wrong: config.reward_problems says so
+    options = plain_dict(entry.reward_options)
+    try:
+        get_reward_fn(name, **options)
+    except (TypeError, ValueError) as exc:
+        return [f"{where}: reward_options={options} do not fit reward {name}: {exc}"]
+    return []
+
+
+def load_set(cfg, entry, tokenizer):
+    """(prompts, how many were too long) of one data.val set: the set as data.eval of a copy of data (same template,
+    prompt length, dedup); a generated set is the held-out draw of its task (trainer.seed +
+    sampler.HELDOUT_SEED_OFFSET), never training prompts."""
+    from .sampler import load_training_rows, tokenize_prompts
+
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    set_cfg = OmegaConf.create({**data, "val": [], "eval": entry.path, "eval_format": entry.format,
+                                "task_options": plain_dict(entry.task_options)})
+    with preserved_rng():  # a generated set draws its rows with reasoning-gym
+        rows = load_training_rows(set_cfg, seed=cfg.trainer.seed, split="eval", limit=entry.limit)
+    return tokenize_prompts(rows, tokenizer, set_cfg)
+
+
+def length_problems(cfg, tokenizer) -> list[str]:
+    """A line for every data.val set none of whose prompts fits data.max_prompt_length (with the template)."""
+    if cfg.trainer.eval_every <= 0:
+        return []
+    problems = []
+    for i, entry in enumerate(cfg.data.val):
+        try:
+            prompts, too_long = load_set(cfg, entry, tokenizer)
+        except Exception:  # noqa: BLE001  (a missing or unreadable set: config_problems or the loader says so)
+            continue
+        if not prompts and too_long:
+            problems.append(f"data.val[{i}] ({set_name(entry)}): all {too_long} prompts are longer than "
+                            f"data.max_prompt_length={cfg.data.max_prompt_length} (with data.template="
+                            f"{cfg.data.template}); raise it, or drop the set")
     return problems
 
 
@@ -156,7 +204,6 @@ class Validation:
 
     def __init__(self, cfg, tokenizer, *, enabled: bool):
         from ..rollout import SamplingConfig
-        from .sampler import load_training_rows, tokenize_prompts
 
         tr, self.tokenizer, self.enabled = cfg.trainer, tokenizer, enabled
         self.every, self.total_steps, self.before_train, self.seed = (
@@ -167,24 +214,17 @@ class Validation:
         self._scorers: dict = {}
         if self.every <= 0:
             return
-        data = OmegaConf.to_container(cfg.data, resolve=True)
-        with preserved_rng():  # a generated set draws its rows with reasoning-gym
-            for entry in cfg.data.val:
-                name = set_name(entry)
-                # the set as data.eval of a copy of data (same template, prompt length, dedup); a generated set is
-                # the held-out draw of its task (trainer.seed + sampler.HELDOUT_SEED_OFFSET), never training prompts
-                set_cfg = OmegaConf.create({**data, "val": [], "eval": entry.path, "eval_format": entry.format,
-                                            "task_options": plain_dict(entry.task_options)})
-                rows = load_training_rows(set_cfg, seed=tr.seed, split="eval", limit=entry.limit)
-                prompts, self.dropped[name] = tokenize_prompts(rows, tokenizer, set_cfg)
-                if not prompts:
-                    raise ValueError(f"data.val set {name!r} ({entry.path}) has no problems within "
-                                     f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")
-                sampling = SamplingConfig(max_tokens=entry.max_tokens or cfg.rollout.max_response_length,
-                                          temperature=entry.temperature, top_p=entry.top_p)
-                verifier = ((entry.reward, plain_dict(entry.reward_options))
-                            if entry.reward is not None else (cfg.algo.reward, plain_dict(cfg.algo.reward_options)))
-                self.sets.append(_ValSet(name, int(entry.n), prompts, sampling, verifier))
+        for entry in cfg.data.val:
+            name = set_name(entry)
+            prompts, self.dropped[name] = load_set(cfg, entry, tokenizer)
+            if not prompts:  # (length_problems refuses this before the model loads)
+                raise ValueError(f"data.val set {name!r} ({entry.path}) has no problems within "
+                                 f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")
+            sampling = SamplingConfig(max_tokens=entry.max_tokens or cfg.rollout.max_response_length,
+                                      temperature=entry.temperature, top_p=entry.top_p)
+            verifier = ((entry.reward, plain_dict(entry.reward_options))
+                        if entry.reward is not None else (cfg.algo.reward, plain_dict(cfg.algo.reward_options)))
+            self.sets.append(_ValSet(name, int(entry.n), prompts, sampling, verifier))
 
     def due(self, step: int) -> bool:
         """Step 0 (the initial weights, with eval_before_train), every eval_every steps, and the last step."""

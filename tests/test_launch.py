@@ -1,0 +1,117 @@
+"""Multi-rank launches (issue 42): justrl's launcher (`justrl-train --nproc-per-node=N`, justrl_megatron/launch.py)
+and bare torchrun.
+
+The SIGKILLed launcher of a 2-rank run (no rank alive within seconds, the relaunch resumes) shares the launches of
+tests/test_slurm.py's launch/local/train.sh test.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ENV, REPO, TORCHRUN
+
+TRAIN = [sys.executable, "-m", "justrl_megatron.cli", "train"]
+
+HOLDER = """
+import sys, time
+from justrl_megatron import run_lock
+run_lock.hold(sys.argv[1])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+# a rank for the launcher (JUSTRL_ENTRY): rank 1 fails after a moment, rank 0 would run for 10 minutes
+FAILING_RANK = ("-c", "import os, signal, sys, time; rank = int(os.environ['RANK']); "
+                "print(f'rank {rank} pid {os.getpid()}', flush=True); time.sleep(1.0 if rank == 1 else 600); "
+                "how = sys.argv[1]; "
+                "os.kill(os.getpid(), signal.SIGKILL) if how == 'kill' else sys.exit(int(how))")
+
+
+def test_nproc_per_node_is_taken_off_the_command_line():
+    from justrl_megatron.launch import split_nproc
+
+    assert split_nproc(["--nproc-per-node", "2", "a=1"]) == (2, ["a=1"])
+    assert split_nproc(["a=1", "--nproc-per-node=3"]) == (3, ["a=1"])
+    assert split_nproc(["a=1"]) == (None, ["a=1"])
+    with pytest.raises(SystemExit) as bad:
+        split_nproc(["--nproc-per-node=zero"])
+    assert bad.value.code == 2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how, code, line", [
+    ("3", 3, "justrl-train: error: rank 1 exited with code 3 (its output above says why); the other 1 rank(s) were "
+             "stopped"),
+    ("kill", 137, "justrl-train: error: rank 1 was killed by SIGKILL (the out-of-memory killer?); the other 1 rank(s) "
+                  "were stopped"),
+])
+def test_a_failing_rank_stops_the_others_at_once_in_one_line(tmp_path, how, code, line):
+    env = {**ENV, "JUSTRL_ENTRY": shlex.join(FAILING_RANK)}
+    start = time.monotonic()
+    proc = subprocess.run([*TRAIN, "--nproc-per-node=2", how], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert time.monotonic() - start < 60, "rank 0 was left running after rank 1 failed"
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == line, proc.stderr
+    assert "Traceback" not in proc.stderr
+    rank0 = int(next(w.split()[-1] for w in proc.stdout.splitlines() if w.startswith("rank 0 pid")))
+    assert not _alive(rank0)
+
+
+def test_a_refused_launch_touches_nothing_on_any_rank(tmp_path):
+    """A live holder of the run dir: justrl's launcher refuses before any rank starts (one line, exit 2); under bare
+    torchrun rank 0 refuses in one line and rank 1 waits for the lock's decision and writes nothing either."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock_line = (run_dir / ".justrl.lock").read_text()
+        ours = subprocess.run([*TRAIN, "--nproc-per-node=2", f"trainer.run_dir={run_dir}"], env=ENV,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert ours.returncode == 2, ours.stderr
+        assert ours.stderr.strip().startswith("justrl-train: error: ") and len(ours.stderr.strip().splitlines()) == 1
+        assert f"pid {holder.pid}," in ours.stderr and "process(es)" not in ours.stderr
+        bare = subprocess.run([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train",
+                               f"trainer.run_dir={run_dir}"], env=ENV, capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)
+        assert bare.returncode != 0
+        assert bare.stderr.count("justrl-train: error: ") == 1 and f"pid {holder.pid}," in bare.stderr, bare.stderr
+        assert sorted(p.name for p in run_dir.iterdir()) == [".justrl.lock"]  # no hydra/, no config_history/
+        assert (run_dir / ".justrl.lock").read_text() == lock_line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, nproc):
+    """Ctrl-C to the process group a moment after the start (imports under way), alone and under the launcher."""
+    cmd = [*TRAIN, *([f"--nproc-per-node={nproc}"] if nproc else []), f"trainer.run_dir={tmp_path / 'run'}"]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=tmp_path)
+    if nproc:  # the ranks are importing once the launcher has said how many it started
+        line = proc.stderr.readline()
+        assert "2 process(es)" in line, line
+        time.sleep(0.5)
+    else:
+        time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert [w for w in err.splitlines() if "process(es)" not in w] == [
+        "justrl-train: interrupted before training started; nothing was saved"], err
