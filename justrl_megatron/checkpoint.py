@@ -17,7 +17,8 @@ Layout (all under `run_dir/checkpoints/`):
                            scheduler, caller's extra state), rng/rank00000.pt ... (every rank's RNG states)
   latest                   "step_00000020": written last, by atomic replace
   .tmp_step_00000030.<pid>/  a save in progress (or one that died): never read; named by its writer, removed by the
-                           next save of the run dir's lock holder (run_lock.py), or at once when the save fails
+                           next start or save of the run dir's lock holder (run_lock.py), or at once when the save
+                           fails
 
 Atomicity: every rank writes into the temp folder and fsyncs; after a barrier rank 0 writes manifest.json (every file
 with its size, and a CRC32 of the small ones), renames the folder to step_N, fsyncs, then replaces `latest`. A crash
@@ -491,8 +492,38 @@ def _sharded_state_dict(chunks, optimizer, is_loading: bool, metadata: dict | No
         if is_loading:
             _prime_empty_adam_state(optimizer)
         metadata = metadata or _content_metadata(optimizer)["justrl_optimizer"]
-        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(metadata))
+        with _distopt_buckets_without_step(optimizer):
+            sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(metadata))
     return sd
+
+
+@contextlib.contextmanager
+def _distopt_buckets_without_step(optimizer):
+    """Keep torch Adam's per-parameter "step" out of the dp_reshardable buckets (megatron-core 0.16 without apex / TE,
+    the CPU build). That format saves every per-parameter state tensor as a slice of its bucket; a 1-element "step"
+    does not fit that mapping and reads back as 0 (Adam's bias corrections then restart: measured, the second step
+    after a resume differed). The step is saved once in the param groups anyway, and the load restores it from there
+    (`_distopt_load_without_apex`). Instance-level, only while the sharded state dict is built."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer as dopt
+    except ImportError:
+        yield
+        return
+    subs = [s for s in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(s, dopt.DistributedOptimizer) and not getattr(dopt, "HAVE_APEX_OR_TE", True)
+            and not getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+    for sub in subs:
+        original = sub._get_main_param_and_optimizer_states
+
+        def without_step(model_param, original=original):
+            return {k: v for k, v in original(model_param).items() if k != "step"}
+
+        sub._get_main_param_and_optimizer_states = without_step
+    try:
+        yield
+    finally:
+        for sub in subs:
+            del sub._get_main_param_and_optimizer_states  # back to the class method
 
 
 def _stage(run_dir, step: int, tmp: Path, chunks, optimizer, scheduler, extra: dict, shape: ModelShape | None,
@@ -789,6 +820,18 @@ def _full_message(run_dir, step: int, needed: int | None, *, free: int, written:
     kept = f"`latest` still points to step {last}" if last is not None else "no checkpoint exists yet"
     return (f"checkpoint step {step} in {checkpoint_root(run_dir)}: {what} ({_size(free)} free, {need}); {left} and "
             f"{kept}: free some space (or move trainer.run_dir) and rerun the same command to resume")
+
+
+def disk_full_message(exc: BaseException, folder: Path, what: str) -> str | None:
+    """One line for a write into `folder` that failed for lack of space (None: another failure). For writers
+    without a previous size to go by (HF snapshots)."""
+    if not _disk_full(exc, folder.parent):
+        return None
+    written = _folder_bytes(folder) if folder.is_dir() else 0
+    free = shutil.disk_usage(folder.parent).free
+    return (f"{what} in {folder.parent}: stopped: the disk is full ({_size(free)} free, more than the "
+            f"{_size(written)} written before it filled are needed); the partial folder was removed: free some space "
+            f"(or move trainer.run_dir) and rerun the same command to resume")
 
 
 def _size(nbytes: float) -> str:
