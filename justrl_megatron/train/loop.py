@@ -99,6 +99,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 
         # 1-3. sample prompts -> rollout (weights of `version` updates) -> rewards, in as many rounds as the step needs
         scored = pipeline.next_batch(step, version, timer)
+        checkpoints.poll()  # a checkpoint written in the background since the last step is committed once it is done
         batch, rollouts = scored.batch.prompts, scored.batch.rollouts
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
             logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
@@ -145,7 +146,6 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         diverged = skip_limit_message(policy.skipped_in_a_row, tr.max_skipped_steps)
         stopping = stop.agreed() or diverged is not None
         #    An async save is written while the next steps run; stopping, or the last step, waits for it.
-        checkpoints.poll()
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
             checkpoints.save(step, policy.chunks, policy.optimizer, policy.scheduler,
                              {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state()})
