@@ -42,8 +42,9 @@ def shape(layers: int, moe: bool) -> ModelShape:
                          "tie_word_embeddings": True, "init_std": 0.02, **extra})
 
 
-def pss_tree(pid: int) -> int:
-    """PSS bytes of `pid` and its descendants."""
+def pss_tree(pid: int, spawned: list | None = None) -> int:
+    """PSS bytes of `pid` and its descendants (`spawned` collects those of spawned helpers: megatron's result-queue
+    Manager, started once per process and kept, not per save)."""
     kids: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -59,28 +60,32 @@ def pss_tree(pid: int) -> int:
         todo += kids.get(p, [])
         try:
             with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except OSError:
+                pss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+            total += pss
+            if spawned is not None and p != pid:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        spawned.append(pss)
+        except (OSError, StopIteration):
             pass
     return total
 
 
 class PeakSampler:
     def __init__(self):
-        self.peak, self._stop = 0, threading.Event()
+        self.peak, self.helpers, self._stop = 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, pss_tree(os.getpid()))
+            spawned = []
+            self.peak = max(self.peak, pss_tree(os.getpid(), spawned))
+            self.helpers = max(self.helpers, sum(spawned))
             time.sleep(0.02)
 
     def reset(self):
-        self.peak = pss_tree(os.getpid())
+        self.peak, self.helpers = pss_tree(os.getpid()), 0
 
     def stop(self):
         self._stop.set()
@@ -129,9 +134,10 @@ def main():
             times.append(time.perf_counter() - t)
         saver.wait()
         key = mode if mode not in result else "none_again"
-        result[key] = {"step_s": statistics.median(times), "steps_s": times, "peak_pss_bytes": sampler.peak}
+        result[key] = {"step_s": statistics.median(times), "steps_s": times, "peak_pss_bytes": sampler.peak,
+                       "spawned_helpers_pss_bytes": sampler.helpers}
     sampler.stop()
-    result["predicted_save_bytes"] = checkpoint_save_bytes(s, dp=world // args.ep if not args.moe else world,
+    result["predicted_save_bytes"] = checkpoint_save_bytes(s, dp=world,
                                                            dtype=torch.float32, distributed_optimizer=True)
     result["params_here"] = sum(p.numel() for c in policy.chunks for p in c.parameters())
     with open(Path(args.out) / f"bench_rank{rank}.json", "w") as f:
@@ -146,8 +152,9 @@ def main():
                   f"sync save: {v['sync']['step_s']:.2f} s ({v['sync']['step_s'] / base:.2f}x), "
                   f"{v['sync']['peak_pss_bytes'] / 2**30:.2f} GiB ({v['sync']['peak_pss_bytes'] / peak:.2f}x) | "
                   f"async save: {v['async']['step_s']:.2f} s ({v['async']['step_s'] / base:.2f}x), "
-                  f"{v['async']['peak_pss_bytes'] / 2**30:.2f} GiB ({v['async']['peak_pss_bytes'] / peak:.2f}x)",
-                  flush=True)
+                  f"{v['async']['peak_pss_bytes'] / 2**30:.2f} GiB ({v['async']['peak_pss_bytes'] / peak:.2f}x) | "
+                  f"of which megatron's spawned result-queue Manager {v['async']['spawned_helpers_pss_bytes'] / 2**30:.2f}"
+                  f" GiB; predicted save bytes {v['predicted_save_bytes'] / 2**30:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":  # dist_checkpointing forks / spawns its writers

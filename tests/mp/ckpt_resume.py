@@ -46,6 +46,7 @@ from justrl_megatron.convert.mapping import live_parameters
 from justrl_megatron.distributed import init_distributed, init_model_parallel
 from justrl_megatron.model.build import build_model_chunks
 from justrl_megatron.model.hf_config import model_shape, transformer_config
+from justrl_megatron.model.memory import checkpoint_save_bytes
 
 MB, SEQ, NUM_MB = 2, 16, 2
 
@@ -277,6 +278,8 @@ def main(out, hf_dir):
     d.step(), d.step()  # train on while the writer writes
     v["async_committed"] = str(saver.wait())
     v["async_format"] = ckpt._saved_content(ckpt.step_dir(run_d, 2)).get("justrl_optimizer")
+    v["distopt_tensor_bytes"] = sum(p.stat().st_size for p in ckpt.step_dir(run_d, 2).glob("*.distcp"))
+    v["distopt_predicted_save_bytes"] = checkpoint_save_bytes(shape, dp=2, dtype=torch.float32)  # per rank
     dw4 = d.weights()
     e = Trainer(hf_dir, shape, 1, 1, from_hf=False, init_seed=77, distributed_optimizer=True)
     e.seed_everything(77)
