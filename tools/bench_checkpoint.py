@@ -137,7 +137,7 @@ def main():
         result[key] = {"step_s": statistics.median(times), "steps_s": times, "peak_pss_bytes": sampler.peak,
                        "spawned_helpers_pss_bytes": sampler.helpers}
     sampler.stop()
-    result["predicted_save_bytes"] = checkpoint_save_bytes(s, dp=world,
+    result["predicted_save_bytes"] = checkpoint_save_bytes(s, dp=world, ep=args.ep,
                                                            dtype=torch.float32, distributed_optimizer=True)
     result["params_here"] = sum(p.numel() for c in policy.chunks for p in c.parameters())
     with open(Path(args.out) / f"bench_rank{rank}.json", "w") as f:

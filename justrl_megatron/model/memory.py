@@ -392,7 +392,7 @@ def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: 
 
 # --- what a checkpoint save holds (issue 39) ---------------------------------------------------------------------------
 
-def checkpoint_save_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1,
+def checkpoint_save_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                           dtype: torch.dtype = torch.bfloat16, distributed_optimizer: bool = True) -> int:
     """Host bytes one rank's checkpoint save holds beside training (checkpoint.py), for the heaviest pipeline stage.
 
@@ -405,4 +405,12 @@ def checkpoint_save_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: in
     (The former fully_reshardable format also gathered 12 bytes per parameter of the whole model onto DP rank 0.)"""
     params = params_per_gpu(shape, tp=tp, pp=pp)
     master = 4 if distributed_optimizer or dtype in (torch.bfloat16, torch.float16) else 0
-    return int(params * (_bytes(dtype) + 8 + master) / dp)
+    per_param = _bytes(dtype) + 8 + master
+    total = params * per_param / dp
+    if shape.num_experts:  # MoE layers: a router and this EP rank's experts (expert TP 1) instead of the dense MLP,
+        layers = math.ceil(shape.num_layers / pp)  # the experts sharded over the expert-DP ranks (dp / ep)
+        dense_mlp = layers * 3 * shape.hidden_size * shape.ffn_hidden_size // tp
+        router = layers * shape.hidden_size * shape.num_experts
+        experts = layers * (shape.num_experts // ep) * 3 * shape.hidden_size * shape.moe_ffn_hidden_size
+        total += (router - dense_mlp) * per_param / dp + experts * per_param / max(1, dp // ep)
+    return int(total)
