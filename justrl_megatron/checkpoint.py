@@ -17,7 +17,8 @@ Layout (all under `run_dir/checkpoints/`):
                            scheduler, caller's extra state), rng/rank00000.pt ... (every rank's RNG states)
   latest                   "step_00000020": written last, by atomic replace
   .tmp_step_00000030.<pid>/  a save in progress (or one that died): never read; named by its writer, removed by the
-                           next save of the run dir's lock holder (run_lock.py), or at once when the save fails
+                           next start or save of the run dir's lock holder (run_lock.py), or at once when the save
+                           fails
 
 Atomicity: every rank writes into the temp folder and fsyncs; after a barrier rank 0 writes manifest.json (every file
 with its size, and a CRC32 of the small ones), renames the folder to step_N, fsyncs, then replaces `latest`. A crash
@@ -33,8 +34,22 @@ A full disk: the free space is checked before a save against the last checkpoint
 for lack of space (or fails in any way) removes its staging folder, leaves `latest` alone and raises
 CheckpointWriteError, whose one-line message names the folder and the space needed.
 
-Resharding: model weights and the optimizer state (megatron's reshardable formats) load at any TP / PP. RNG states are
-per rank, so they are restored only when the layout is the same (resharded runs get a warning).
+Sharded optimizer state: the distributed optimizer's state is saved in megatron's `dp_reshardable` format: each rank
+writes its own buckets (no gather onto DP rank 0, no communication, no copy beyond megatron's per-bucket views).
+Plain optimizers keep their per-parameter format.
+
+Async saves (`Checkpointer(async_save=True)`, trainer.async_save): the small files (common state, RNG, trainer state,
+metadata) are written at once, the tensors by megatron's background writer while training goes on; `latest` moves
+only at the commit (the writes finished on every rank, manifest written and verified). A save killed meanwhile leaves
+only its staging folder, removed when the next run starts (`load_latest_checkpoint`, `remove_stale_staging`).
+
+What a resume may change (run_config.py refuses the rest before any heavy work):
+  * the data-parallel size: weights, optimizer state (both formats) and LR schedule reshard; RNG states are per rank,
+    restored only at the same layout (a resharded run gets a warning);
+  * TP / PP / VPP / EP / CP: model weights and plain-optimizer state reshard; the distributed optimizer's dp_reshardable
+    state does not: refused in one line (`layout_refusal`) naming the way out (resume at the saved layout, or export
+    the weights with `justrl-convert mcore-to-hf` and start afresh). Checkpoints from before dp_reshardable (the
+    optimizer gathered, `fully_reshardable`) still load, at any layout.
 """
 
 from __future__ import annotations
@@ -154,9 +169,15 @@ TMP_PREFIX = ".tmp_"
 TRAINER_STATE = "trainer_state.pt"
 MANIFEST = "manifest.json"  # written last into a complete checkpoint: its files, sizes and small files' CRC32
 CRC_MAX_BYTES = 16 << 20  # checksum files up to this size (metadata, common state, RNG); the big shards: size only
-# megatron's reshardable optimizer formats (DistributedOptimizer: gathers per-parameter state; plain optimizers are
-# always per-parameter); the same metadata must be used to save and to load.
+# The optimizer state's format; the same metadata must be used to save and to load, so a checkpoint records its own
+# (megatron's content metadata; checkpoints without one used OPTIM_METADATA).
+# Plain optimizers: per-parameter state, reshardable at any layout (the "fully_reshardable" name only keeps
+# megatron's ChainedOptimizer from prefixing its keys: the format of every plain-optimizer checkpoint so far).
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# The distributed optimizer: each rank writes its own buckets' state as it lies in memory (no gather onto DP rank 0,
+# no communication, no extra copy), which reloads at another DP size but not at another TP / PP / EP / CP
+# (`layout_refusal`). Checkpoints written before this format (OPTIM_METADATA: gathered, reshardable anywhere) load.
+DISTOPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def checkpoint_root(run_dir: str | os.PathLike) -> Path:
@@ -335,8 +356,9 @@ def _layout() -> dict:
     layout = {"world": dist.get_world_size() if dist.is_initialized() else 1,
               "tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
               "vpp": getattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)()}
-    ep = ps.get_expert_model_parallel_world_size()
-    return layout if ep == 1 else {**layout, "ep": ep}  # EP1 as before: older checkpoints keep matching
+    ep, cp = ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    # EP1 / CP1 as before: older checkpoints keep matching
+    return {**layout, **({"ep": ep} if ep != 1 else {}), **({"cp": cp} if cp != 1 else {})}
 
 
 def rng_state() -> dict:
@@ -417,24 +439,105 @@ def _distopt_load_without_apex(optimizer):
                 state["step"] = state["step"].clone()
 
 
-def _sharded_state_dict(chunks, optimizer, is_loading: bool) -> dict:
+def _is_distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(s, DistributedOptimizer) for s in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _model_layout() -> dict:
+    """The model-parallel layout (not DP): what the distributed optimizer's buckets, and so its saved state, depend on."""
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": getattr(ps, "get_virtual_pipeline_model_parallel_world_size", lambda: None)(),
+            "ep": ps.get_expert_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+
+
+def _content_metadata(optimizer) -> dict:
+    """What a checkpoint says about its own contents (megatron's content metadata, in common.pt)."""
+    metadata = DISTOPT_METADATA if optimizer is not None and _is_distributed(optimizer) else OPTIM_METADATA
+    return {"justrl_optimizer": dict(metadata), "justrl_model_layout": _model_layout()}
+
+
+def _saved_content(path: Path) -> dict:
+    """A checkpoint's content metadata ({} for checkpoints from before it was written)."""
+    load = getattr(dist_checkpointing, "load_content_metadata", None)
+    if load is None:
+        from megatron.core.dist_checkpointing.serialization import load_content_metadata as load
+    return load(str(path)) or {}
+
+
+def layout_refusal(path: str | os.PathLike, optimizer) -> str | None:
+    """One line when the distributed optimizer's state in `path` cannot load at this layout (its dp_reshardable
+    format reshards over data parallelism only), naming what to do; None when it can."""
+    saved = _saved_content(Path(path))
+    if optimizer is None or saved.get("justrl_optimizer", OPTIM_METADATA) != DISTOPT_METADATA:
+        return None
+    before, now = saved["justrl_model_layout"], _model_layout()
+    names = {"tp": "tensor", "pp": "pipeline", "vpp": "virtual_pipeline", "ep": "expert", "cp": "context"}
+    changed = [k for k in names if before.get(k) != now[k]]
+    if not changed:
+        return None
+    keep = " ".join(f"parallel.{names[k]}={before.get(k)}" for k in changed)
+    changed = [f"{k} {before.get(k)} -> {now[k]}" for k in changed]
+    return (f"{path} holds the distributed optimizer's state sharded for its model-parallel layout, which only the "
+            f"data-parallel size may change ({', '.join(changed)}): resume with {keep} (any number of data-parallel "
+            f"ranks), or export the weights (`justrl-convert mcore-to-hf --ckpt {path} --out DIR`) and start a new "
+            f"run from DIR (the optimizer state starts afresh)")
+
+
+def _sharded_state_dict(chunks, optimizer, is_loading: bool, metadata: dict | None = None) -> dict:
+    """`metadata`: the optimizer format (loading: the checkpoint's; saving: this optimizer's, `_content_metadata`)."""
     sd = model_sharded_state_dict(chunks)
     if optimizer is not None:
         if is_loading:
             _prime_empty_adam_state(optimizer)
-        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(OPTIM_METADATA))
+        metadata = metadata or _content_metadata(optimizer)["justrl_optimizer"]
+        with _distopt_buckets_without_step(optimizer):
+            sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(metadata))
     return sd
 
 
+@contextlib.contextmanager
+def _distopt_buckets_without_step(optimizer):
+    """Keep torch Adam's per-parameter "step" out of the dp_reshardable buckets (megatron-core 0.16 without apex / TE,
+    the CPU build). That format saves every per-parameter state tensor as a slice of its bucket; a 1-element "step"
+    does not fit that mapping and reads back as 0 (Adam's bias corrections then restart: measured, the second step
+    after a resume differed). The step is saved once in the param groups anyway, and the load restores it from there
+    (`_distopt_load_without_apex`). Instance-level, only while the sharded state dict is built."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer as dopt
+    except ImportError:
+        yield
+        return
+    subs = [s for s in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(s, dopt.DistributedOptimizer) and not getattr(dopt, "HAVE_APEX_OR_TE", True)
+            and not getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+    for sub in subs:
+        original = sub._get_main_param_and_optimizer_states
+
+        def without_step(model_param, original=original):
+            return {k: v for k, v in original(model_param).items() if k != "step"}
+
+        sub._get_main_param_and_optimizer_states = without_step
+    try:
+        yield
+    finally:
+        for sub in subs:
+            del sub._get_main_param_and_optimizer_states  # back to the class method
+
+
 def _stage(run_dir, step: int, tmp: Path, chunks, optimizer, scheduler, extra: dict, shape: ModelShape | None,
-           hf_source) -> None:
-    """Phase 1 (all ranks): write everything into the temp folder `tmp`, durably."""
+           hf_source, *, async_save: bool = False):
+    """Phase 1 (all ranks): write everything into the temp folder `tmp`, durably. With `async_save` the tensors are
+    not written yet: the returned megatron AsyncRequest writes them (everything else is written here)."""
     if _rank() == 0:
         tmp.mkdir(parents=True)  # empty: dist_checkpointing warns "Overwriting old incomplete" into a non-empty one
     _barrier()
     # torch_dist writes (and fsyncs) one file per rank plus metadata; common (non-tensor) state on rank 0
-    with _writer_errors_raised_only():
-        dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp))
+    with _writer_errors_raised_only(), _writers_ignore_stop_signals():
+        request = dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(tmp),
+                                          content_metadata=_content_metadata(optimizer),
+                                          **({"async_sharded_save": True} if async_save else {}))
     (tmp / "rng").mkdir(exist_ok=True)
     _save_durably({"layout": _layout(), "rng": rng_state()}, tmp / "rng" / f"rank{_rank():05d}.pt")
     if _rank() == 0:
@@ -448,15 +551,24 @@ def _stage(run_dir, step: int, tmp: Path, chunks, optimizer, scheduler, extra: d
             adapters = lora.settings(chunks)  # a LoRA checkpoint names its base model: it holds the adapters only
             extra_meta = {} if adapters is None else {"lora": adapters, "base_model": str(hf_source)}
             write_meta(tmp, layout_meta(chunks, shape, kind="train", step=step, **extra_meta), hf_source)
+    return request
 
 
 def _commit(run_dir, step: int, tmp: Path, keep_last: int | None) -> Path:
-    """Phase 2 (all ranks; rank 0 acts): rename into place, point `latest` at it, apply retention."""
+    """Phase 2 (all ranks; rank 0 acts): write and verify the manifest, rename into place, point `latest` at it,
+    apply retention. A manifest that does not verify (a file changed under it) raises: `latest` stays."""
     root = checkpoint_root(run_dir)
     final = step_dir(run_dir, step)
     _barrier()  # every rank's files are written and fsynced
+    problem = None
     if _rank() == 0:
         write_manifest(tmp)
+        problem = checkpoint_problem(tmp)
+    problem = _agreed(problem)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint step {step} ({tmp}) does not match its own manifest: {problem}; `latest` "
+                              f"is unchanged")
+    if _rank() == 0:
         for dirpath, _, _ in os.walk(tmp):
             fsync_path(Path(dirpath))
         old = None
@@ -496,8 +608,77 @@ def save_checkpoint(
     (the HF model folder) make the checkpoint self-describing for `justrl-convert mcore-to-hf`. Weights holding a NaN or
     inf on any rank are refused (CheckpointError) before anything is written.
     """
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+    saver = Checkpointer(run_dir, async_save=False, keep_last=keep_last, shape=shape, hf_source=hf_source)
+    return saver.save(step, chunks, optimizer, scheduler, extra)
+
+
+class Checkpointer:
+    """Training checkpoints of one run dir. With `async_save` a save writes the small files at once and hands the
+    tensors to megatron's background writer (a forked process: on CPU it writes the fork's copy-on-write view of the
+    state at the save; on GPU megatron first copies this rank's tensors to host memory); the training goes on, and
+    `poll` (every step, all ranks: a collective) commits the checkpoint once every rank's write has finished:
+    manifest written and verified, folder renamed, then `latest`. At most one save is pending: the next `save`, and
+    `wait`, block until it is committed. A save that fails (a full disk: CheckpointWriteError, one line) removes its
+    staging folder and leaves `latest` alone; a process killed meanwhile leaves a staging folder that the next start
+    removes (`remove_stale_staging`), never read."""
+
+    def __init__(self, run_dir, *, async_save: bool, keep_last: int | None = 3, shape: ModelShape | None = None,
+                 hf_source=None):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+        self.run_dir, self.async_save, self.keep_last = run_dir, async_save, keep_last
+        self.shape, self.hf_source = shape, hf_source
+        self._pending: _Pending | None = None
+
+    @property
+    def pending_step(self) -> int | None:
+        return None if self._pending is None else self._pending.step
+
+    def save(self, step: int, chunks, optimizer, scheduler, extra: dict) -> Path | None:
+        """All ranks. Sync: the committed step folder. Async: None (`poll` / `wait` commit it)."""
+        self.wait()
+        self._pending = _start(self.run_dir, step, chunks, optimizer, scheduler, extra, self.keep_last, self.shape,
+                               self.hf_source, async_save=self.async_save)
+        return None if self.async_save else self.wait()
+
+    def poll(self) -> Path | None:
+        """Commit the pending save if every rank's write has finished (all ranks; never blocks on the write)."""
+        return self._finish(blocking=False)
+
+    def wait(self) -> Path | None:
+        """Block until the pending save (if any) is written and committed; returns its folder."""
+        return self._finish(blocking=True)
+
+    def _finish(self, blocking: bool) -> Path | None:
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            if pending.queue is not None:
+                if not pending.queue.maybe_finalize_async_calls(blocking=blocking):
+                    return None  # still writing on some rank
+            self._pending = None
+            return _commit(self.run_dir, pending.step, pending.tmp, self.keep_last)
+        except BaseException as exc:
+            self._pending = None
+            _failed(exc, self.run_dir, pending)
+            raise
+        finally:
+            if self._pending is None:
+                pending.staging.close()
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    needed: int | None  # the last checkpoint's size (None: a first save)
+    staging: contextlib.ExitStack  # keeps `tmp` registered as this process' staging folder (an abort removes it)
+    queue: object | None  # megatron's AsyncCallsQueue writing the tensors (None: written already)
+
+
+def _start(run_dir, step, chunks, optimizer, scheduler, extra, keep_last, shape, hf_source, *,
+           async_save: bool) -> _Pending:
     bad = nonfinite_parameters(chunks)
     problem = _agreed(f"{len(bad)} weight tensors hold NaN or inf ({', '.join(bad[:3])}"
                       f"{', ...' if len(bad) > 3 else ''})" if bad else None)
@@ -519,18 +700,72 @@ def save_checkpoint(
         raise CheckpointWriteError(problem)
     # unique per writer; rank 0's name for every rank
     tmp = root / _from_rank0(run_lock.staging_name(f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}"))
-    with run_lock.staging(tmp):
-        try:
-            _stage(run_dir, step, tmp, chunks, optimizer, scheduler, extra, shape, hf_source)
-            return _commit(run_dir, step, tmp, keep_last)
-        except BaseException as exc:
-            full = _disk_full(exc, root)
-            if full:  # measured before the staging folder goes: what the save had, and how far it got
-                free, written = shutil.disk_usage(root).free, _folder_bytes(tmp) if tmp.is_dir() else 0
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (it would keep the disk full)
-            if full:
-                raise CheckpointWriteError(_full_message(run_dir, step, needed, free=free, written=written)) from None
-            raise
+    staging = contextlib.ExitStack()
+    staging.enter_context(run_lock.staging(tmp))
+    pending = _Pending(step, tmp, needed, staging, None)
+    try:
+        request = _stage(run_dir, step, tmp, chunks, optimizer, scheduler, extra, shape, hf_source,
+                         async_save=async_save)
+        if request is not None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            pending.queue = AsyncCallsQueue(persistent=False)
+            with _writer_errors_raised_only(), _writers_ignore_stop_signals():
+                pending.queue.schedule_async_request(request)
+    except BaseException as exc:
+        _failed(exc, run_dir, pending)
+        staging.close()
+        raise
+    return pending
+
+
+def _failed(exc: BaseException, run_dir, pending: _Pending) -> None:
+    """A save failed: remove its staging folder (nothing half-written stays: it would keep the disk full); a full disk
+    becomes a one-line CheckpointWriteError (raised from here)."""
+    root = checkpoint_root(run_dir)
+    full = _disk_full(exc, root)
+    if full:  # measured before the staging folder goes: what the save had, and how far it got
+        free = shutil.disk_usage(root).free
+        written = _folder_bytes(pending.tmp) if pending.tmp.is_dir() else 0
+    shutil.rmtree(pending.tmp, ignore_errors=True)
+    if full:
+        raise CheckpointWriteError(_full_message(run_dir, pending.step, pending.needed, free=free,
+                                                 written=written)) from None
+
+
+_STOP_SIGNALS_IGNORED = False  # set while megatron forks its checkpoint writers
+
+
+def _ignore_stop_signals_in_child() -> None:
+    if _STOP_SIGNALS_IGNORED:
+        import signal
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+os.register_at_fork(after_in_child=_ignore_stop_signals_in_child)
+
+
+@contextlib.contextmanager
+def _writers_ignore_stop_signals():
+    """Checkpoint writers forked meanwhile ignore Ctrl-C / SIGTERM / SIGUSR1 (a terminal sends Ctrl-C to the whole
+    process group): the trainer decides, and waits for the write before it exits (train/interrupt.py); an abort
+    SIGKILLs them."""
+    global _STOP_SIGNALS_IGNORED
+    _STOP_SIGNALS_IGNORED = True
+    try:
+        yield
+    finally:
+        _STOP_SIGNALS_IGNORED = False
+
+
+def remove_stale_staging(run_dir: str | os.PathLike) -> None:
+    """At a run's start (rank 0, holding the run dir's lock): remove the staging folders of saves that never
+    finished (a process killed while writing). Never read either way; this frees their space."""
+    root = checkpoint_root(run_dir)
+    if _rank() == 0 and root.is_dir():
+        run_lock.remove_stale(root, f"{TMP_PREFIX}{STEP_PREFIX}*", run_dir)
 
 
 @contextlib.contextmanager
@@ -587,6 +822,18 @@ def _full_message(run_dir, step: int, needed: int | None, *, free: int, written:
             f"{kept}: free some space (or move trainer.run_dir) and rerun the same command to resume")
 
 
+def disk_full_message(exc: BaseException, folder: Path, what: str) -> str | None:
+    """One line for a write into `folder` that failed for lack of space (None: another failure). For writers
+    without a previous size to go by (HF snapshots)."""
+    if not _disk_full(exc, folder.parent):
+        return None
+    written = _folder_bytes(folder) if folder.is_dir() else 0
+    free = shutil.disk_usage(folder.parent).free
+    return (f"{what} in {folder.parent}: stopped: the disk is full ({_size(free)} free, more than the "
+            f"{_size(written)} written before it filled are needed); the partial folder was removed: free some space "
+            f"(or move trainer.run_dir) and rerun the same command to resume")
+
+
 def _size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if nbytes < 1024 or unit == "TiB":
@@ -638,6 +885,7 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, schedu
     next older one is tried; all ranks agree on each verdict, so they resume the same step. `strict`: raise
     CheckpointError at the first damaged one instead. CheckpointError too when none is intact.
     """
+    remove_stale_staging(run_dir)
     steps = resume_candidates(run_dir)
     if not steps:
         return None
@@ -645,6 +893,8 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, schedu
     for step in steps:
         path = step_dir(run_dir, step)
         problem = _agreed(checkpoint_problem(path))
+        if problem is None and (refusal := _agreed(layout_refusal(path, optimizer))) is not None:
+            raise CheckpointError(refusal)  # not damage: an older checkpoint has the same layout
         if problem is None:
             try:
                 extra = _load(path, chunks, optimizer, scheduler)
@@ -670,11 +920,14 @@ def load_latest_checkpoint(run_dir: str | os.PathLike, chunks, optimizer, schedu
 
 
 def _load(path: Path, chunks, optimizer, scheduler) -> dict:
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
+    metadata = _saved_content(path).get("justrl_optimizer", OPTIM_METADATA)  # the format it was saved in
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True, metadata=metadata),
+                                     str(path))
     with torch.no_grad():
         load_model_state(chunks, loaded)
     if optimizer is not None:
-        with _distopt_load_without_apex(optimizer):
+        # no_grad: with fp32 params dp_reshardable copies into views of the (grad-requiring) parameters
+        with _distopt_load_without_apex(optimizer), torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
     trainer = torch.load(path / TRAINER_STATE, weights_only=False)
     if scheduler is not None and trainer["scheduler"] is not None:

@@ -29,6 +29,9 @@ from omegaconf import OmegaConf
 HISTORY_DIR = "config_history"
 
 _SAMPLER = "the saved sampler position indexes the prompt list this setting builds"
+_LAYOUT = ("the checkpoint's optimizer state and RNG states are laid out for the model-parallel sizes it was saved "
+           "at (only the number of data-parallel ranks may change); to train at another layout, export the weights "
+           "(`justrl-convert mcore-to-hf --ckpt RUN_DIR --out DIR`) and start a new run from DIR")
 # key (or a prefix of keys) -> why a checkpoint pins it
 PINNED = {
     "model.path": "the checkpoint holds this model's weights",
@@ -39,13 +42,15 @@ PINNED = {
     "model.lora.rank": "the saved adapters have this rank",
     "model.lora.alpha": "the saved adapters were trained at scale alpha / rank",
     "model.lora.targets": "the saved adapters sit on these linears",
-    "parallel.tensor": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
-    "parallel.pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
-    "parallel.virtual_pipeline": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
-    # a context-parallel size other than the saved one is refused rather than resharded: the RNG states are per rank
-    # and the distributed optimizer's state is sharded over DP x CP
-    "parallel.context": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
-    "parallel.expert": "the run resumes exactly only at the layout it saved (RNG states are per rank)",
+    # What a resume may change in the layout: the data-parallel size (the number of ranks over the fixed TP x PP x CP,
+    # and EP inside it): weights, optimizer state (the distributed optimizer's dp_reshardable format too) and schedule
+    # reshard, and the run goes on (RNG states, per rank, are then not restored). The model-parallel sizes are pinned:
+    # the distributed optimizer's saved state is laid out for them (checkpoint.py), and RNG states are per rank.
+    "parallel.tensor": _LAYOUT,
+    "parallel.pipeline": _LAYOUT,
+    "parallel.virtual_pipeline": _LAYOUT,
+    "parallel.context": _LAYOUT,
+    "parallel.expert": _LAYOUT,
     "parallel.distributed_optimizer": "the optimizer state was saved in this optimizer's format",
     "data.train": _SAMPLER,
     "data.format": _SAMPLER,

@@ -133,7 +133,8 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama,
     _kill_owner_and_assert_no_orphans(proc, min_children=3)
     assert _started_by(proc.pid) == []  # the whole process table: nothing that carries the trainer's pid is left
     assert latest_step(killed) == 2
-    assert [r["step"] for r in metrics(killed)] == [1, 2]  # the refused launch wrote nothing
+    # the refused launch wrote nothing; step 3 may be logged: an async save of step 2 commits during step 3
+    assert [r["step"] for r in metrics(killed)] in ([1, 2], [1, 2, 3])
 
     # the rerun (its lock taken over from the dead trainer), interrupted with Ctrl-C once it is under way
     resumed = subprocess.Popen(train_cmd([*args, f"trainer.run_dir={killed}"]), env=ENV, stdout=subprocess.PIPE,

@@ -437,3 +437,29 @@ def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: 
             cfg.model.recompute = plan.recompute
             cfg.trainer.max_tokens_per_micro_batch = plan.max_tokens_per_micro_batch
     return plan
+
+
+# --- what a checkpoint save holds (issue 39) ---------------------------------------------------------------------------
+
+def checkpoint_save_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
+                          dtype: torch.dtype = torch.bfloat16, distributed_optimizer: bool = True) -> int:
+    """Host bytes one rank's checkpoint save holds beside training (checkpoint.py), for the heaviest pipeline stage.
+
+    It writes its 1/DP share of the weights and of the optimizer state (replicas over DP are written once, spread over
+    the DP ranks; the distributed optimizer's dp_reshardable format writes each rank's own shard: no gather, nothing
+    extra on the GPU): Adam's two fp32 moments, and fp32 main weights where they are not the weights themselves
+    (half dtypes; the distributed optimizer saves its main-weight shard always). On GPU an async save copies exactly these bytes to
+    host memory before the step goes on; on CPU the forked writer shares them copy-on-write, so they are what the
+    training can at most duplicate while the write runs. The same count is the rank's share of the checkpoint's size.
+    (The former fully_reshardable format also gathered 12 bytes per parameter of the whole model onto DP rank 0.)"""
+    params = params_per_gpu(shape, tp=tp, pp=pp)
+    master = 4 if distributed_optimizer or dtype in (torch.bfloat16, torch.float16) else 0
+    per_param = _bytes(dtype) + 8 + master
+    total = params * per_param / dp
+    if shape.num_experts:  # MoE layers: a router and this EP rank's experts (expert TP 1) instead of the dense MLP,
+        layers = math.ceil(shape.num_layers / pp)  # the experts sharded over the expert-DP ranks (dp / ep)
+        dense_mlp = layers * 3 * shape.hidden_size * shape.ffn_hidden_size // tp
+        router = layers * shape.hidden_size * shape.num_experts
+        experts = layers * (shape.num_experts // ep) * 3 * shape.hidden_size * shape.moe_ffn_hidden_size
+        total += (router - dense_mlp) * per_param / dp + experts * per_param / max(1, dp // ep)
+    return int(total)

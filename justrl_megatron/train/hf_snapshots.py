@@ -6,6 +6,12 @@ Written from the weight stream the rollout engines receive (convert/export.py: f
 PP broadcast, vocabulary padding stripped), so no conversion step is needed. Atomic: staged in
 `hf/.tmp_step_N.<pid>` and renamed into place; the newest `trainer.keep_last` folders are kept. Every rank calls
 `save` (the stream runs collectives); rank 0 writes.
+
+The rules of training checkpoints hold here too: a snapshot is never seen half-written (staging, then rename); a
+process killed while writing one leaves its staging folder, which the next start removes (also when hf_every is now
+0); a full disk is one line (CheckpointWriteError) with the staging folder removed. Snapshots are written in the
+step, not in the background: the export gathers full tensors over TP / PP / EP (collectives), and a background
+writer would have to hold a host copy of the whole model; a stop signal takes effect after a snapshot in progress.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import run_lock
-from ..checkpoint import fsync_path
+from ..checkpoint import CheckpointWriteError, disk_full_message, fsync_path
 from ..convert.export import save_hf
 
 HF_DIR = "hf"
@@ -33,6 +39,8 @@ class HFSnapshots:
         self.root = Path(run_dir) / HF_DIR
         self.run_dir, self.every, self.keep_last, self.total_steps = run_dir, every, keep_last, total_steps
         self.chunks, self.shape, self.model_dir = chunks, shape, model_dir
+        if _rank0() and self.root.is_dir():  # snapshots killed while being written (never read): at every start
+            run_lock.remove_stale(self.root, f".tmp_{PREFIX}*", run_dir)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step % self.every == 0 or step == self.total_steps)
@@ -58,9 +66,12 @@ class HFSnapshots:
                     os.replace(tmp, final)
                     fsync_path(self.root)
                     self._retain(final)
-            except BaseException:
+            except BaseException as exc:
                 if _rank0():
+                    full = disk_full_message(exc, tmp, f"HF snapshot step {step}")
                     shutil.rmtree(tmp, ignore_errors=True)
+                    if full is not None:
+                        raise CheckpointWriteError(full) from None
                 raise
         return final if _rank0() else None
 

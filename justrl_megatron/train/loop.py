@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from ..algo.grpo import compute_advantages
 from ..algo.loss_config import LossConfig
 from ..algo.overlong import shape_rewards
-from ..checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, Checkpointer, load_latest_checkpoint
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
@@ -74,6 +74,8 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None  # for the KL penalty
     rollout.start(_weight_stream(policy, shape))
     hf_snapshots = HFSnapshots(run_dir, tr.hf_every, tr.keep_last, tr.total_steps, policy.chunks, shape, model_dir)
+    checkpoints = Checkpointer(run_dir, async_save=tr.async_save, keep_last=tr.keep_last, shape=shape,
+                               hf_source=model_dir)
     scorer = make_scorer(algo, enabled=is_leader)
     loss = LossConfig.from_algo(algo)
     pipeline = RolloutPipeline.for_config(cfg, rollout, sampler, scorer, tokenizer, leader=is_leader)
@@ -97,6 +99,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 
         # 1-3. sample prompts -> rollout (weights of `version` updates) -> rewards, in as many rounds as the step needs
         scored = pipeline.next_batch(step, version, timer)
+        checkpoints.poll()  # a checkpoint written in the background since the last step is committed once it is done
         batch, rollouts = scored.batch.prompts, scored.batch.rollouts
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
             logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
@@ -142,10 +145,12 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         #    weights are then still the last good ones). Every rank agrees on the skips (train/step.py).
         diverged = skip_limit_message(policy.skipped_in_a_row, tr.max_skipped_steps)
         stopping = stop.agreed() or diverged is not None
+        #    An async save is written while the next steps run; stopping, or the last step, waits for it.
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
-            save_checkpoint(run_dir, step, policy.chunks, policy.optimizer, policy.scheduler,
-                            {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state()},
-                            keep_last=tr.keep_last, shape=shape, hf_source=model_dir)
+            checkpoints.save(step, policy.chunks, policy.optimizer, policy.scheduler,
+                             {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state()})
+        if stopping or step == tr.total_steps:
+            checkpoints.wait()
         hf_snapshots.maybe_save(step)  # trainer.hf_every: run_dir/hf/step_N, an HF folder of the live weights
         if (trace := profiler.step_finished(step, stopping)) is not None:
             logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")

@@ -12,7 +12,14 @@ Scenarios (weights compared through `export_hf_stream`, i.e. as full HF tensors,
      seeds), load latest, 2 steps -> bitwise equal to A (weights, LR, RNG draws, data position).
   C  reshard the TP2 step-2 checkpoint to TP1 (DP2) and to PP2: weights and Adam moments bitwise equal to A's at
      step 2; then 2 more steps, compared to A with a tolerance (grads differ ~1e-8 across layouts).
-  D  distributed optimizer (TP1, DP2): exact resume at the same layout; reshard to TP2.
+  D  distributed optimizer (TP1, DP2), its sharded (dp_reshardable) format written asynchronously (two more steps
+     run while it is written): exact resume at the same layout (weights, loss and grad norm of the next steps
+     bitwise); a resume at TP2 is refused in one line naming the way out; a checkpoint in the former format
+     (fully_reshardable, no content metadata) still loads, also at TP2.
+  G  another DP size: the `dp1` phase (one process, run first by the test: python ckpt_resume.py OUT HF_DIR dp1)
+     trains at DP1 with the distributed optimizer, saves step 2 asynchronously, trains to step 4, then starts an async
+     save of step 4 and is SIGKILLed while it is written. Here (DP2): the next start removes the dead staging folder,
+     `latest` is still step 2, which loads bitwise (weights) and trains on within Adam's noise of DP1's steps 3-4.
   E  retention: keep_last=2 after saving steps 2, 3, 4.
   F  damage: steps 2 and 3 saved, one shard of step 3 truncated: auto resumes step 2 on both ranks (w2), with a
      warning naming the file; strict raises CheckpointError naming it on every rank. Without a manifest (a checkpoint
@@ -39,6 +46,7 @@ from justrl_megatron.convert.mapping import live_parameters
 from justrl_megatron.distributed import init_distributed, init_model_parallel
 from justrl_megatron.model.build import build_model_chunks
 from justrl_megatron.model.hf_config import model_shape, transformer_config
+from justrl_megatron.model.memory import checkpoint_save_bytes
 
 MB, SEQ, NUM_MB = 2, 16, 2
 
@@ -110,13 +118,14 @@ class Trainer:
         for c in self.chunks:
             c.zero_grad_buffer()
         self.opt.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=micro, model=self.chunks,
+        losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=micro, model=self.chunks,
                                     num_microbatches=NUM_MB, seq_length=SEQ, micro_batch_size=MB, forward_only=False)
         lr = self.opt.param_groups[0]["lr"]
         ok, gnorm, _ = self.opt.step()
         assert ok
         self.sched.step(increment=1)
-        self.log.append({"lr": lr, "shift": shift, "noise": noise, "tracker": tracker_draw, "gnorm": float(gnorm)})
+        self.log.append({"lr": lr, "shift": shift, "noise": noise, "tracker": tracker_draw, "gnorm": float(gnorm),
+                         "loss": float(losses[-1]["loss"]) if losses else None})  # None off the last stage
 
     def weights(self):
         out = {}
@@ -144,9 +153,11 @@ class Trainer:
         return out
 
     def save(self, run_dir, step, **kw):
-        return ckpt.save_checkpoint(run_dir, step, self.chunks, self.opt, self.sched,
-                                    {"data_position": self.data_position, "log": self.log},
+        return ckpt.save_checkpoint(run_dir, step, self.chunks, self.opt, self.sched, self.extra(),
                                     hf_source=self.hf_dir, **kw)
+
+    def extra(self):
+        return {"data_position": self.data_position, "log": list(self.log)}
 
     def load(self, run_dir):
         extra = ckpt.load_latest_checkpoint(run_dir, self.chunks, self.opt, self.sched)
@@ -254,14 +265,21 @@ def main(out, hf_dir):
         v[f"reshard_{name}"]["max_diff_w4_after_2_steps"] = max_diff(r.weights(), w4)
         v[f"reshard_{name}"]["lrs"] = [e["lr"] for e in r.log]
 
-    # D: distributed optimizer, TP1 x DP2: exact resume; then reshard to TP2
+    # D: distributed optimizer, TP1 x DP2, saved asynchronously: exact resume; a TP change refused; the former format
     d = Trainer(hf_dir, shape, 1, 1, from_hf=True, distributed_optimizer=True)
     d.seed_everything(5)
     d.step(), d.step()
     dw2 = d.weights()
     run_d = os.path.join(out, "run_d")
-    d.save(run_d, 2)
-    d.step(), d.step()
+    saver = ckpt.Checkpointer(run_d, async_save=True, keep_last=2, hf_source=hf_dir)
+    v["async_save_returned"] = saver.save(2, d.chunks, d.opt, d.sched, d.extra()) is None
+    v["async_pending_step"] = saver.pending_step
+    v["async_latest_while_writing"] = ckpt.latest_step(run_d)  # None: nothing committed yet
+    d.step(), d.step()  # train on while the writer writes
+    v["async_committed"] = str(saver.wait())
+    v["async_format"] = ckpt._saved_content(ckpt.step_dir(run_d, 2)).get("justrl_optimizer")
+    v["distopt_tensor_bytes"] = sum(p.stat().st_size for p in ckpt.step_dir(run_d, 2).glob("*.distcp"))
+    v["distopt_predicted_save_bytes"] = checkpoint_save_bytes(shape, dp=2, dtype=torch.float32)  # per rank
     dw4 = d.weights()
     e = Trainer(hf_dir, shape, 1, 1, from_hf=False, init_seed=77, distributed_optimizer=True)
     e.seed_everything(77)
@@ -270,15 +288,61 @@ def main(out, hf_dir):
     e.step(), e.step()
     v["distopt_resume_weights_equal_w4"] = bitwise(e.weights(), dw4)
     v["distopt_resume_max_diff"] = max_diff(e.weights(), dw4)
+    v["distopt_resume_log_equal"] = e.log[2:] == d.log[2:]  # loss, grad norm, LR, RNG draws of steps 3-4
     f = Trainer(hf_dir, shape, 2, 1, from_hf=False, init_seed=77, distributed_optimizer=True)
-    f.load(run_d)
-    v["distopt_reshard_tp2_weights_equal_w2"] = bitwise(f.weights(), dw2)
-    f.seed_everything(5)
-    for _ in range(2):
-        f.batch()
-    f.step(), f.step()
-    v["distopt_reshard_tp2_max_diff_w4"] = max_diff(f.weights(), dw4)
+    try:
+        f.load(run_d)
+        v["distopt_tp2_refusal"] = None
+    except ckpt.CheckpointError as exc:
+        v["distopt_tp2_refusal"] = str(exc)
     v["adam_update_scale"] = max_diff(dw4, dw2)  # how far two steps move the weights, for scale
+    # the former format: the distributed optimizer gathered (fully_reshardable), no content metadata
+    run_old = os.path.join(out, "run_old")
+    real_save, real_format = ckpt.dist_checkpointing.save, ckpt.DISTOPT_METADATA
+    ckpt.DISTOPT_METADATA = ckpt.OPTIM_METADATA
+    ckpt.dist_checkpointing.save = lambda *a, content_metadata=None, **kw: real_save(*a, **kw)
+    try:
+        d2 = Trainer(hf_dir, shape, 1, 1, from_hf=True, distributed_optimizer=True)
+        d2.seed_everything(5)
+        d2.step(), d2.step()
+        d2.save(run_old, 2)
+    finally:
+        ckpt.dist_checkpointing.save, ckpt.DISTOPT_METADATA = real_save, real_format
+    v["old_format_content"] = ckpt._saved_content(ckpt.step_dir(run_old, 2))
+    for name, tp in (("old_format_dp2", 1), ("old_format_tp2", 2)):
+        o = Trainer(hf_dir, shape, tp, 1, from_hf=False, init_seed=77, distributed_optimizer=True)
+        o.load(run_old)
+        v[f"{name}_weights_equal_w2"] = bitwise(o.weights(), dw2)
+        o.seed_everything(5)
+        for _ in range(2):
+            o.batch()
+        o.step(), o.step()
+        v[f"{name}_max_diff_w4"] = max_diff(o.weights(), dw4)
+    del d, e, f, d2, o
+
+    # G: the DP1 run of the `dp1` phase, killed while writing step 4, resumed here at DP2
+    run_g = os.path.join(out, "run_dp1")
+    if rank == 0:
+        from justrl_megatron import run_lock
+
+        run_lock.hold(run_g)  # as justrl-train does: the lock holder removes dead writers' staging folders
+        v["dp1_staging_before"] = sorted(p.name for p in ckpt.checkpoint_root(run_g).glob(".tmp_*"))
+    dist.barrier()
+    g = Trainer(hf_dir, shape, 1, 1, from_hf=False, init_seed=77, distributed_optimizer=True)
+    extra = g.load(run_g)
+    dp1 = torch.load(os.path.join(out, "dp1.pt"))
+    v["dp1_resumed_step"] = extra["step"]
+    v["dp1_staging_after"] = sorted(p.name for p in ckpt.checkpoint_root(run_g).glob(".tmp_*"))
+    v["dp1_weights_equal_w2"] = bitwise(g.weights(), dp1["w2"])
+    g.seed_everything(5)
+    for _ in range(2):
+        g.batch()
+    g.step(), g.step()
+    v["dp1_max_diff_w4"] = max_diff(g.weights(), dp1["w4"])
+    v["dp1_update_scale"] = max_diff(dp1["w4"], dp1["w2"])
+    v["dp1_loss"] = [[e["loss"] for e in g.log[2:]], [e["loss"] for e in dp1["log"][2:]]]
+    v["dp1_gnorm"] = [[e["gnorm"] for e in g.log[2:]], [e["gnorm"] for e in dp1["log"][2:]]]
+    del g
 
     # F: a damaged latest checkpoint
     run_f = os.path.join(out, "run_f")
@@ -327,5 +391,34 @@ def main(out, hf_dir):
     dist.destroy_process_group()
 
 
+def dp1_phase(out, hf_dir):
+    """One process (DP1): distributed optimizer, async save of step 2, on to step 4 (weights kept for the DP2 resume),
+    then an async save of step 4 during which the process is SIGKILLed."""
+    import signal
+
+    from transformers import AutoConfig
+
+    from justrl_megatron import lifeline
+
+    lifeline.bind_helpers_to_this_process()  # as justrl-train does: the writers die with the killed trainer
+    init_distributed()
+    shape = model_shape(AutoConfig.from_pretrained(hf_dir))
+    t = Trainer(hf_dir, shape, 1, 1, from_hf=True, distributed_optimizer=True)
+    t.seed_everything(5)
+    t.step(), t.step()
+    w2 = t.weights()
+    saver = ckpt.Checkpointer(os.path.join(out, "run_dp1"), async_save=True, keep_last=2, hf_source=hf_dir)
+    saver.save(2, t.chunks, t.opt, t.sched, t.extra())
+    t.step()
+    saver.poll()
+    t.step()
+    torch.save({"w2": w2, "w4": t.weights(), "log": t.log}, os.path.join(out, "dp1.pt"))
+    saver.save(4, t.chunks, t.opt, t.sched, t.extra())  # waits for step 2's commit, then starts writing step 4
+    os.kill(os.getpid(), signal.SIGKILL)  # while step 4 is written
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["dp1"]:
+        dp1_phase(sys.argv[1], sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -14,8 +14,9 @@ Per tiny MoE model (Mixtral, Qwen3-MoE) and per layout of this world size (2: EP
   grpo       (world 2) one GRPO update at EP2 vs at EP1 on the same ranks and data (DP2 both): loss, grad norm,
              and every gradient of this rank by its global Megatron name (expert gradients on their EP rank); then
              EP2 with the distributed optimizer: loss, grad norm and the logprobs after the optimizer step.
-  resume     (world 2, last model) EP2 with the distributed optimizer: a training checkpoint after one update, the
-             next update from the live policy vs from a fresh one resumed from it: loss, grad norm, weights after.
+  resume     (world 2, last model) EP2 with the distributed optimizer: a training checkpoint after one update, saved
+             asynchronously (sharded, dp_reshardable) while the live policy takes the next update; that update vs the
+             same from a fresh policy resumed from it: loss, grad norm, every weight after it (bitwise).
 Each case writes its own verdict; every rank writes OUT/rank{r}.json.
 """
 
@@ -288,17 +289,19 @@ def case_convert(hf_dir, shape, original, out, flag="--ep"):
 
 
 def case_resume(hf_dir, shape, out):
-    from justrl_megatron.checkpoint import load_latest_checkpoint, save_checkpoint
+    from justrl_megatron.checkpoint import Checkpointer, load_latest_checkpoint
 
     samples = random_samples(shape.vocab_size)
     live = build(hf_dir, shape, ep=2, distopt=True)
     old = [x + 0.1 for x in compute_logprobs(live, samples, max_tokens_per_micro_batch=MAX_TOKENS)]
     update = dict(mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
     grpo_update(live, samples, old, **update)
-    save_checkpoint(f"{out}/run_{shape.family}", 1, live.chunks, live.optimizer, live.scheduler, {}, shape=shape,
-                    hf_source=hf_dir)
-    m_live = grpo_update(live, samples, old, **update)
+    saver = Checkpointer(f"{out}/run_{shape.family}", async_save=True, shape=shape, hf_source=hf_dir)
+    saver.save(1, live.chunks, live.optimizer, live.scheduler, {})
+    m_live = grpo_update(live, samples, old, **update)  # while the checkpoint is written
+    saver.wait()
     after_live = compute_logprobs(live, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    weights_live = {n: p.detach().clone() for n, p in live_parameters(live.chunks).items()}
     del live
     resumed = build(hf_dir, shape, ep=2, distopt=True)
     step = load_latest_checkpoint(f"{out}/run_{shape.family}", resumed.chunks, resumed.optimizer,
@@ -306,9 +309,12 @@ def case_resume(hf_dir, shape, out):
     m_resumed = grpo_update(resumed, samples, old, **update)
     after_resumed = compute_logprobs(resumed, samples, max_tokens_per_micro_batch=MAX_TOKENS)
     diff = max(float((a - b).abs().max()) for a, b in zip(after_live, after_resumed))
+    weights = live_parameters(resumed.chunks)
+    unequal = sorted(n for n, w in weights_live.items() if not torch.equal(w, weights[n]))
     return {"ok": step == 1 and m_live["loss"] == m_resumed["loss"] and m_live["grad_norm"] == m_resumed["grad_norm"]
-            and diff == 0.0, "step": step, "loss": (m_live["loss"], m_resumed["loss"]),
-            "grad_norm": (m_live["grad_norm"], m_resumed["grad_norm"]), "logprob_diff_after": diff}
+            and diff == 0.0 and not unequal and len(weights_live) > 0, "step": step,
+            "loss": (m_live["loss"], m_resumed["loss"]), "grad_norm": (m_live["grad_norm"], m_resumed["grad_norm"]),
+            "logprob_diff_after": diff, "weights_unequal": unequal[:5], "weights_compared": len(weights_live)}
 
 
 def run_case(verdict, key, fn, *args):
