@@ -45,7 +45,8 @@ def main(model_dir, out):
             groups += loop.step()
             steps += 1
         running_before = len(loop.running)
-        updates.append({**loop.update(lambda: engine.update_weights(list(state.items()), version), min_version=0),
+        got = loop.update(lambda: engine.update_weights(list(state.items()), version), min_version=0)
+        updates.append({**got, "dropped": len(got["dropped"]),
                         "running_before": running_before})
     while loop.busy:
         groups += loop.step()
@@ -53,9 +54,16 @@ def main(model_dir, out):
         if steps > 500:
             raise RuntimeError("the loop did not finish")
     stats = loop.take_stats()
+    # a group the trainer could no longer train (admitted before min_version) is aborted, not left running
+    loop.admit([(9, PROMPTS[0])])
+    for _ in range(3):
+        loop.step()
+    dropped = loop.drop_older_than(3)
+    v_drop = {"dropped": dropped, "left": engine.num_unfinished(), "counted": loop.stats.dropped}
 
     v = {"updates": updates, "gids": sorted(g.gid for g in groups), "steps": steps,
-         "occupancy": stats.metrics()["engine_occupancy"], "groups": []}
+         "occupancy": stats.occupancy_sum / max(stats.steps, 1), "groups": [],
+         "drop": v_drop}
     hf_ref = {i: hf_greedy(hf, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)}
     for g in sorted(groups, key=lambda g: g.gid):
         r, prompt = g.rollouts, PROMPTS[g.gid]
