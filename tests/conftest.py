@@ -51,7 +51,7 @@ MODULE_SECONDS = {
     "test_step": 199, "test_rollout": 139, "test_context_parallel": 120, "test_bench": 118, "test_validation": 83,
     "test_moe": 130, "test_lora": 77, "test_models": 66, "test_run_safety": 40, "test_checkpoint": 28, "test_eval": 27,
     "test_sandbox": 24, "test_compat": 23, "test_shared_prompt": 22, "test_loop": 19, "test_model": 11,
-    "test_upcycle": 10, "test_gpu_check": 8, "test_install": 7,
+    "test_upcycle": 10, "test_gpu_check": 8, "test_install": 7, "test_streaming": 85,
 }
 
 
