@@ -233,3 +233,22 @@ def test_rollout_correction_defaults_to_tis_once_samples_may_be_stale():
     validate(cfg, world_size=2)
     assert compose(["rollout.max_staleness=2", "algo.rollout_correction=mis"]).algo.rollout_correction == "mis"
     assert math.isfinite(cfg.algo.tis_cap) and cfg.algo.tis_cap > 1
+
+
+# --- the long-tail benchmark's arithmetic ------------------------------------------------------------------------------
+
+def test_longtail_histogram_and_figures():
+    from justrl_megatron.bench.longtail import length_histogram, mode_figures
+
+    bins = dict(length_histogram([3, 16, 17, 200, 383, 384, 384], edges=(16, 32, 384)))
+    assert bins == {"1-16": 2, "17-32": 1, "33-383": 2, "384 (cap)": 2}
+    records = [{"time": 10.0, "time/step_s": 4.0, "throughput/tokens_per_s": 100.0, "rollout/logprob_diff_tokens": 200,
+                "response/length_mean": 50.0, "time/wait_rollout_s": 1.0},
+               {"time": 14.0, "time/step_s": 2.0, "throughput/tokens_per_s": 300.0, "rollout/logprob_diff_tokens": 400,
+                "response/length_mean": 100.0, "time/wait_rollout_s": 0.5, "rollout/engine_occupancy": 0.9,
+                "rollout/staleness_max": 1.0}]
+    f = mode_figures(records, warmup=1)
+    # the step is the wall time between step ends (4 s), not the loop's own 2 s: 600 trained tokens over 4 s
+    assert f["step_s"] == [4.0] and f["trained_tokens_per_s"] == [150.0] and f["generated_tokens_per_s"] == [100.0]
+    assert f["trainer_idle_frac"] == [0.125] and f["engine_occupancy"] == [0.9] and f["staleness_max"] == [1.0]
+    assert math.isnan(mode_figures(records[:1], warmup=0)["engine_occupancy"][0])  # batch modes: not measured
