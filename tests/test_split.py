@@ -183,8 +183,8 @@ def test_engine_parts_merge_in_prompt_order():
     (["rollout.placement=split", "rollout.num_rollout_ranks=2", "rollout.tensor_parallel=2"], 4,
      "rollout.tensor_parallel must be 1 there"),
     (["rollout.max_staleness=1"], 1, "rollout.max_staleness=1 (asynchronous rollouts) needs rollout.placement=split"),
-    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2"], 2,
-     "set algo.rollout_correction"),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2",
+      "algo.rollout_correction=none"], 2, "set algo.rollout_correction"),
     (["rollout.placement=split", "rollout.num_rollout_ranks=1", "parallel=tp2"], 4,
      "trainer ranks (world - rollout.num_rollout_ranks) 3 is not divisible by parallel.tensor x parallel.pipeline"),
     (["algo.rollout_correction=tls"], 1, "algo.rollout_correction must be one of none, tis, mis, seq-tis, seq-mis"),
@@ -201,6 +201,7 @@ def test_split_config_errors_say_what_to_fix(overrides, world, message):
     (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=1"], 2),
     (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2",
       "algo.rollout_correction=tis"], 2),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2"], 2),  # tis by default
 ])
 def test_split_configs_that_are_fine(overrides, world):
     from justrl_megatron.config import compose, validate
