@@ -25,8 +25,11 @@ Streaming (rollout.streaming=true) turns a rollout rank into an engine loop (rol
     ("stop",)                                  ->    in-flight groups aborted; ("end", their gids) back
 
 The rank listens to the control channel on a thread of its own while the main thread steps the engine; finished
-groups go back on the result channel (trainer rank 0 receives them on a thread per engine into a GroupBuffer). The other trainer ranks take part in the weight export only
-(its gathers are collectives) and get each batch from trainer rank 0 over the trainer group.
+groups (and batches asked for beside the stream: held-out accuracy, validation) go back on the result channel, which
+trainer rank 0 receives on a thread per engine into a GroupBuffer.
+
+The other trainer ranks take part in the weight export only (its gathers are collectives) and get each batch from
+trainer rank 0 over the trainer group.
 """
 
 from __future__ import annotations
