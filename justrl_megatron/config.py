@@ -21,6 +21,10 @@ from omegaconf import MISSING, OmegaConf
 
 from .algo.loss_config import LossConfig
 
+# algo.rollout_correction's default follows rollout.max_staleness (see AlgoConfig)
+OmegaConf.register_new_resolver("justrl_default_correction",
+                                lambda eta: "tis" if int(eta) >= 1 else LossConfig.rollout_correction, replace=True)
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -119,7 +123,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6
     cpu_kvcache_gib: int = 1
     enforce_eager: bool = False
-    max_staleness: int = 0  # 0: on-policy; 1: one-step-off async
+    max_staleness: int = 0  # 0: on-policy; 1: one-step-off async; with streaming: the bound eta on every token
+    streaming: bool = False  # split only: engines stay full from a prompt stream, weights load mid-generation
     weight_sync_bucket_mb: int = 512
     weight_sync_backend: str = "auto"  # auto | nccl | ipc | cpu
 
@@ -156,8 +161,9 @@ class AlgoConfig:
     mask_truncated: bool = LossConfig.mask_truncated  # overlong filtering: truncated responses leave the loss
     # none | tis | mis | seq-tis | seq-mis: weights pi_trainer_old / pi_vllm on the policy loss, capped (tis) or
     # masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the geometric mean of
-    # its tokens' ratios)
-    rollout_correction: str = LossConfig.rollout_correction
+    # its tokens' ratios). Default: tis when samples may be older than the policy (rollout.max_staleness >= 1,
+    # one-step-off or streaming: decoupled PPO), none on-policy (docs/algorithm.md, "Streaming rollouts")
+    rollout_correction: str = "${justrl_default_correction:${rollout.max_staleness}}"
     tis_cap: float = LossConfig.tis_cap  # ms-swift's threshold; slime's MIS example keeps ratios in [0.5, 2]
 
 
@@ -601,6 +607,9 @@ def _split_problems(cfg) -> list[str]:
         problems.append(f"rollout.max_staleness={ro.max_staleness} (asynchronous rollouts) needs "
                         f"rollout.placement=split with rollout.num_rollout_ranks >= 1: a colocated engine shares the "
                         f"trainer's devices, so nothing overlaps; use max_staleness=0")
+    from .rollout.streaming import problems as streaming_problems  # streaming's refusals live next to it
+
+    problems += streaming_problems(cfg)
     if ro.max_staleness > 1 and cfg.algo.rollout_correction == "none":
         problems.append(f"rollout.max_staleness={ro.max_staleness} trains on samples up to {ro.max_staleness} "
                         f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, "

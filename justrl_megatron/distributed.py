@@ -53,6 +53,8 @@ class SplitRoles:
     world: int
     train_world: int
     control: "ObjectChannel | None"  # None on trainer ranks other than 0
+    store: object = None  # the job's rendezvous store (more channels: split_rollout's streaming results)
+    timeout: datetime.timedelta | None = None
 
     @property
     def is_trainer(self) -> bool:
@@ -91,7 +93,7 @@ def init_split(num_rollout_ranks: int, timeout_minutes: int = 30) -> SplitRoles:
     if rank == 0 or not trainer:
         control = ObjectChannel(dist.PrefixStore("justrl-control", store), 0 if trainer else rank - train_world + 1,
                                 num_rollout_ranks + 1, timeout)
-    return SplitRoles(rank, world, train_world, control)
+    return SplitRoles(rank, world, train_world, control, store, timeout)
 
 
 class ObjectChannel:

@@ -93,6 +93,55 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
     assert_same_weights(straight / "checkpoints" / "step_00000004", root / "step_00000004")
 
 
+STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=3", "trainer.save_every=2",
+          "trainer.keep_last=3", *LEARN]
+
+
+@pytest.fixture(scope="module")
+def streaming(tmp_path_factory, tiny_llama):
+    """3 streaming steps (eta 1, tis by default); the step-2 checkpoint is taken with groups admitted and in flight."""
+    run_dir = tmp_path_factory.mktemp("streaming") / "run"
+    train(run_dir, tiny_llama, *STREAM)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
+    records = metrics(streaming)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/staleness"] <= 1 for r in records)
+    # step 1: every token from version 0, the policy at version 0: trainer and vLLM agree as without streaming
+    assert records[0]["rollout/weight_version"] == 0 and records[0]["rollout/logprob_diff_mean"] < 1e-3
+    assert records[1]["rollout/staleness_max"] == 1  # the second batch was admitted before the first update
+    assert all(r["rollout/buffer_peak"] <= 2 * 2 for r in records)  # (eta + 1) * prompts_per_step
+    assert records[0]["rollout/engine_occupancy"] > 0
+    for key in ("rollout/multi_version_frac", "rollout/dropped_stale", "rollout/dropped_in_engine",
+                "rollout/buffer_depth", "time/wait_rollout_s", "time/rollout_idle_s", "rollout_correction/ratio_mean"):
+        assert key in records[-1], key
+    assert all(r["actor/grad_norm"] > 0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_streaming_resume_admits_the_saved_prompts_anew(streaming, tiny_llama):
+    """Resume from the step-2 checkpoint: the prompts admitted but not trained were saved (their samples were not),
+    the resumed run generates them again and counts the discarded work."""
+    import torch
+
+    root = streaming / "checkpoints"
+    saved = torch.load(root / "step_00000002" / "trainer_state.pt", weights_only=False)["extra"]["inflight"]
+    assert saved["streaming"] and saved["outstanding"] == 2 and len(saved["prompts"]) >= 2
+    shutil.rmtree(root / "step_00000003")
+    (root / "latest").write_text("step_00000002\n")
+    proc = train(streaming, tiny_llama, *STREAM)
+    assert "resumed from" in proc.stdout + proc.stderr
+    after = metrics(streaming)[2:]  # the resumed run logs step 3 again in place of the uninterrupted one's
+    assert [r["step"] for r in metrics(streaming)] == [1, 2, 3]
+    assert after[0]["rollout/discarded_at_resume"] == 2  # (eta + 1) * 2 admitted - the 2 trained at step 2
+    assert after[0]["rollout/staleness_max"] <= 1
+
+
 # --- groups and channel (no vLLM, no megatron) --------------------------------------------------------------------
 
 @pytest.mark.slow  # ~40 s on the shared cores: three processes import vLLM's weight-transfer module
@@ -134,8 +183,8 @@ def test_engine_parts_merge_in_prompt_order():
     (["rollout.placement=split", "rollout.num_rollout_ranks=2", "rollout.tensor_parallel=2"], 4,
      "rollout.tensor_parallel must be 1 there"),
     (["rollout.max_staleness=1"], 1, "rollout.max_staleness=1 (asynchronous rollouts) needs rollout.placement=split"),
-    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2"], 2,
-     "set algo.rollout_correction"),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2",
+      "algo.rollout_correction=none"], 2, "set algo.rollout_correction"),
     (["rollout.placement=split", "rollout.num_rollout_ranks=1", "parallel=tp2"], 4,
      "trainer ranks (world - rollout.num_rollout_ranks) 3 is not divisible by parallel.tensor x parallel.pipeline"),
     (["algo.rollout_correction=tls"], 1, "algo.rollout_correction must be one of none, tis, mis, seq-tis, seq-mis"),
@@ -152,6 +201,7 @@ def test_split_config_errors_say_what_to_fix(overrides, world, message):
     (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=1"], 2),
     (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2",
       "algo.rollout_correction=tis"], 2),
+    (["rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.max_staleness=2"], 2),  # tis by default
 ])
 def test_split_configs_that_are_fine(overrides, world):
     from justrl_megatron.config import compose, validate

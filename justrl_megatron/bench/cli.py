@@ -24,6 +24,7 @@ import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="hydra override for justrl-train")
     g.add_argument("--threads", type=int, help="OMP threads of each side (default: all cores)")
     g.add_argument("--runs", type=int, default=2, help="--vs: alternating runs of each side")
+    g.add_argument("--workload", default="demo", choices=["demo", "longtail"],
+                   help="step: longtail runs split sync, one-step-off and streaming eta=1, 2 side by side on 1 trainer "
+                        "+ 1 rollout rank, responses up to 384 tokens (bench/longtail.py)")
     p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # one phase of a multi-phase run
     return p
@@ -271,6 +275,8 @@ def run_sync(a) -> dict:
 def run_step(a) -> dict:
     from .step import LOOP_PHASES, bench_step
 
+    if a.workload == "longtail":
+        return run_step_longtail(a)
     model = None if a.model is None else str(model_folder(a.model, tokenizer=True))
     raw = bench_step(model=model, prompts=a.prompts, n=a.n, response_len=a.response_len, warmup=a.warmup,
                      repeats=a.repeats, nproc=a.nproc, overrides=a.set, threads=a.threads,
@@ -286,6 +292,29 @@ def run_step(a) -> dict:
     config = {k: raw[k] for k in ("model", "world_size", "tp", "pp", "dtype", "prompts", "n", "max_response_length",
                                   "samples_per_step", "optimizer_steps_per_step", "threads")}
     return {"phase": "step", "config": config, "rows": rows, "raw": raw}
+
+
+def run_step_longtail(a) -> dict:
+    from .longtail import bench_longtail
+
+    model = None if a.model is None else str(model_folder(a.model, tokenizer=True))
+    raw = bench_longtail(model=model, warmup=a.warmup, repeats=a.repeats, steps_override=a.set,
+                         progress=not a.no_table)
+    rows = []
+    for name, m in raw["modes"].items():
+        f = m["figures"]
+        rows += [row(f"{name}: trained tokens/s (end to end)", "tokens/s", f["trained_tokens_per_s"]),
+                 row(f"{name}: generated tokens/s", "tokens/s", f["generated_tokens_per_s"]),
+                 row(f"{name}: trainer idle fraction", "fraction", f["trainer_idle_frac"]),
+                 row(f"{name}: step seconds", "s", f["step_s"])]
+        if not all(math.isnan(x) for x in f["engine_occupancy"]):  # measured by the streaming loop only
+            rows.append(row(f"{name}: engine occupancy", "fraction", f["engine_occupancy"]))
+    if "ratio_streaming1_vs_one_step_off" in raw:
+        rows.append(row("streaming eta=1 / one-step-off trained tokens/s", "x",
+                        [raw["ratio_streaming1_vs_one_step_off"]]))
+    for label, count in raw.get("histogram", []):
+        rows.append(row(f"response length {label}", "responses", [count]))
+    return {"phase": "step", "config": {"workload": raw["workload"]}, "rows": rows, "raw": raw}
 
 
 RUNNERS = {"rewards": run_rewards, "rollout": run_rollout, "train": run_train, "sync": run_sync, "step": run_step}

@@ -110,7 +110,8 @@ def summarise_steps(records: list[dict], *, warmup: int, world_size: int, sample
         per_step["tokens"].append(tokens)
         per_step["generated_tokens"].append(generated)
         per_step["tokens_per_s_per_device"].append(tokens / step_s / world_size)
-        per_step["generated_tokens_per_s"].append(generated / r["time/rollout_s"])
+        # streaming has no rollout phase of its own (the engines never stop): its generation rate is end to end
+        per_step["generated_tokens_per_s"].append(generated / r.get("time/rollout_s", step_s))
         per_step["trained_tokens_per_s"].append(tokens / r["time/update_s"])
         for p in LOOP_PHASES:
             per_step[f"{p}_s"].append(r.get(f"time/{p}_s", 0.0))  # a phase the loop skipped took no time
@@ -122,7 +123,7 @@ def summarise_steps(records: list[dict], *, warmup: int, world_size: int, sample
 def bench_step(*, model: str | None = None, prompts: int | None = None, n: int | None = None,
                response_len: int | None = None, warmup: int = 1, repeats: int = 3, nproc: int = 1,
                overrides: list[str] | tuple = (), threads: int | None = None, run_dir: str | None = None,
-               timeout_s: float = 3600, progress: bool = True) -> dict:
+               timeout_s: float = 3600, progress: bool = True, keep_records: bool = False) -> dict:
     """Time `repeats` GRPO steps of justrl-train after `warmup` steps. ``model``: an HF folder or builtin:<name>
     (default: the recipe's); ``overrides``: more hydra overrides (e.g. ``recipe=justrl_deepseek_1p5b``)."""
     if warmup < 0 or repeats < 1 or nproc < 1:
@@ -163,7 +164,7 @@ def bench_step(*, model: str | None = None, prompts: int | None = None, n: int |
             "optimizer_steps_per_step": int(cfg.trainer.prompts_per_step) // int(cfg.trainer.mini_batch_size),
             "warmup": warmup, "repeats": repeats, "threads": int(env.get("OMP_NUM_THREADS") or os.cpu_count()),
             "overrides": args,
-            "process_wall_s": wall, "per_step": per_step}
+            "process_wall_s": wall, "per_step": per_step, **({"records": records} if keep_records else {})}
 
 
 def _device_name() -> str:

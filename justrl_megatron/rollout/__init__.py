@@ -38,4 +38,5 @@ def make_engine(cfg, model_dir, *, seed: int = 0, in_process: bool = True):
         enforce_eager=ro.enforce_eager, in_process=in_process,
         weight_sync_backend=ro.weight_sync_backend, bucket_bytes=int(ro.weight_sync_bucket_mb) << 20,
         return_routed_experts=cfg.algo.routing_replay == "rollout",
+        prefix_caching=not ro.streaming,  # streaming: prompt blocks cached under older weights would be relabelled
     )

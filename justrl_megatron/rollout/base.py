@@ -79,6 +79,9 @@ class Rollouts:
     # MoE with algo.routing_replay=rollout: per sample, vLLM's experts of every forwarded token (prompt + response
     # but the last), an int array [tokens, MoE layers, top-k] (vLLM's enable_return_routed_experts); else None
     routed_experts: list | None = None
+    # streaming (rollout.streaming): per sample, the weight version that sampled each response token (a response may
+    # span versions: the engine takes new weights mid-generation); None: every token is of `weight_version`
+    token_versions: list[list[int]] | None = None
 
     def __post_init__(self):
         n = len(self.token_ids)
@@ -93,6 +96,12 @@ class Rollouts:
             self.truncated = [r == "length" for r in self.finish_reasons]
         if self.routed_experts is not None and len(self.routed_experts) != n:
             raise ValueError(f"Rollouts: {len(self.routed_experts)} routed_experts for {n} samples")
+        if self.token_versions is not None:
+            if len(self.token_versions) != n:
+                raise ValueError(f"Rollouts: {len(self.token_versions)} token_versions for {n} samples")
+            for i, (toks, vs) in enumerate(zip(self.token_ids, self.token_versions)):
+                if len(toks) != len(vs):
+                    raise ValueError(f"sample {i}: {len(toks)} tokens but {len(vs)} token versions")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -101,10 +110,23 @@ class Rollouts:
     def in_order(cls, order: Sequence[tuple["Rollouts", int, int]], weight_version: int) -> "Rollouts":
         """Samples picked from several parts, [(part, its sample k, global prompt index g)], as one batch."""
         routed = [r.routed_experts[k] if r.routed_experts is not None else None for r, k, _ in order]
+        versions = [r.versions_of(k) for r, k, _ in order]
+        mixed = any(r.token_versions is not None for r, _, _ in order)
         return cls(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
                    logprobs=[r.logprobs[k] for r, k, _ in order],
                    finish_reasons=[r.finish_reasons[k] for r, k, _ in order], weight_version=weight_version,
-                   routed_experts=routed if routed and all(x is not None for x in routed) else None)
+                   routed_experts=routed if routed and all(x is not None for x in routed) else None,
+                   token_versions=versions if mixed else None)
+
+    def versions_of(self, i: int) -> list[int]:
+        """The weight version of each of sample i's response tokens."""
+        if self.token_versions is not None:
+            return list(self.token_versions[i])
+        return [self.weight_version] * len(self.token_ids[i])
+
+    def oldest_version(self, i: int) -> int:
+        """The oldest weights that sampled a token of sample i (its staleness counts from there)."""
+        return min(self.versions_of(i), default=self.weight_version)
 
     @property
     def num_tokens(self) -> int:

@@ -75,6 +75,7 @@ class VLLMEngine:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         progress: bool = False,
         return_routed_experts: bool = False,
+        prefix_caching: bool = True,
     ):
         from justrl_megatron.assets import cache_dir
 
@@ -114,6 +115,8 @@ class VLLMEngine:
             weight_transfer_config={"backend": self.backend},
             worker_extension_cls="justrl_megatron.rollout.weight_transfer.WorkerExtension",
         )
+        if not prefix_caching:  # streaming: a cached prompt block of older weights would be labelled with the new ones
+            kwargs["enable_prefix_caching"] = False
         if return_routed_experts:  # MoE, algo.routing_replay=rollout: each completion's experts, per token and layer
             kwargs["enable_return_routed_experts"] = True
         if self.on_gpu:
@@ -154,6 +157,8 @@ class VLLMEngine:
             self.step_budget = (int(scheduler.max_num_batched_tokens), int(scheduler.max_num_seqs))
         if not in_process:  # vLLM's engine processes must die with this rank, even a killed one
             self.llm.collective_rpc("justrl_exit_with_trainer", args=(os.getpid(),))
+        self.max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        self._paused = False
         self._version = 0
         self.llm.update_weight_version("0")  # the weights of model_dir are version 0
         self._asleep: set[str] = set()
@@ -278,6 +283,54 @@ class VLLMEngine:
                 samples.setdefault(indices[local], []).append((r, k))
         order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
         return Rollouts.in_order(order, min(versions.values()))
+
+    # -- streaming (continuous batching: rollout/streaming.py drives these) ---------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], n: int, sampling: SamplingConfig) -> None:
+        """Start `n` samples of one prompt now (they share `request_id`); `step` hands them back when all are done."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self.sampling_params(n, sampling)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # the group once, when its last sample finishes
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(map(int, prompt_ids))}, params)
+
+    def step(self) -> list[tuple[str, Rollouts]]:
+        """One engine step (blocks until the engine reports one); the groups that finished: (request id, Rollouts
+        of its n samples with per-token versions). Nothing while paused or idle."""
+        if self._paused or not self.llm.llm_engine.has_unfinished_requests():
+            return []
+        done = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            toks = [list(c.token_ids) for c in samples]
+            versions = [span_versions(c.weight_versions, len(t), self._version) for c, t in zip(samples, toks)]
+            done.append((out.request_id, Rollouts(
+                prompt_index=[0] * len(samples), token_ids=toks,
+                logprobs=[[st[t].logprob for st, t in zip(c.logprobs or [], tk)] for c, tk in zip(samples, toks)],
+                finish_reasons=[c.finish_reason or "abort" for c in samples],
+                weight_version=min((v for vs in versions for v in vs), default=self._version),
+                token_versions=versions)))
+        return done
+
+    def num_unfinished(self) -> int:
+        """Requests (groups) added and not yet handed back by `step`."""
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.llm.llm_engine.abort_request(list(request_ids))
+
+    def pause(self) -> None:
+        """Stop scheduling, keeping every in-flight request and its KV cache (vLLM sleep level 0, mode keep)."""
+        if not self._paused:
+            self.llm.sleep(level=0, mode="keep")
+            self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            self.llm.wake_up(tags=["scheduling"])
+            self._paused = False
 
     # -- weight sync -------------------------------------------------------------------------------------------------
 
@@ -405,6 +458,16 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:
             pass
+
+
+def span_versions(spans, num_tokens: int, default: int) -> list[int]:
+    """vLLM's weight-version spans ([start, end) of the output tokens per label) as one version per token; tokens
+    no span covers (no label reported) get `default`."""
+    versions = [default] * num_tokens
+    for span in spans or []:
+        if str(span.version).isdigit():
+            versions[span.start:span.end] = [int(span.version)] * (min(span.end, num_tokens) - span.start)
+    return versions
 
 
 def plan_calls(prompt_lens: Sequence[int], n: int, budget: tuple[int, int] | None) -> list[tuple[int, int, int, int]]:

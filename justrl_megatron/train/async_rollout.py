@@ -76,11 +76,17 @@ class RolloutPipeline:
         self._inflight: InFlight | None = None
 
     @classmethod
-    def for_config(cls, cfg, rollout, sampler, scorer, tokenizer, *, leader: bool) -> "RolloutPipeline":
-        """The pipeline a config asks for (rollout.n, sampling and staleness; algo's dynamic sampling)."""
+    def for_config(cls, cfg, rollout, sampler, scorer, tokenizer, *, leader: bool):
+        """The pipeline a config asks for (rollout.n, sampling, staleness and streaming; algo's dynamic sampling)."""
         from ..rollout import SamplingConfig
 
         ro, tr, algo = cfg.rollout, cfg.trainer, cfg.algo
+        if ro.streaming:
+            return StreamingPipeline(rollout, sampler, scorer, tokenizer, n=ro.n,
+                                     sampling=SamplingConfig.from_rollout_config(ro), leader=leader,
+                                     max_staleness=ro.max_staleness, num_groups=tr.prompts_per_step,
+                                     dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
+                                     last_step=tr.total_steps)
         return cls(rollout, sampler, scorer, tokenizer, n=ro.n, sampling=SamplingConfig.from_rollout_config(ro),
                    seed=tr.seed, leader=leader, max_staleness=ro.max_staleness, num_groups=tr.prompts_per_step,
                    dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
@@ -189,6 +195,10 @@ class RolloutPipeline:
         again with the current weights."""
         if not state:
             return
+        if state.get("streaming"):  # saved by a streaming run: its untrained prompts are not this pipeline's unit
+            print(f"justrl-train: warning: {len(state['prompts'])} prompts admitted or drawn by the streaming run "
+                  f"are skipped (rollout.streaming is off now)", flush=True)
+            return
         prompts = [Prompt(**p) for p in state["prompts"]]
         if not self.ahead:
             self._inflight = InFlight(state["step"], prompts)  # launched by _collect, after the engines got weights
@@ -196,3 +206,158 @@ class RolloutPipeline:
         batch = StepBatch(prompts, Rollouts(**state["rollouts"]), state["rewards"], state["correct"],
                           state["reward_stats"])
         self._inflight = InFlight(state["step"], prompts, result=batch)
+
+
+# --- streaming (rollout.streaming=true) --------------------------------------------------------------------------------
+
+@dataclass
+class StreamStats:
+    """A streaming step's figures, where the loop reads dynamic sampling's (`metrics`, `shortfall`)."""
+
+    figures: dict
+
+    def metrics(self) -> dict[str, float]:
+        return self.figures
+
+    def shortfall(self) -> str | None:
+        return None
+
+
+class StreamingPipeline:
+    """The trainer's side of streaming rollouts: admission (the staleness bound) and the step's groups.
+
+    The rollout ranks keep their engines full from the prompts trainer rank 0 admits (train/split_rollout.py,
+    rollout/streaming.py) and hand finished groups back into a buffer; `next_batch` takes the first
+    trainer.prompts_per_step groups that may be trained and returns at once when the buffer holds them.
+
+    Staleness bound eta = rollout.max_staleness, by admission: at most (eta + 1) * prompts_per_step groups are admitted
+    and not yet taken. A prompt admitted after the weights of version w went out is taken, in the order groups finish,
+    by the step that trains version w + eta at the latest, unless longer groups admitted after it overtake it; those
+    few (a long tail) would be older than eta when taken: the engines abort them at the weight update that makes them
+    too old, the trainer drops any that finished in the buffer meanwhile, both counted (rollout/dropped_*), and
+    fresh prompts take their places. No trained token is ever more than eta versions behind the policy.
+
+    Checkpoints: the groups buffered or in flight are not saved; their prompts are (`state`), and a resumed run admits
+    them first and generates them anew with the resumed weights (rollout/discarded_at_resume counts the discarded
+    work). Nothing is trained twice and no prompt is skipped.
+    """
+
+    def __init__(self, rollout, sampler, scorer, tokenizer, *, n: int, sampling, leader: bool, max_staleness: int,
+                 num_groups: int, dynamic_sampling: bool = False, max_rounds: int = 1, last_step: int | None = None):
+        from collections import deque
+
+        self.rollout, self.sampler, self.scorer, self.tokenizer = rollout, sampler, scorer, tokenizer
+        self.n, self.sampling, self.leader, self.eta = n, sampling, leader, max_staleness
+        self.num_groups, self.dynamic_sampling, self.max_rounds = num_groups, dynamic_sampling, max_rounds
+        self.last_step = last_step
+        self.capacity = (max_staleness + 1) * num_groups  # groups admitted and not yet taken
+        self._queue: deque[Prompt] = deque()  # drawn from the sampler (or restored), not admitted yet
+        self._admitted: dict[int, tuple[Prompt, int]] = {}  # gid -> (prompt, the version it was admitted at)
+        self._next_gid = 0
+        self._open = False
+        self._counts = {"dropped_stale": 0, "dropped_in_engine": 0, "discarded_at_resume": 0}
+
+    def next_batch(self, step: int, version: int, timer) -> ScoredStep:
+        payload = self._take(step, version) if self.leader else None
+        prompts, rollouts, rewards, correct, reward_stats, figures, seconds, sampler_state = trainer_broadcast(payload)
+        self.sampler.load_state_dict(sampler_state)  # only trainer rank 0 draws: every rank keeps its position
+        timer.seconds |= seconds
+        staleness = int(figures["rollout/staleness_max"])
+        check_staleness(version - staleness, version, self.eta)  # the bound, once more, on every trainer rank
+        return ScoredStep(ScoredBatch(prompts, rollouts, rewards, correct, reward_stats), StreamStats(figures),
+                          staleness)
+
+    # -- trainer rank 0 ------------------------------------------------------------------------------------------------
+
+    def _admit(self, step: int, version: int) -> None:
+        """Top the outstanding groups up to the bound (no more than the remaining steps can take)."""
+        room = self.capacity - len(self._admitted)
+        if self.last_step is not None:
+            room = min(room, (self.last_step - step + 1) * self.num_groups - len(self._admitted))
+        batch = []
+        for _ in range(max(room, 0)):
+            if not self._queue:
+                self._queue.extend(self.sampler.next_batch())
+            prompt, gid = self._queue.popleft(), self._next_gid
+            self._next_gid += 1
+            self._admitted[gid] = (prompt, version)
+            batch.append((gid, prompt.ids))
+        self.rollout.stream_admit(batch)
+
+    def _take(self, step: int, version: int):
+        if not self._open:
+            self.rollout.stream_open(self.n, self.sampling, self.capacity)
+            self._open = True
+        self._admit(step, version)
+        buffer, counts = self.rollout.buffer, dict.fromkeys(self._counts, 0)
+        kept, zero_variance, taken = [], 0, 0
+        wait = reward = 0.0
+        while len(kept) < self.num_groups:
+            t = time.perf_counter()
+            gid, rollouts, _ = buffer.take()
+            wait += time.perf_counter() - t
+            prompt, _ = self._admitted.pop(gid)
+            if rollouts is None:  # aborted by its engine: too old to train
+                counts["dropped_in_engine"] += 1
+                self._admit(step, version)
+                continue
+            if version - rollouts.weight_version > self.eta:  # finished, but too old by now
+                counts["dropped_stale"] += 1
+                self._admit(step, version)
+                continue
+            t = time.perf_counter()
+            rewards, correct, reward_stats = score(self.scorer, self.tokenizer, [prompt], rollouts, self.n)
+            reward += time.perf_counter() - t
+            taken += 1
+            # dynamic sampling: a group without reward variance teaches nothing; after max_rounds batches' worth of
+            # groups the step takes what comes (as the synchronous rounds do when they run out)
+            if (self.dynamic_sampling and len(set(rewards)) == 1
+                    and taken < self.max_rounds * self.num_groups):
+                zero_variance += 1
+                self._admit(step, version)
+                continue
+            kept.append((prompt, rollouts, rewards, correct, reward_stats))
+        for k, v in counts.items():
+            self._counts[k] += v
+        counts["discarded_at_resume"], self._counts["discarded_at_resume"] = self._counts["discarded_at_resume"], 0
+        order = [(r, k, g) for g, (_, r, *_) in enumerate(kept) for k in range(len(r))]
+        versions = [r.versions_of(k) for r, k, _ in order]
+        oldest = [min(v, default=version) for v in versions]
+        rollouts = Rollouts.in_order(order, min(oldest))
+        rollouts.token_versions = versions
+        lags = [version - o for o in oldest]
+        engine, depth, peak = buffer.take_stats()
+        engine_s = engine.get("busy_s", 0.0) + engine.get("idle_s", 0.0) + engine.get("paused_s", 0.0)
+        figures = {
+            "rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags)),
+            "rollout/multi_version_frac": sum(len(set(v)) > 1 for v in versions) / len(versions),
+            "rollout/engine_occupancy": engine["occupancy_sum"] / engine["steps"] if engine.get("steps") else 0.0,
+            "rollout/engine_idle_frac": engine.get("idle_s", 0.0) / engine_s if engine_s else 0.0,
+            "rollout/buffer_depth": float(depth), "rollout/buffer_peak": float(peak),
+            "rollout/admitted_outstanding": float(len(self._admitted)),
+            **{f"rollout/{k}": float(v) for k, v in counts.items()},
+        }
+        if self.dynamic_sampling:
+            figures |= {"batch/kept_groups": float(len(kept)), "batch/zero_variance_groups": float(zero_variance)}
+        seconds = {"wait_rollout": wait, "reward": reward, "rollout_idle": engine.get("idle_s", 0.0),
+                   "rollout_paused": engine.get("paused_s", 0.0), "rollout_busy": engine.get("busy_s", 0.0)}
+        return ([p for p, *_ in kept], rollouts, [x for *_, rw, _, _ in kept for x in rw],
+                [x for *_, c, _ in kept for x in c], kept[-1][4], figures, seconds, self.sampler.state_dict())
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """The prompts not trained yet (admitted ones in admission order, then the drawn ones), on every trainer
+        rank. Their samples, buffered or in flight, are not saved: a resumed run generates them anew."""
+        prompts = None
+        if self.leader:
+            prompts = [dataclasses.asdict(p) for _, (p, _) in sorted(self._admitted.items())]
+            prompts += [dataclasses.asdict(p) for p in self._queue]
+        return {"streaming": True, "prompts": trainer_broadcast(prompts),
+                "outstanding": trainer_broadcast(len(self._admitted) if self.leader else None)}
+
+    def restore(self, state: dict | None) -> None:
+        if not state:
+            return
+        self._queue.extendleft(reversed([Prompt(**p) for p in state["prompts"]]))
+        self._counts["discarded_at_resume"] = int(state.get("outstanding", len(state["prompts"])))

@@ -13,8 +13,23 @@ one conversation at a time:
     ("stop",)                                  ->    engine shut down, the rank exits 0
 
 A rollout rank does one thing at a time, so a weight sync sent while it generates lands right after that batch:
-generation never stops for longer than the copy. The other trainer ranks take part in the weight export only
-(its gathers are collectives) and get each batch from trainer rank 0 over the trainer group.
+generation never stops for longer than the copy.
+
+Streaming (rollout.streaming=true) turns a rollout rank into an engine loop (rollout/streaming.EngineLoop):
+
+    ("stream", (n, sampling, max seqs))        ->    the loop starts; a result channel per engine opens
+    ("admit", [(gid, prompt ids), ...])        ->    engine gid % R queues its prompts, started as slots free up
+    recv finished groups (any time)            <-    ("groups", ([(gid, Rollouts, admitted version)], figures))
+    ("weights", min_version); send_weights     ->    pause (requests kept), receive, drop groups admitted before
+                                                     min_version (counted), resume
+    ("stop",)                                  ->    in-flight groups aborted; ("end", their gids) back
+
+The rank listens to the control channel on a thread of its own while the main thread steps the engine; finished
+groups (and batches asked for beside the stream: held-out accuracy, validation) go back on the result channel, which
+trainer rank 0 receives on a thread per engine into a GroupBuffer.
+
+The other trainer ranks take part in the weight export only (its gathers are collectives) and get each batch from
+trainer rank 0 over the trainer group.
 """
 
 from __future__ import annotations
@@ -53,6 +68,8 @@ class SplitPlacement:
         self._lock = threading.Lock()  # the channel carries one conversation at a time (a receiver thread, publish)
         self._pending: deque[_Request] = deque()
         self.roles = self.sender = None
+        self.buffer = None  # streaming: trainer rank 0's finished groups
+        self._receivers: list[threading.Thread] = []
 
     @staticmethod
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
@@ -106,7 +123,11 @@ class SplitPlacement:
 
     def _receive_next(self) -> None:
         head = self._pending.popleft()
-        parts = [self._channel.recv_object(src=1 + e) for e in range(self.roles.num_rollout_ranks)]
+        if self.buffer is not None:  # streaming: the parts come back on the result channels
+            parts = [self.buffer.take_batch() for _ in range(self.roles.num_rollout_ranks)]
+            parts.sort(key=lambda part: part[2]["engine"])
+        else:
+            parts = [self._channel.recv_object(src=1 + e) for e in range(self.roles.num_rollout_ranks)]
         head.rollouts = merge_parts(parts, head.num_prompts)
         # the slowest engine decides when the batch is complete
         head.stats = {k: max(p[2][k] for p in parts) for k in parts[0][2]}
@@ -117,6 +138,33 @@ class SplitPlacement:
         request = self.submit(prompt_ids, n, sampling, seed=seed)
         got = self.receive(request)
         return trainer_broadcast(None if got is None else got[0])
+
+    # -- streaming ------------------------------------------------------------------------------------------------------
+
+    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int) -> None:
+        """Turn every engine into a streaming loop; trainer rank 0 collects finished groups (at most `capacity`:
+        what the admission lets be outstanding) in `self.buffer`. Every trainer rank calls it."""
+        if not self.leader:
+            return
+        from ..rollout.streaming import GroupBuffer
+
+        engines = self.roles.num_rollout_ranks
+        with self._lock:
+            # an engine's share of what the admission lets be outstanding: its occupancy is measured against it
+            self._channel.broadcast_object(("stream", (n, sampling, -(-capacity // engines) * n)), 0)
+        self.buffer = GroupBuffer(capacity, producers=engines)
+        for e in range(engines):
+            channel = result_channel(self.roles, e)
+            thread = threading.Thread(target=_receive_groups, args=(channel, self.buffer), daemon=True,
+                                      name=f"stream-results-{e}")
+            thread.start()
+            self._receivers.append(thread)
+
+    def stream_admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """(trainer rank 0) Prompts the engines may start now, each with its place in the stream (gid)."""
+        if self.leader and prompts:
+            with self._lock:
+                self._channel.broadcast_object(("admit", [(int(g), list(map(int, p))) for g, p in prompts]), 0)
 
     # -- the trainer's turn, weights, the end -----------------------------------------------------------------------
 
@@ -134,7 +182,9 @@ class SplitPlacement:
             with self._lock:
                 while self._pending:
                     self._receive_next()
-                self._channel.broadcast_object(("weights", None), 0)
+                # streaming: groups started before version - max_staleness could not be trained any more
+                min_version = version - self.cfg.rollout.max_staleness if self.buffer is not None else None
+                self._channel.broadcast_object(("weights", min_version), 0)
                 return send_weights(self.sender, self._export_weights(self._bucket_bytes), version, self._channel,
                                     tied=self._tied, bucket_bytes=self._bucket_bytes, expected_names=self._expected)
         return send_weights(None, self._export_weights(self._bucket_bytes), version, None, tied=self._tied,
@@ -146,6 +196,8 @@ class SplitPlacement:
                 while self._pending:
                     self._receive_next()
                 self._channel.broadcast_object(("stop", None), 0)
+            for thread in self._receivers:  # each ends with its engine's ("end", ...)
+                thread.join(timeout=60)
             self.sender.close()
 
 
@@ -157,6 +209,109 @@ def merge_parts(parts, num_prompts: int) -> Rollouts:
             samples.setdefault(indices[local], []).append((r, k))
     order = [(r, k, g) for g in range(num_prompts) for r, k in samples.get(g, [])]
     return Rollouts.in_order(order, min(r.weight_version for _, r, _ in parts))  # the oldest weights count
+
+
+def result_channel(roles, engine: int):
+    """The channel engine `engine` sends finished groups on (trainer rank 0 is its rank 0); both ends build it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..distributed import ObjectChannel
+
+    rank = 0 if roles.is_trainer else 1
+    return ObjectChannel(dist.PrefixStore(f"justrl-results-{engine}", roles.store), rank, 2,
+                         roles.timeout or datetime.timedelta(minutes=30))
+
+
+def _receive_groups(channel, buffer) -> None:
+    """Trainer rank 0, a thread per engine: finished groups into the buffer until the engine says it has ended."""
+    try:
+        while True:
+            kind, payload = channel.recv_object(src=1)
+            if kind == "end":
+                buffer.end(payload)
+                return
+            if kind == "batch":
+                buffer.put_batch(payload)
+                continue
+            groups, figures = payload
+            buffer.put(groups, figures)
+    except BaseException as exc:  # noqa: BLE001  (raised to the trainer by buffer.take)
+        buffer.fail(RuntimeError(f"the rollout rank's result channel failed: {exc}"))
+
+
+def serve_stream(engine, channel, results, e: int, engines: int, n: int, sampling, max_seqs: int) -> None:
+    """A rollout rank's streaming loop, until the trainer says stop (see the module doc). `max_seqs`: the most
+    sequences the admission lets this engine hold (its occupancy's denominator, with the engine's own maximum)."""
+    import queue
+
+    from ..rollout.streaming import EngineLoop
+
+    loop = EngineLoop(engine, n, sampling, max_running_seqs=min(max_seqs, engine.max_num_seqs))
+    batches: list[tuple[int, list[int], float]] = []  # side batches in progress: (batch id, prompt indices, start)
+    inbox: queue.Queue = queue.Queue()
+    weights_taken = threading.Event()
+
+    def listen():  # the control channel, while the main thread steps the engine
+        while True:
+            try:
+                message = channel.broadcast_object(None, 0)
+            except BaseException as exc:  # noqa: BLE001  (the trainer is gone: the main thread raises it)
+                inbox.put(("failed", exc))
+                return
+            inbox.put(message)
+            if message[0] == "weights":  # the main thread reads the sync's metadata on this channel: wait for it
+                weights_taken.wait()
+                weights_taken.clear()
+            elif message[0] == "stop":
+                return
+
+    threading.Thread(target=listen, daemon=True, name="stream-control").start()
+    while True:
+        t = time.perf_counter()
+        if loop.busy:
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                message = None
+        else:  # nothing to generate: waiting for prompts (the admission) or weights
+            message = inbox.get()
+            loop.stats.idle_s += time.perf_counter() - t
+        if message is not None:
+            kind, payload = message
+            if kind == "admit":
+                loop.admit([(g, ids) for g, ids in payload if g % engines == e])
+            elif kind == "weights":
+                try:
+                    dropped = loop.update(lambda: engine.receive_weights(channel), min_version=payload)["dropped"]
+                finally:
+                    weights_taken.set()
+                if dropped:  # the trainer counts them and admits fresh prompts in their place
+                    results.send_object(("groups", ([(g, None, v) for g, v in dropped], {})), dst=0)
+            elif kind == "generate":  # a whole batch beside the stream (held-out accuracy, validation)
+                prompts, bn, bsampling, _ = payload
+                mine = list(range(e, len(prompts), engines))
+                batches.append((loop.add_batch([prompts[i] for i in mine], bn, bsampling), mine,
+                                time.perf_counter()))
+            elif kind == "stop":
+                results.send_object(("end", loop.abort_all()), dst=0)
+                return
+            elif kind == "failed":
+                raise RuntimeError(f"rollout rank: the trainer's control channel failed: {payload}")
+            else:
+                raise RuntimeError(f"rollout rank: unknown streaming request {kind!r} from the trainer")
+            continue  # every message is handled before the next step
+        groups = loop.step()
+        if groups:
+            results.send_object(("groups", ([(g.gid, g.rollouts, g.admitted_version) for g in groups],
+                                            loop.take_stats().sums())), dst=0)
+        for batch in list(batches):
+            part = loop.batch_done(batch[0])
+            if part is not None:
+                batches.remove(batch)
+                results.send_object(("batch", (batch[1], part, {"engine": e,
+                                                               "generate_s": time.perf_counter() - batch[2]})), dst=0)
 
 
 def serve(cfg, model_dir, roles) -> None:
@@ -187,6 +342,9 @@ def serve(cfg, model_dir, roles) -> None:
                 part = engine.generate([prompts[i] for i in mine], n, sampling, seed=seed, request_indices=mine)
                 channel.send_object((mine, part, {**waits, "generate_s": time.perf_counter() - t}), dst=0)
                 waits = dict.fromkeys(waits, 0.0)
+            elif kind == "stream":  # from here on the engine streams until stop
+                serve_stream(engine, channel, result_channel(roles, e), e, engines, *payload)
+                return
             elif kind == "stop":
                 return
             else:

