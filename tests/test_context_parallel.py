@@ -144,7 +144,9 @@ def _check_layout(per_rank, cp=2, tp=1, pp=1, dp=1):
         assert v["rank_tokens"] < 0.7 * v["all_tokens"] / dp and v["ref_rank_tokens"] < 0.7 * v["all_tokens"], v
         assert v["num_logprobs"] == v["ref_num_logprobs"] > 0
         assert v["logprob_diff"] <= 1e-6 and v["entropy_diff"] <= 1e-6, v
-        assert max(v["metric_diffs"].values()) <= 1e-6, v["metric_diffs"]
+        # ratio_min/max are exp(logp - old) of two passes, each within 1e-6 of CP1's: their gap may reach 2e-6
+        assert all(d <= (2e-6 if k.startswith("ratio") else 1e-6) for k, d in v["metric_diffs"].items()), \
+            v["metric_diffs"]
         assert v["grad_diff"] <= 1e-6 < 1e-3 < v["grad_scale"], v
         assert v["weight_diff_plain_adam"] <= 1e-6 and v["weight_diff_distopt_adam"] <= 1e-6, v
         assert v["weight_change_distopt_adam"] > 5e-7  # the step moved the weights (lr 1e-6): not vacuous
