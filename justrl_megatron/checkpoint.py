@@ -395,6 +395,18 @@ def _prime_empty_adam_state(optimizer) -> None:
                                   "exp_avg_sq": torch.zeros_like(p.data)}
 
 
+def _distopt_subs_without_apex(optimizer) -> list:
+    """The DistributedOptimizers of `optimizer` that run megatron-core's torch-Adam fallback (no apex / TE: the CPU
+    build), whose per-parameter "step" the two workarounds below handle; none where megatron is missing."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer as dopt
+    except ImportError:
+        return []
+    return [s for s in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(s, dopt.DistributedOptimizer) and not getattr(dopt, "HAVE_APEX_OR_TE", True)
+            and not getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+
+
 @contextlib.contextmanager
 def _distopt_load_without_apex(optimizer):
     """Work around two bugs of megatron-core 0.16's DistributedOptimizer load without apex / TE (CPU builds).
@@ -407,14 +419,7 @@ def _distopt_load_without_apex(optimizer):
     Handing each copy its own current step back makes (2) a no-op; after the load each parameter gets its own step
     tensor (1). Instance-level, only for the duration of the load; nothing happens where apex or TE is present.
     """
-    try:
-        from megatron.core.optimizer import distrib_optimizer as dopt
-    except ImportError:
-        yield
-        return
-    subs = [s for s in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(s, dopt.DistributedOptimizer) and not getattr(dopt, "HAVE_APEX_OR_TE", True)
-            and not getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+    subs = _distopt_subs_without_apex(optimizer)
     originals = {}
     for sub in subs:
         original = sub._set_main_param_and_optimizer_states
@@ -504,14 +509,7 @@ def _distopt_buckets_without_step(optimizer):
     does not fit that mapping and reads back as 0 (Adam's bias corrections then restart: measured, the second step
     after a resume differed). The step is saved once in the param groups anyway, and the load restores it from there
     (`_distopt_load_without_apex`). Instance-level, only while the sharded state dict is built."""
-    try:
-        from megatron.core.optimizer import distrib_optimizer as dopt
-    except ImportError:
-        yield
-        return
-    subs = [s for s in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(s, dopt.DistributedOptimizer) and not getattr(dopt, "HAVE_APEX_OR_TE", True)
-            and not getattr(s.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)]
+    subs = _distopt_subs_without_apex(optimizer)
     for sub in subs:
         original = sub._get_main_param_and_optimizer_states
 
