@@ -254,18 +254,22 @@ class GroupBuffer:
             self.ends.append(payload)
             self._cond.notify_all()
 
-    def take(self):
-        """The oldest finished group; blocks until one is in. Raises what a producer raised, or when none is left."""
+    def take(self, pick: Callable[[list], int | None] | None = None):
+        """A finished group; blocks until one is in. `pick(items)` chooses among the finished ones (an index, or None:
+        wait for more); default the oldest. Raises what a producer raised, or when none is left."""
         with self._cond:
-            while not self._items:
+            while True:
                 if self._error is not None:
                     raise self._error
+                if self._items:
+                    i = pick(list(self._items)) if pick is not None else 0
+                    if i is not None:
+                        item = self._items[i]
+                        del self._items[i]
+                        return item
                 if self._open <= 0:
                     raise BufferError("every rollout rank stopped streaming while the trainer waits for groups")
                 self._cond.wait(timeout=1.0)
-            if self._error is not None:
-                raise self._error
-            return self._items.popleft()
 
     def take_stats(self) -> tuple[dict[str, float], int, int]:
         """(the engines' summed loop figures since the last call, the depth now, the largest depth since)."""

@@ -231,11 +231,13 @@ class StreamingPipeline:
     trainer.prompts_per_step groups that may be trained and returns at once when the buffer holds them.
 
     Staleness bound eta = rollout.max_staleness, by admission: at most (eta + 1) * prompts_per_step groups are admitted
-    and not yet taken. A prompt admitted after the weights of version w went out is taken, in the order groups finish,
-    by the step that trains version w + eta at the latest, unless longer groups admitted after it overtake it; those
-    few (a long tail) would be older than eta when taken: the engines abort them at the weight update that makes them
-    too old, the trainer drops any that finished in the buffer meanwhile, both counted (rollout/dropped_*), and
-    fresh prompts take their places. No trained token is ever more than eta versions behind the policy.
+    and not yet taken. A step takes the groups that could not wait another step first (waiting for them if they still
+    run), then any others in the order they finished (`_pick`): a prompt admitted while the policy was at version w
+    is trained by the step that trains version w + eta, however long its responses. Only when more such groups are
+    outstanding than a step takes (after dynamic sampling's rejections) are the rest too old: the engines abort them
+    at the weight update that makes them so, the trainer drops any that finished meanwhile, both counted
+    (rollout/dropped_*), and fresh prompts take their places. No trained token is ever more than eta versions behind
+    the policy.
 
     Checkpoints: the groups buffered or in flight are not saved; their prompts are (`state`), and a resumed run admits
     them first and generates them anew with the resumed weights (rollout/discarded_at_resume counts the discarded
@@ -284,6 +286,24 @@ class StreamingPipeline:
             batch.append((gid, prompt.ids))
         self.rollout.stream_admit(batch)
 
+    def _pick(self, version: int, needed):
+        """Which finished group the step takes next (GroupBuffer.take's `pick`): an engine's drop notice first (it
+        frees admission room), then the groups that cannot wait another step (admitted eta or more versions ago:
+        trained now or never), then any, in the order they finished. While an expiring group still runs and the step
+        has no other room for it, the step waits for it: a long response is trained, not thrown away for a shorter
+        one that overtook it (which would bias training against long answers and waste its tokens)."""
+        def expiring(gid: int) -> bool:
+            return version + 1 - self._admitted[gid][1] > self.eta
+
+        def pick(items: list) -> int | None:
+            for i, (gid, rollouts, _) in enumerate(items):
+                if rollouts is None or expiring(gid):
+                    return i
+            running = sum(expiring(gid) for gid in self._admitted)  # none is in the buffer (the loop above)
+            return 0 if needed() > running else None
+
+        return pick
+
     def _take(self, step: int, version: int):
         if not self._open:
             self.rollout.stream_open(self.n, self.sampling, self.capacity)
@@ -292,9 +312,10 @@ class StreamingPipeline:
         buffer, counts = self.rollout.buffer, dict.fromkeys(self._counts, 0)
         kept, zero_variance, taken = [], 0, 0
         wait = reward = 0.0
+        pick = self._pick(version, lambda: self.num_groups - len(kept))
         while len(kept) < self.num_groups:
             t = time.perf_counter()
-            gid, rollouts, _ = buffer.take()
+            gid, rollouts, _ = buffer.take(pick)
             wait += time.perf_counter() - t
             prompt, _ = self._admitted.pop(gid)
             if rollouts is None:  # aborted by its engine: too old to train
