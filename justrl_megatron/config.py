@@ -173,8 +173,8 @@ class TrainerConfig:
     prompts_per_step: int = 256
     mini_batch_size: int = 64  # prompts per optimizer step (x rollout.n samples)
     max_tokens_per_micro_batch: int = 32768
-    # auto: when a step is one optimizer step on fresh samples, its own forward pass gives the old logprobs (ratio 1,
-    # same gradient, one forward pass fewer; TRL does the same) | recompute: always a separate forward pass first
+    # auto: when a step is one optimizer step, its own forward pass gives the old (proximal) logprobs (ratio 1, same
+    # gradient and rollout correction, one forward pass fewer; TRL does the same) | recompute: a separate pass first
     old_logprobs: str = "auto"
     # auto | on | off: the responses of a group attend to one copy of their prompt (its layer work done once, not n
     # times; exact, train/batching.py). auto: on with the local spec (our SDPA attention), off with TransformerEngine

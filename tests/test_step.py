@@ -160,6 +160,9 @@ def test_reference_step(ref, shape):
     assert v["grad_scale"] > 1e-3 and m["grad_norm"] > 0
     assert v["uneven_steps"] == 2  # mini-batches of 11 and 1 samples: two optimizer steps
     _check_reuse_forward(v["reuse_forward"])
+    stale = v["reuse_forward_stale"]  # behaviour logprobs of other weights, TIS: still one proximal policy
+    _check_reuse_forward(stale)
+    assert "rollout_correction/ratio_mean" in stale["compared"], stale
 
 
 def _check_reuse_forward(r):

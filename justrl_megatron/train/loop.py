@@ -113,13 +113,14 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
                                         norm_by_std=loss.norm_adv_by_std, response_lengths=lengths)
         samples = _samples(batch, rollouts, advantages, ro.n)
 
-        # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step on fresh
-        #      samples needs no separate old-logprob pass: the update's forward gives them.
+        # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step needs no
+        #      separate old-logprob pass: the update's forward gives them (the proximal policy is the weights before
+        #      the step, also for stale samples, whose behaviour logprobs the rollout correction uses as they are).
         budget = tr.max_tokens_per_micro_batch
-        one_fresh_step = rollouts.weight_version == version and tr.mini_batch_size >= tr.prompts_per_step
+        one_step = tr.mini_batch_size >= tr.prompts_per_step
         with rollout.training():
             ref = _reference_logprobs(reference, samples, budget, timer)  # for the KL penalty (algo.kl_coef)
-            if one_fresh_step and tr.old_logprobs == "auto":
+            if one_step and tr.old_logprobs == "auto":
                 with timer("update"):
                     update, old_logprobs = grpo_update_on_policy(policy, samples, max_tokens_per_micro_batch=budget,
                                                                  loss=loss, ref_logprobs=ref)

@@ -157,24 +157,31 @@ def maxdiff(a, b):
     return max(float((x - y).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b))
 
 
-def reuse_forward_check(out, shape, **layout):
-    """One on-policy optimizer step two ways on the same weights: old logprobs from a separate forward pass
-    (`compute_logprobs` + `grpo_update`) vs from the update's own forward pass (`grpo_update_on_policy`)."""
+def reuse_forward_check(out, shape, correction="none", **layout):
+    """One optimizer step two ways on the same weights: old logprobs from a separate forward pass
+    (`compute_logprobs` + `grpo_update`) vs from the update's own forward pass (`grpo_update_on_policy`).
+    `correction` (tis, ...): the samples are stale (behaviour logprobs of other weights, as after a one-step-off or
+    streaming rollout): the proximal policy is still the weights before the step, so both ways must agree too."""
     samples = make_samples()
     sep, reuse = build(shape, **layout), build(shape, **layout)
     load_ckpt(sep, f"{out}/weights_{shape}")
     load_ckpt(reuse, f"{out}/weights_{shape}")
     old = compute_logprobs(sep, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+    kw = STEP_KW
+    if correction != "none":
+        for s, lp in zip(samples, old_from(old)):
+            s.rollout_logprobs = lp.tolist()
+        kw = {**STEP_KW, "rollout_correction": correction}
     m_sep = grpo_update(sep, samples, old, mini_batch_size=len(samples), max_tokens_per_micro_batch=MAX_TOKENS,
-                        **STEP_KW)
-    m_reuse, old_reuse = grpo_update_on_policy(reuse, samples, max_tokens_per_micro_batch=MAX_TOKENS, **STEP_KW)
+                        **kw)
+    m_reuse, old_reuse = grpo_update_on_policy(reuse, samples, max_tokens_per_micro_batch=MAX_TOKENS, **kw)
     a, b = params(sep), params(reuse)
+    compared = ["loss", "pg_loss", "grad_norm", "entropy", "logprob_mean", "old_logprob_mean", "num_response_tokens"]
+    compared += [k for k in m_sep if k.startswith("rollout_correction/")]
     return {"old_diff": maxdiff(old_reuse, old), "num_samples": len(old_reuse),
             "weight_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
-            "metrics_diff": max(abs(m_sep[k] - m_reuse[k]) for k in
-                                ("loss", "pg_loss", "grad_norm", "entropy", "logprob_mean", "old_logprob_mean",
-                                 "num_response_tokens")
-                                if k in m_sep),
+            "metrics_diff": max(abs(m_sep[k] - m_reuse[k]) for k in compared if k in m_sep),
+            "compared": [k for k in compared if k in m_sep],
             "ratio": (m_reuse["ratio_min"], m_reuse["ratio_max"]),
             "clip_fracs": [m_reuse[k] for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual")],
             "grad_norm": m_reuse["grad_norm"]}
@@ -231,6 +238,7 @@ def mode_ref(out):
         v["real_adv_max_change"] = max(float((p - before[k]).abs().max()) for k, p in params(pol).items())
         v["uneven_steps"] = uneven["num_optimizer_steps"]
         v["reuse_forward"] = reuse_forward_check(out, shape)
+        v["reuse_forward_stale"] = reuse_forward_check(out, shape, correction="tis")
         verdict[shape] = v
 
     # the layer spec really in use on the CPU: SDPA core attention and the SP-capable RMSNorm
