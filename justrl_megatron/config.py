@@ -194,7 +194,7 @@ class TrainerConfig:
     save_every: int = 50
     keep_last: int = 2
     # checkpoint tensors written by a background process while the next steps run; `latest` moves once the write
-    # has finished and its manifest is verified (checkpoint.py). Off: each save blocks the step until written.
+    # has finished and its manifest is verified (checkpoint/save.py). Off: each save blocks the step until written.
     async_save: bool = True
     hf_every: int = 0  # an HF folder of the live weights in run_dir/hf/ every K steps and at the end (0: off)
     resume: str = "auto"  # a damaged latest checkpoint: auto = say so and resume the newest intact one | strict = stop

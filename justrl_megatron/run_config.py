@@ -45,7 +45,7 @@ PINNED = {
     # What a resume may change in the layout: the data-parallel size (the number of ranks over the fixed TP x PP x CP,
     # and EP inside it): weights, optimizer state (the distributed optimizer's dp_reshardable format too) and schedule
     # reshard, and the run goes on (RNG states, per rank, are then not restored). The model-parallel sizes are pinned:
-    # the distributed optimizer's saved state is laid out for them (checkpoint.py), and RNG states are per rank.
+    # the distributed optimizer's saved state is laid out for them (checkpoint/state.py), and RNG states are per rank.
     "parallel.tensor": _LAYOUT,
     "parallel.pipeline": _LAYOUT,
     "parallel.virtual_pipeline": _LAYOUT,

@@ -443,7 +443,7 @@ def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: 
 
 def checkpoint_save_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                           dtype: torch.dtype = torch.bfloat16, distributed_optimizer: bool = True) -> int:
-    """Host bytes one rank's checkpoint save holds beside training (checkpoint.py), for the heaviest pipeline stage.
+    """Host bytes one rank's checkpoint save holds beside training (checkpoint/save.py), for the heaviest pipeline stage.
 
     It writes its 1/DP share of the weights and of the optimizer state (replicas over DP are written once, spread over
     the DP ranks; the distributed optimizer's dp_reshardable format writes each rank's own shard: no gather, nothing

@@ -8,7 +8,7 @@ A SIGINT within REPEAT_S of the first counts as the same press: torchrun forward
 ranks, which the terminal already sent it to (torchrun then kills the ranks after its shutdown timeout, 30 s).
 A checkpoint still being written in the background (trainer.async_save) is waited for before the exit: the stop
 saves this step, which first commits the pending one, and waits for its own write. The writer processes ignore these
-signals (checkpoint.py), so a Ctrl-C sent to the terminal's whole process group does not cut a write short; the second
+signals (checkpoint/save.py), so a Ctrl-C sent to the terminal's whole process group does not cut a write short; the second
 Ctrl-C kills them with the rest and removes the staging folder.
 Both act when Python next runs the main thread (between bytecodes: a long C call finishes first); `kill -9` always works
 and leaves no helpers behind either (lifeline.py).

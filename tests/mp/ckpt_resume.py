@@ -39,8 +39,11 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 from justrl_megatron import checkpoint as ckpt
+from justrl_megatron.checkpoint import save as ckpt_save
+from justrl_megatron.checkpoint import state as ckpt_state
 from justrl_megatron.convert import export_hf_stream, load_hf_weights
 from justrl_megatron.convert.mapping import live_parameters
 from justrl_megatron.distributed import init_distributed, init_model_parallel
@@ -199,7 +202,7 @@ def main(out, hf_dir):
     b.step(), b.step()
     b.save(run_b, 2)
     dead = ckpt.checkpoint_root(run_b) / ".tmp_step_00000003.4194304"  # a dead writer's (pid beyond pid_max)
-    ckpt._stage(run_b, 3, dead, b.chunks, b.opt, b.sched, {"data_position": -1}, None, None)  # died before commit
+    ckpt_save._stage(run_b, 3, dead, b.chunks, b.opt, b.sched, {"data_position": -1}, None, None)  # died before commit
     if rank == 0:
         os.makedirs(os.path.join(ckpt.checkpoint_root(run_b), ".tmp_step_00000005"))
         with open(os.path.join(ckpt.checkpoint_root(run_b), ".tmp_step_00000005", "metadata.json"), "w") as f:
@@ -277,7 +280,7 @@ def main(out, hf_dir):
     v["async_latest_while_writing"] = ckpt.latest_step(run_d)  # None: nothing committed yet
     d.step(), d.step()  # train on while the writer writes
     v["async_committed"] = str(saver.wait())
-    v["async_format"] = ckpt._saved_content(ckpt.step_dir(run_d, 2)).get("justrl_optimizer")
+    v["async_format"] = ckpt_state._saved_content(ckpt.step_dir(run_d, 2)).get("justrl_optimizer")
     v["distopt_tensor_bytes"] = sum(p.stat().st_size for p in ckpt.step_dir(run_d, 2).glob("*.distcp"))
     v["distopt_predicted_save_bytes"] = checkpoint_save_bytes(shape, dp=2, dtype=torch.float32)  # per rank
     dw4 = d.weights()
@@ -298,17 +301,17 @@ def main(out, hf_dir):
     v["adam_update_scale"] = max_diff(dw4, dw2)  # how far two steps move the weights, for scale
     # the former format: the distributed optimizer gathered (fully_reshardable), no content metadata
     run_old = os.path.join(out, "run_old")
-    real_save, real_format = ckpt.dist_checkpointing.save, ckpt.DISTOPT_METADATA
-    ckpt.DISTOPT_METADATA = ckpt.OPTIM_METADATA
-    ckpt.dist_checkpointing.save = lambda *a, content_metadata=None, **kw: real_save(*a, **kw)
+    real_save, real_format = dist_checkpointing.save, ckpt_state.DISTOPT_METADATA
+    ckpt_state.DISTOPT_METADATA = ckpt.OPTIM_METADATA
+    dist_checkpointing.save = lambda *a, content_metadata=None, **kw: real_save(*a, **kw)
     try:
         d2 = Trainer(hf_dir, shape, 1, 1, from_hf=True, distributed_optimizer=True)
         d2.seed_everything(5)
         d2.step(), d2.step()
         d2.save(run_old, 2)
     finally:
-        ckpt.dist_checkpointing.save, ckpt.DISTOPT_METADATA = real_save, real_format
-    v["old_format_content"] = ckpt._saved_content(ckpt.step_dir(run_old, 2))
+        dist_checkpointing.save, ckpt_state.DISTOPT_METADATA = real_save, real_format
+    v["old_format_content"] = ckpt_state._saved_content(ckpt.step_dir(run_old, 2))
     for name, tp in (("old_format_dp2", 1), ("old_format_tp2", 2)):
         o = Trainer(hf_dir, shape, tp, 1, from_hf=False, init_seed=77, distributed_optimizer=True)
         o.load(run_old)

@@ -23,6 +23,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from megatron.core import dist_checkpointing  # noqa: E402
+
 from justrl_megatron import checkpoint as ckpt
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.model.policy import Policy
@@ -70,14 +72,14 @@ def sigint(policy, out: Path) -> None:
     Interruptible().install()
     run_dir = out / "run"
     save(policy, run_dir, 1)
-    real_save = ckpt.dist_checkpointing.save
+    real_save = dist_checkpointing.save
 
     def save_then_wait(state, folder, *args, **kwargs):  # stop inside the staging folder, its shards written
         real_save(state, folder, *args, **kwargs)
         (out / "staged").write_text(folder)
         time.sleep(120)
 
-    ckpt.dist_checkpointing.save = save_then_wait
+    dist_checkpointing.save = save_then_wait
     save(policy, run_dir, 2)
     print("the save returned: the second Ctrl-C did not abort", flush=True)
 
