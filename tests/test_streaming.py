@@ -206,6 +206,18 @@ def test_admission_keeps_every_trained_sample_within_the_bound(single_trainer, e
     assert len(trained) == len(set(trained)) == 12  # each prompt trained once
 
 
+def test_a_step_takes_drop_notices_and_expiring_groups_first_and_waits_only_for_expiring_ones():
+    pipeline = _pipeline(ScriptedEngines({}, 1), _sampler(), 1)
+    pipeline._admitted = {0: (None, 0), 1: (None, 0), 2: (None, 1), 3: (None, 1)}  # at version 1, eta 1: 0, 1 expire
+    pick = lambda needed: pipeline._pick(1, lambda: needed)  # noqa: E731
+    fresh, expiring, notice = (2, "r", 1), (1, "r", 0), (3, None, 1)
+    assert pick(2)([fresh, expiring]) == 1 and pick(2)([fresh, notice]) == 1
+    assert pick(2)([fresh]) is None  # both expiring groups still run: the step's 2 places are theirs
+    assert pick(3)([fresh]) == 0  # a third place: the fresh group may take it meanwhile
+    del pipeline._admitted[0]
+    assert pick(2)([fresh]) == 0  # one expiring group left for the 2 places
+
+
 def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first(single_trainer):
     engines = ScriptedEngines({2: 1, 3: 1}, 1)  # two groups still in flight at the checkpoint
     pipeline = _pipeline(engines, _sampler(), 1)
