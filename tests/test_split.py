@@ -4,6 +4,7 @@ training, exact resume with a batch in flight, and the config errors; the groups
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -93,23 +94,67 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
     assert_same_weights(straight / "checkpoints" / "step_00000004", root / "step_00000004")
 
 
-STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=3", "trainer.save_every=2",
+STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=1000",
           "trainer.keep_last=3", *LEARN]
 
 
 @pytest.fixture(scope="module")
 def streaming(tmp_path_factory, tiny_llama):
-    """3 streaming steps (eta 1, tis by default); the step-2 checkpoint is taken with groups admitted and in flight."""
+    """4 streaming steps (eta 1, tis by default) in two launches of justrl-train's own launcher: the first gets
+    SIGTERM once step 2 is logged (groups admitted, in flight and buffered), finishes its step, saves and exits 0;
+    the second resumes from that checkpoint. Returns (run dir, the first launch's output, the step it stopped at,
+    the trainer state it saved, the second launch's output)."""
+    import signal
+    import time
+
+    import torch
+
     run_dir = tmp_path_factory.mktemp("streaming") / "run"
-    train(run_dir, tiny_llama, *STREAM)
-    return run_dir
+    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", "--nproc-per-node=2", f"model.path={tiny_llama}",
+           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *STREAM]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
+            time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, out[-5000:]
+    stopped = len(metrics(run_dir))
+    give_up = time.monotonic() + 15  # the engines' children follow their rank through lifeline.py: seconds
+    while _processes_in_session(launcher.pid) and time.monotonic() < give_up:
+        time.sleep(0.5)
+    assert not _processes_in_session(launcher.pid)  # no rank, engine or receiver outlives the stop
+    state = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "trainer_state.pt", weights_only=False)
+    resumed = train(run_dir, tiny_llama, *STREAM)
+    return run_dir, out, stopped, state["extra"]["inflight"], resumed.stdout + resumed.stderr
+
+
+def _processes_in_session(sid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[4]) == sid and fields[0] != "Z":
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
-    records = metrics(streaming)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    run_dir, _, stopped, _, _ = streaming
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/staleness"] <= 1 for r in records)
     # step 1: every token from version 0, the policy at version 0: trainer and vLLM agree as without streaming
     assert records[0]["rollout/weight_version"] == 0 and records[0]["rollout/logprob_diff_mean"] < 1e-3
@@ -124,21 +169,17 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_streaming_resume_admits_the_saved_prompts_anew(streaming, tiny_llama):
-    """Resume from the step-2 checkpoint: the prompts admitted but not trained were saved (their samples were not),
-    the resumed run generates them again and counts the discarded work."""
-    import torch
-
-    root = streaming / "checkpoints"
-    saved = torch.load(root / "step_00000002" / "trainer_state.pt", weights_only=False)["extra"]["inflight"]
+def test_streaming_stops_on_sigterm_and_resume_admits_the_saved_prompts_anew(streaming):
+    """SIGTERM mid-stream: the step in progress finishes and is saved, one line, exit 0, no process left. The prompts
+    admitted but not trained were saved (their samples were not); the resumed run generates them again and counts
+    the discarded work."""
+    run_dir, out, stopped, saved, resumed = streaming
+    assert stopped in (2, 3) and f"checkpoint saved at step {stopped}" in out, out[-3000:]
+    assert "Traceback" not in out, out[-5000:]
     assert saved["streaming"] and saved["outstanding"] == 2 and len(saved["prompts"]) >= 2
-    shutil.rmtree(root / "step_00000003")
-    (root / "latest").write_text("step_00000002\n")
-    proc = train(streaming, tiny_llama, *STREAM)
-    assert "resumed from" in proc.stdout + proc.stderr
-    after = metrics(streaming)[2:]  # the resumed run logs step 3 again in place of the uninterrupted one's
-    assert [r["step"] for r in metrics(streaming)] == [1, 2, 3]
-    assert after[0]["rollout/discarded_at_resume"] == 2  # (eta + 1) * 2 admitted - the 2 trained at step 2
+    assert "resumed from" in resumed
+    after = metrics(run_dir)[stopped:]
+    assert after[0]["rollout/discarded_at_resume"] == 2  # (eta + 1) * 2 admitted - the 2 trained at that step
     assert after[0]["rollout/staleness_max"] <= 1
 
 
