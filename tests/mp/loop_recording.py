@@ -42,7 +42,7 @@ class RecordingEngine:
                         finish_reasons=["length" if len(t) == sampling.max_tokens else "stop" for t in token_ids],
                         weight_version=self._version)
 
-    def generate_all(self, prompt_token_ids, n, sampling, *, seed=None):
+    def generate_all(self, prompt_token_ids, n, sampling, *, seed=None, stop=None):
         self.calls.append(["generate", self._version, len(prompt_token_ids)])
         return self.generate(prompt_token_ids, n, sampling, seed=seed)
 
