@@ -29,6 +29,7 @@ from ..slurm import STOP_SIGNALS, StopSignal, requeue_message
 INTERRUPTED = ("justrl-train: interrupted: finishing this step (a rollout stops at once), then saving a checkpoint "
                "and exiting (Ctrl-C again aborts without saving)")
 ABORTED = "justrl-train: aborted by a second Ctrl-C: {what}; `latest` is unchanged"
+NOTHING_SAVED = "stopped during the first step's rollout: nothing to save (a rerun starts over, as this run began)"
 REPEAT_S = 1.0  # SIGINTs this close to the first are one press (a terminal's and torchrun's copy of it)
 
 
@@ -51,7 +52,11 @@ class Interruptible(StopSignal):
             abort()
 
     def message(self, step: int) -> str:
-        """The last line of a stopped run."""
+        """The last line of a stopped run (step 0: stopped during the first step's rollout, nothing to keep)."""
+        if step == 0:
+            if self.received == signal.SIGINT:
+                return f"{NOTHING_SAVED}; exiting on Ctrl-C (rerun the same command to start over)"
+            return f"{NOTHING_SAVED}; exiting for requeue"
         if self.received == signal.SIGINT:
             return f"checkpoint saved at step {step}; exiting on Ctrl-C (rerun the same command to resume)"
         return requeue_message(step)

@@ -199,8 +199,9 @@ def _checkpoint(checkpoints, step: int, policy, sampler, pipeline) -> None:
 
 def _checkpoint_for_stop(step: int, checkpoints, policy, sampler, pipeline, run_dir) -> int:
     """A stop during step + 1's rollout: save `step` (the state after it, the sampler before step + 1's draw) unless
-    the newest checkpoint holds it already (saved at its end, or the one this run resumed from); returns `step`."""
-    if trainer_broadcast(step not in (checkpoints.pending_step, latest_step(run_dir))):  # rank 0 decides for all
+    the newest checkpoint holds it already (saved at its end, or the one this run resumed from), or it is step 0 (the
+    initial state: a rerun starts the same way); returns `step`."""
+    if trainer_broadcast(step not in (0, checkpoints.pending_step, latest_step(run_dir))):  # rank 0 decides for all
         _checkpoint(checkpoints, step, policy, sampler, pipeline)
     checkpoints.wait()
     return step
