@@ -220,3 +220,18 @@ def test_ranks_agree_to_stop_a_rollout_together_and_within_a_round(tmp_path):
     assert not r0["no_stop"]["raised"] and not r1["no_stop"]["raised"]
     assert (r0["no_stop"]["steps"], r1["no_stop"]["steps"]) == (20, 60)
     assert r0["no_stop"]["rounds"] == r1["no_stop"]["rounds"]
+
+
+def test_the_last_line_of_a_stop_says_what_was_kept():
+    """A stop during step 1's rollout keeps nothing (a rerun starts over); later, the step before it is saved."""
+    import signal as sig
+
+    from justrl_megatron.slurm import requeue_message
+    from justrl_megatron.train.interrupt import NOTHING_SAVED, Interruptible
+
+    stop = Interruptible()
+    stop.received = sig.SIGTERM
+    assert stop.message(0) == f"{NOTHING_SAVED}; exiting for requeue" and stop.message(2) == requeue_message(2)
+    stop.received = sig.SIGINT
+    assert stop.message(2).startswith("checkpoint saved at step 2; exiting on Ctrl-C")
+    assert stop.message(0).startswith(f"{NOTHING_SAVED}; exiting on Ctrl-C")
