@@ -75,6 +75,7 @@ def test_a_stop_aborts_a_big_generate_within_steps_and_leaves_the_engine_clean(e
     replaced); a stop predicate that turns true after 3 engine steps ends a 768-sample x 100-token batch at once
     with RolloutInterrupted and no request left in the engine, which then generates the same samples as before."""
     abort = engine_run["abort"]
+    print(f"stopped after {abort['polls'] - 1} engine steps, {abort['seconds']:.2f} s")
     assert abort["parity"] and abort["samples"] == 9, abort
     assert abort["raised"] == "RolloutInterrupted" and abort["polls"] == 4, abort  # read before every step
     assert abort["seconds"] < 20, abort  # (the whole batch: >= 100 steps of up to 256 sequences)
