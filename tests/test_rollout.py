@@ -290,6 +290,17 @@ def test_trainer_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(megatron_run
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_a_stop_on_one_rank_aborts_the_batch_on_every_engine(megatron_run):
+    """Issue 42, colocated with two engines: rank 1 alone wants to stop during a 640-sample batch; both ranks raise
+    RolloutInterrupted at once (none waits in the gather), neither engine keeps a request, and both then sample the
+    seeded batch they sampled before."""
+    for v in megatron_run:
+        assert v["stop"]["raised"] == "RolloutInterrupted" and v["stop"]["left"] == 0, v["stop"]
+        assert v["stop"]["seconds"] < 20 and v["stop"]["again_equal"], v["stop"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_context_parallel_cp2_run_syncs_into_vllm(megatron_run):
     """parallel.context=2: CP shards no weights, so a CP2 policy's stream reaches vLLM intact; the trainer's CP2
     logprobs agree with the engines' before and after a GRPO step and a sync."""
