@@ -89,8 +89,10 @@ def describe(job: SlurmJob) -> str:
 class StopSignal:
     """Turns SIGUSR1 / SIGTERM into a flag that the training loop polls between steps.
 
-    The handlers only record the signal, so the current step (and any collective in it) finishes normally.
-    A second signal changes nothing: the loop still stops at the next step boundary.
+    The handlers only record the signal, so the current step (and any collective in it) finishes normally; only a
+    rollout in progress is cut short: the engines read `stop_requested()` between their steps and abort it, every
+    rank together (rollout/stopping.py). A second signal changes nothing: the loop still stops at the next step
+    boundary.
     """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
