@@ -28,6 +28,13 @@ from typing import Mapping
 
 REQUEUE_MESSAGE = "checkpoint saved at step {step}; exiting for requeue"
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+_INSTALLED: list["StopSignal"] = []  # the handlers in place in this process (stop_requested reads them)
+
+
+def stop_requested() -> bool:
+    """True once a StopSignal installed in this process got its signal: what a long call (a rollout) polls to stop
+    early, without being handed the trainer's StopSignal (a local view: rollout/stopping.py agrees across ranks)."""
+    return any(s.requested for s in _INSTALLED)
 
 
 def requeue_message(step: int) -> str:
@@ -82,8 +89,10 @@ def describe(job: SlurmJob) -> str:
 class StopSignal:
     """Turns SIGUSR1 / SIGTERM into a flag that the training loop polls between steps.
 
-    The handlers only record the signal, so the current step (and any collective in it) finishes normally.
-    A second signal changes nothing: the loop still stops at the next step boundary.
+    The handlers only record the signal, so the current step (and any collective in it) finishes normally; only a
+    rollout in progress is cut short: the engines read `stop_requested()` between their steps and abort it, every
+    rank together (rollout/stopping.py). A second signal changes nothing: the loop still stops at the next step
+    boundary.
     """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
@@ -100,6 +109,7 @@ class StopSignal:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         atexit.register(self.restore)
+        _INSTALLED.append(self)
         return self
 
     def restore(self) -> None:
@@ -108,6 +118,8 @@ class StopSignal:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
         atexit.unregister(self.restore)
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
 
     def __enter__(self) -> "StopSignal":
         return self.install()

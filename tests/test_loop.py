@@ -13,13 +13,20 @@ from justrl_megatron.config import ConfigError, compose, validate
 SCRIPT = MP / "loop_recording.py"
 
 
-@pytest.mark.slow
-def test_colocated_cycle_sleeps_during_update_and_profiles(tmp_path, tiny_llama):
+@pytest.fixture(scope="module")
+def three_recorded_steps(tmp_path_factory, tiny_llama):
+    """One uninterrupted 3-step loop with the recording engine: (its run dir, the process, the call log)."""
+    tmp_path = tmp_path_factory.mktemp("recorded")
     run_dir, out = tmp_path / "run", tmp_path / "calls.json"
     overrides = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.total_steps=3",
                  "trainer.weight_decay=0.1", "trainer.profile_steps=[2,3]", "logging.wandb_mode=disabled"]
     proc = run_ok([sys.executable, SCRIPT, out, *overrides], timeout=600)
-    log = json.loads(out.read_text())
+    return run_dir, proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_colocated_cycle_sleeps_during_update_and_profiles(three_recorded_steps):
+    run_dir, proc, log = three_recorded_steps
     assert log["last_step"] == 3
     calls = log["calls"]
     kinds = [c[0] for c in calls]
@@ -39,6 +46,34 @@ def test_colocated_cycle_sleeps_during_update_and_profiles(tmp_path, tiny_llama)
     assert {"rollout", "reward", "update", "sync"} <= names
     assert (run_dir / "heldout_accuracy.json").exists()
     assert set(json.loads((run_dir / "heldout_accuracy.json").read_text())) == {"start", "end"}
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_rollout_saves_the_step_before_with_its_prompts_put_back(tmp_path, tiny_llama,
+                                                                                 three_recorded_steps):
+    """Issue 42: a SIGTERM while step 3 generates (the engine aborts: RolloutInterrupted) ends the run on step 2,
+    saved now (trainer.save_every=3 had not saved it) with the sampler where it was before step 3's draw: the
+    resumed run draws step 3's prompts again, those the uninterrupted run trained step 3 on."""
+    import torch
+
+    from helpers import ENV
+    from justrl_megatron.checkpoint import TRAINER_STATE, latest_step, step_dir
+    from justrl_megatron.slurm import requeue_message
+
+    run_dir, out = tmp_path / "run", tmp_path / "calls.json"
+    overrides = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.total_steps=3",
+                 "trainer.weight_decay=0.1", "trainer.save_every=3", "logging.wandb_mode=disabled"]
+    proc = run_ok([sys.executable, SCRIPT, out, *overrides], timeout=600,
+                  env={**ENV, "JUSTRL_RECORDING_STOP_AT": "4"})  # the held-out check, steps 1, 2, then step 3
+    log = json.loads(out.read_text())
+    assert log["last_step"] == 2 and requeue_message(2) in proc.stdout + proc.stderr
+    assert latest_step(run_dir) == 2
+    state = torch.load(step_dir(run_dir, 2) / TRAINER_STATE, weights_only=False)["extra"]
+    assert state["sampler"] == {"epoch": 0, "index": 4} and state["inflight"] is None  # 2 steps x 2 prompts drawn
+    straight = [c for c in three_recorded_steps[2]["calls"] if c[0] == "generate"]
+    stopped = [c for c in log["calls"] if c[0] == "generate"]
+    assert stopped == straight[:4]  # the same batches up to the stopped one, which is step 3's
+    assert [c[0] for c in log["calls"]][-3:] == ["wake_up", "generate", "shutdown"]  # no update after it
 
 
 @pytest.mark.parametrize("steps", [[0, 1], [3, 2], [1]])

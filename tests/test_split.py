@@ -215,6 +215,36 @@ def test_engine_parts_merge_in_prompt_order():
     assert merged.weight_version == 3  # the oldest weights count for staleness
 
 
+def test_a_rollout_rank_that_aborted_its_part_stops_the_trainer_and_the_channel_stays_in_step():
+    """Issue 42, split placement: a rollout rank that a stop signal reached answers its part with None; trainer rank
+    0's receive takes every engine's answer to that batch, then raises RolloutInterrupted (the trainer stops), and
+    the next batch's answers are read as that batch's."""
+    import threading
+    from collections import deque
+    from types import SimpleNamespace
+
+    from justrl_megatron.rollout import RolloutInterrupted, Rollouts
+    from justrl_megatron.train.split_rollout import SplitPlacement, _Request
+
+    def part(tokens):
+        return Rollouts(prompt_index=[0], token_ids=[tokens], logprobs=[[-1.0] * len(tokens)],
+                        finish_reasons=["stop"], weight_version=0)
+
+    answers = {1: deque([([0], part([1]), {"generate_s": 1.0}), ([0], part([3]), {"generate_s": 1.0})]),
+               2: deque([([1], None, {"generate_s": 0.5}), ([1], part([4]), {"generate_s": 2.0})])}
+    placement = object.__new__(SplitPlacement)
+    placement.leader, placement.buffer, placement._lock = True, None, threading.Lock()
+    placement.roles = SimpleNamespace(num_rollout_ranks=2)
+    placement._channel = SimpleNamespace(recv_object=lambda src: answers[src].popleft())
+    first, second = _Request(2), _Request(2)
+    placement._pending = deque([first, second])
+    with pytest.raises(RolloutInterrupted):
+        placement.receive(first)
+    assert first.interrupted and len(answers[1]) == len(answers[2]) == 1  # both engines' answers to it were read
+    rollouts, stats = placement.receive(second)
+    assert rollouts.token_ids == [[3], [4]] and stats == {"generate_s": 2.0}
+
+
 # --- config errors ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, world, message", [

@@ -68,6 +68,20 @@ def test_single_version_behaviour_logprobs_equal_transformers(engine_run):
     assert third["single_version_gap"] < 1e-4
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_stop_aborts_a_big_generate_within_steps_and_leaves_the_engine_clean(engine_run):
+    """Issue 42: VLLMEngine.generate steps vLLM's engine itself. Seeded samples equal LLM.generate's (the path it
+    replaced); a stop predicate that turns true after 3 engine steps ends a 768-sample x 100-token batch at once
+    with RolloutInterrupted and no request left in the engine, which then generates the same samples as before."""
+    abort = engine_run["abort"]
+    print(f"stopped after {abort['polls'] - 1} engine steps, {abort['seconds']:.2f} s")
+    assert abort["parity"] and abort["samples"] == 9, abort
+    assert abort["raised"] == "RolloutInterrupted" and abort["polls"] == 4, abort  # read before every step
+    assert abort["seconds"] < 20, abort  # (the whole batch: >= 100 steps of up to 256 sequences)
+    assert abort["left"] == 0 and abort["again_equal"], abort
+
+
 # --- the buffer --------------------------------------------------------------------------------------------------------
 
 def test_buffer_blocks_until_a_group_is_in_and_refuses_to_grow_past_its_bound():

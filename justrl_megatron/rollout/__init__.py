@@ -1,10 +1,10 @@
 """Rollout engines (vLLM) and weight sync from the trainer. The trainer imports only `base` names from here."""
 
-from .base import (FINISH_REASONS, RolloutEngine, Rollouts, SamplingConfig, StaleRolloutError, check_staleness,
-                   logprob_gap)
+from .base import (FINISH_REASONS, RolloutEngine, RolloutInterrupted, Rollouts, SamplingConfig, StaleRolloutError,
+                   check_staleness, logprob_gap)
 
-__all__ = ["FINISH_REASONS", "RolloutEngine", "Rollouts", "SamplingConfig", "StaleRolloutError", "check_staleness",
-           "logprob_gap", "make_engine", "VLLMEngine"]
+__all__ = ["FINISH_REASONS", "RolloutEngine", "RolloutInterrupted", "Rollouts", "SamplingConfig", "StaleRolloutError",
+           "check_staleness", "logprob_gap", "make_engine", "VLLMEngine"]
 
 
 def __getattr__(name):

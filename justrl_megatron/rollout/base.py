@@ -14,7 +14,7 @@ processing), which is what the trainer recomputes: `logprob_gap` measures how fa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -143,8 +143,9 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> Rollouts: ...
 
     def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                     seed: int | None = None) -> Rollouts:
-        """Every rank passes the same prompts and gets the whole batch back (each engine samples its share)."""
+                     seed: int | None = None, stop: Callable[[], bool] | None = None) -> Rollouts:
+        """Every rank passes the same prompts and gets the whole batch back (each engine samples its share). Once
+        `stop()` holds on any rank, every rank aborts the batch and raises RolloutInterrupted."""
         ...
 
     def update_weights(self, stream: WeightStream, version: int) -> dict: ...
@@ -154,6 +155,12 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+class RolloutInterrupted(Exception):
+    """A stop (SIGTERM / SIGUSR1 / Ctrl-C, slurm.stop_requested) cut a rollout short: its requests were aborted and
+    nothing of it is returned. Every rank of the job raises it together (rollout/stopping.py agrees on it), so the
+    trainer can checkpoint the last completed step and exit as a stop does."""
 
 
 class StaleRolloutError(RuntimeError):

@@ -22,13 +22,14 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .. import compat
 from ..dtypes import DTYPES, torch_name
 from .base import ROUTED_EXPERTS_ON_CPU, Rollouts, SamplingConfig, WeightStream
+from .stopping import StopCheck, agreement_group
 from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, broadcast_object,
                               checkpoint_tensors, iter_buckets, tie_lm_head, tied_embeddings)
 from .weight_transfer import send_weights  # noqa: F401  (its earlier home: tests/mp import it from here)
@@ -216,11 +217,14 @@ class VLLMEngine:
         )
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                 seed: int | None = None, request_indices: Sequence[int] | None = None) -> Rollouts:
+                 seed: int | None = None, request_indices: Sequence[int] | None = None,
+                 stop: Callable[[], bool] | StopCheck | None = None) -> Rollouts:
         """`n` samples for each prompt (token ids), flat and grouped by prompt, stamped with the weight version.
 
         `seed` (if given) replaces `sampling.seed` for this batch. `request_indices` (default 0..len-1) name the
-        prompts' places in a larger batch, for seeding: see `generate_all`.
+        prompts' places in a larger batch, for seeding: see `generate_all`. `stop`: a predicate read between engine
+        steps (or a StopCheck that agrees on it with other ranks: rollout/stopping.py); once it holds, every request
+        is aborted and RolloutInterrupted raised.
         """
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
@@ -230,7 +234,9 @@ class VLLMEngine:
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         indices = list(range(len(prompts))) if request_indices is None else list(request_indices)
+        check = stop if isinstance(stop, StopCheck) else StopCheck(stop)
         if not prompts:  # an engine with no share of a small batch
+            check.finish()
             return Rollouts(prompt_index=[], token_ids=[], logprobs=[], finish_reasons=[], weight_version=self._version)
         self.wake_up()
         budget = self.step_budget if sampling.seed is not None else None
@@ -238,10 +244,10 @@ class VLLMEngine:
         for first, count, k0, m in plan_calls([len(p) for p in prompts], n, budget):
             params = [self.sampling_params(m, sampling, indices[first + j], first_sample=k0, group=n)
                       for j in range(count)]
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts[first:first + count]], params,
-                                        use_tqdm=self.progress)
+            outputs = self._run_requests(prompts[first:first + count], params, check)
             for j, out in enumerate(outputs):
                 completions[first + j] += sorted(out.outputs, key=lambda c: c.index)
+        check.finish()
         prompt_index, token_ids, logprobs, finish, versions, routed = [], [], [], [], [], []
         for i, samples in enumerate(completions):
             for c in samples:
@@ -260,17 +266,23 @@ class VLLMEngine:
                         weight_version=version, routed_experts=routed if self.return_routed_experts else None)
 
     def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                     seed: int | None = None) -> Rollouts:
+                     seed: int | None = None, stop: Callable[[], bool] | None = None) -> Rollouts:
         """Colocated SPMD generation: every rank passes the same full prompt list, each engine samples its share
         (prompts engine_index, engine_index + num_engines, ...), and every rank gets the whole batch back in prompt
         order — as if one engine had generated it (with a seed, each prompt's samples do not depend on the number
-        of engines: a request's seed follows its place in the whole batch)."""
-        if self.num_engines == 1:
-            return self.generate(prompt_token_ids, n, sampling, seed=seed)
+        of engines: a request's seed follows its place in the whole batch). `stop` (this rank's predicate): when it
+        holds on any rank, every rank aborts and raises RolloutInterrupted (rollout/stopping.py)."""
         import torch.distributed as dist
 
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.generate(prompt_token_ids, n, sampling, seed=seed, stop=stop)
+        # a stop is agreed by every rank: they meet in the gather below, and a TP engine's ranks in every forward
+        check = StopCheck(stop, group=agreement_group(), distributed=True)
+        if self.num_engines == 1:
+            return self.generate(prompt_token_ids, n, sampling, seed=seed, stop=check)
         mine = list(range(self.engine_index, len(prompt_token_ids), self.num_engines))
-        part = self.generate([prompt_token_ids[i] for i in mine], n, sampling, seed=seed, request_indices=mine)
+        part = self.generate([prompt_token_ids[i] for i in mine], n, sampling, seed=seed, request_indices=mine,
+                             stop=check)
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, (self.engine_index, mine, part))
         samples: dict[int, list[tuple[Rollouts, int]]] = {}  # global prompt index -> (part, sample) in order
@@ -283,6 +295,37 @@ class VLLMEngine:
                 samples.setdefault(indices[local], []).append((r, k))
         order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
         return Rollouts.in_order(order, min(versions.values()))
+
+    def _run_requests(self, prompts: list[list[int]], params: list, check: StopCheck) -> list:
+        """What `LLM.generate` does (vLLM 0.32's offline `_run_engine`: every request added, the engine stepped until
+        none is unfinished, the finished outputs sorted by request id), with `check` between engine steps; on a stop
+        (or any error) every request of the call is aborted, so that the engine is left with none."""
+        engine = self.llm.llm_engine
+        ids = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs: list = []
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(p.n for p in params), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                check.before_step()
+                t = time.perf_counter()
+                finished = [out for out in engine.step() if out.finished]
+                check.stepped(time.perf_counter() - t)
+                outputs += finished
+                if bar is not None:
+                    bar.update(sum(len(out.outputs) for out in finished))
+        except BaseException:
+            engine.abort_request(ids, internal=True)  # the ids enqueue returns are the engine's internal ones
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        if len(outputs) != len(ids):
+            raise RuntimeError(f"vLLM finished {len(outputs)} of {len(ids)} requests (aborted elsewhere?)")
+        return sorted(outputs, key=lambda out: int(out.request_id))
 
     # -- streaming (continuous batching: rollout/streaming.py drives these) ---------------------------------------------
 

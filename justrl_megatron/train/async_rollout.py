@@ -15,6 +15,11 @@ now (seeded per step and round: algo/dynamic_sampling.round_seed) until trainer.
 
 A unit in flight at a checkpoint is collected (its rollouts are already in: the weight sync waited for them) and saved
 with it (`state`); a resumed run trains on exactly that batch (`restore`), as the uninterrupted run did.
+
+A stop (SIGTERM / SIGUSR1 / Ctrl-C) during a rollout aborts it on every rank (rollout.RolloutInterrupted): the step's
+prompts go back into the sampler (its position before the step's draw), so that the checkpoint of the last completed
+step, and the run resumed from it, draw them again; `next_batch` then returns None. A unit restored from a checkpoint
+was drawn before that checkpoint: it stays the unit (prompts only, generated anew at the resume).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from ..algo.dynamic_sampling import SamplingStats, ScoredBatch, collect_groups, round_seed
 from ..distributed import trainer_broadcast
-from ..rollout import Rollouts, check_staleness
+from ..rollout import RolloutInterrupted, Rollouts, check_staleness
 from .sampler import Prompt
 from .scoring import generate_and_score, score
 
@@ -53,6 +58,8 @@ class InFlight:
     thread: threading.Thread | None = None
     result: StepBatch | None = None  # set when collected (or restored from a checkpoint)
     leader_result: tuple | None = None  # trainer rank 0: (rollouts, rollout stats, rewards, seconds) from the thread
+    sampler_before: dict | None = None  # the sampler's position before this unit's draw (None: restored)
+    sampler_after: dict | None = None  # ... and after it (a restored unit: the checkpoint's position)
 
 
 @dataclass
@@ -92,10 +99,31 @@ class RolloutPipeline:
                    dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
                    last_step=tr.total_steps)
 
-    def next_batch(self, step: int, version: int, timer) -> ScoredStep:
+    def next_batch(self, step: int, version: int, timer) -> ScoredStep | None:
         """Every sampling round of `step` (`version`: updates so far); `timer` (profiling.PhaseTimer) gets the
-        phases' seconds: wait_rollout, rollout, reward and the rollout ranks' waits."""
+        phases' seconds: wait_rollout, rollout, reward and the rollout ranks' waits. None: a stop cut the rollout
+        short (every trainer rank returns None; the sampler is back where it was before the step's draw)."""
         inflight = self._inflight or self._start(step)
+        try:
+            return self._next_batch(inflight, step, version, timer)
+        except RolloutInterrupted:
+            self._put_back(inflight)
+            return None
+
+    def _put_back(self, inflight: InFlight) -> None:
+        """A stop cut `inflight`'s rollout (or a later round of its step) short: its draw is undone. It stays the
+        unit instead where it cannot be drawn again exactly (restored from a checkpoint), or where its rollouts are
+        in and could not be made again (one-step-off: sampled by older weights than the checkpoint's)."""
+        keep = inflight.result if self.ahead else None
+        if inflight.sampler_before is not None and keep is None:
+            self.sampler.load_state_dict(inflight.sampler_before)
+            self._inflight = None
+        else:
+            self.sampler.load_state_dict(inflight.sampler_after)
+            self._inflight = InFlight(inflight.step, inflight.prompts, result=keep,
+                                      sampler_after=inflight.sampler_after)
+
+    def _next_batch(self, inflight: InFlight, step: int, version: int, timer) -> ScoredStep:
         with timer("wait_rollout"):
             first = self._collect(inflight)
         timer.seconds |= first.seconds
@@ -127,7 +155,9 @@ class RolloutPipeline:
         return ScoredBatch(got.prompts, got.rollouts, list(rewards), list(correct), stats)
 
     def _start(self, step: int) -> InFlight:
-        return self._launch(InFlight(step, self.sampler.next_batch()))
+        before = self.sampler.state_dict()
+        prompts = self.sampler.next_batch()
+        return self._launch(InFlight(step, prompts, sampler_before=before, sampler_after=self.sampler.state_dict()))
 
     def _launch(self, inflight: InFlight) -> InFlight:
         if self.rollout.overlaps:
@@ -160,13 +190,19 @@ class RolloutPipeline:
             if self.leader:
                 with torch.profiler.record_function("rollout"):  # a named range in a profiler trace, as colocated
                     inflight.thread.join()
-                if isinstance(inflight.leader_result, BaseException):
+                if isinstance(inflight.leader_result, RolloutInterrupted):
+                    payload = "interrupted"  # the rollout ranks aborted it: every trainer rank raises
+                elif isinstance(inflight.leader_result, BaseException):
                     raise inflight.leader_result
-                rollouts, stats, scored, reward_s = inflight.leader_result
-                payload = (rollouts, scored, {"rollout": stats.get("generate_s", 0.0), "reward": reward_s,
-                                              **{f"rollout_{k.removesuffix('_s')}": v for k, v in stats.items()
-                                                 if k != "generate_s"}})
-            rollouts, scored, seconds = trainer_broadcast(payload)
+                else:
+                    rollouts, stats, scored, reward_s = inflight.leader_result
+                    payload = (rollouts, scored, {"rollout": stats.get("generate_s", 0.0), "reward": reward_s,
+                                                  **{f"rollout_{k.removesuffix('_s')}": v for k, v in stats.items()
+                                                     if k != "generate_s"}})
+            payload = trainer_broadcast(payload)
+            if isinstance(payload, str):  # "interrupted"
+                raise RolloutInterrupted("the rollout ranks aborted the batch (a stop signal)")
+            rollouts, scored, seconds = payload
         else:  # every rank's engine generates its share now (SPMD); rank 0 scores
             seconds = {}
             got = generate_and_score(self.rollout, prompts, self.n, self.sampling,
@@ -181,11 +217,19 @@ class RolloutPipeline:
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
     def state(self) -> dict | None:
-        """The in-flight unit as plain data for the checkpoint (collected first: every trainer rank calls this)."""
+        """The in-flight unit as plain data for the checkpoint (collected first: every trainer rank calls this).
+        Call it before reading the sampler's position: a unit whose rollout a stop cut short is put back (prompts
+        only, or back into the sampler)."""
         inflight = self._inflight
         if inflight is None:
             return None
-        b = self._collect(inflight)
+        if inflight.result is None and inflight.request is None:  # put back by a stop: generated anew at the resume
+            return {"step": inflight.step, "prompts": [dataclasses.asdict(p) for p in inflight.prompts]}
+        try:
+            b = self._collect(inflight)
+        except RolloutInterrupted:
+            self._put_back(inflight)
+            return self.state()
         return {"step": inflight.step, "prompts": [dataclasses.asdict(p) for p in b.prompts],
                 "rollouts": dataclasses.asdict(b.rollouts), "rewards": b.rewards, "correct": b.correct,
                 "reward_stats": b.reward_stats}
@@ -200,12 +244,13 @@ class RolloutPipeline:
                   f"are skipped (rollout.streaming is off now)", flush=True)
             return
         prompts = [Prompt(**p) for p in state["prompts"]]
-        if not self.ahead:
-            self._inflight = InFlight(state["step"], prompts)  # launched by _collect, after the engines got weights
+        after = self.sampler.state_dict()  # after the unit's draw: the checkpoint's position
+        if not self.ahead or "rollouts" not in state:  # generated by _collect, after the engines got weights
+            self._inflight = InFlight(state["step"], prompts, sampler_after=after)
             return
         batch = StepBatch(prompts, Rollouts(**state["rollouts"]), state["rewards"], state["correct"],
                           state["reward_stats"])
-        self._inflight = InFlight(state["step"], prompts, result=batch)
+        self._inflight = InFlight(state["step"], prompts, result=batch, sampler_after=after)
 
 
 # --- streaming (rollout.streaming=true) --------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Ctrl-C during training: the first one saves, the second one aborts cleanly.
 
 - The first SIGINT does what SIGTERM / SIGUSR1 do (slurm.StopSignal): the current step finishes, a checkpoint is
-  saved and the run exits 0. One line says so at once (a step can take minutes).
+  saved and the run exits 0. One line says so at once (a step can take minutes). A rollout in progress does not
+  finish: the engines poll the flag between their steps (slurm.stop_requested, agreed by every rank:
+  rollout/stopping.py), abort it within about a second, and the run saves the step before it (its prompts back in
+  the sampler: train/async_rollout.py), so that the resumed run draws them again.
 - A second SIGINT aborts at once: helper processes are killed, the staging folder of a save in progress is removed
   (run_lock.py; `latest` still points to the last complete checkpoint) and the process exits 130, without a traceback.
 A SIGINT within REPEAT_S of the first counts as the same press: torchrun forwards the terminal's Ctrl-C to its
@@ -23,9 +26,10 @@ import time
 from .. import run_lock
 from ..slurm import STOP_SIGNALS, StopSignal, requeue_message
 
-INTERRUPTED = ("justrl-train: interrupted: finishing this step, then saving a checkpoint and exiting "
-               "(Ctrl-C again aborts without saving)")
+INTERRUPTED = ("justrl-train: interrupted: finishing this step (a rollout stops at once), then saving a checkpoint "
+               "and exiting (Ctrl-C again aborts without saving)")
 ABORTED = "justrl-train: aborted by a second Ctrl-C: {what}; `latest` is unchanged"
+NOTHING_SAVED = "stopped during the first step's rollout: nothing to save (a rerun starts over, as this run began)"
 REPEAT_S = 1.0  # SIGINTs this close to the first are one press (a terminal's and torchrun's copy of it)
 
 
@@ -48,7 +52,11 @@ class Interruptible(StopSignal):
             abort()
 
     def message(self, step: int) -> str:
-        """The last line of a stopped run."""
+        """The last line of a stopped run (step 0: stopped during the first step's rollout, nothing to keep)."""
+        if step == 0:
+            if self.received == signal.SIGINT:
+                return f"{NOTHING_SAVED}; exiting on Ctrl-C (rerun the same command to start over)"
+            return f"{NOTHING_SAVED}; exiting for requeue"
         if self.received == signal.SIGINT:
             return f"checkpoint saved at step {step}; exiting on Ctrl-C (rerun the same command to resume)"
         return requeue_message(step)

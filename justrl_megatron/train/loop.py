@@ -27,16 +27,16 @@ from transformers import AutoTokenizer
 from ..algo.grpo import compute_advantages
 from ..algo.loss_config import LossConfig
 from ..algo.overlong import shape_rewards
-from ..checkpoint import CheckpointError, Checkpointer, load_latest_checkpoint
+from ..checkpoint import CheckpointError, Checkpointer, latest_step, load_latest_checkpoint
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
-from ..distributed import init_distributed
+from ..distributed import init_distributed, trainer_broadcast
 from ..metrics import MetricsLogger, plot_curves, step_metrics
 from ..model.lora import has_lora
 from ..model.policy import Policy
 from ..rewards import make_scorer
-from ..rollout import RolloutEngine, SamplingConfig, logprob_gap
+from ..rollout import RolloutEngine, RolloutInterrupted, SamplingConfig, logprob_gap
 from ..slurm import current_job, describe
 from .async_rollout import RolloutPipeline
 from .batching import Sample
@@ -99,6 +99,10 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 
         # 1-3. sample prompts -> rollout (weights of `version` updates) -> rewards, in as many rounds as the step needs
         scored = pipeline.next_batch(step, version, timer)
+        if scored is None:  # a stop cut the rollout short: the run ends on the last completed step, saved
+            step = _checkpoint_for_stop(step - 1, checkpoints, policy, sampler, pipeline, run_dir)
+            logger.print(stop.message(step))
+            break
         checkpoints.poll()  # a checkpoint written in the background since the last step is committed once it is done
         batch, rollouts = scored.batch.prompts, scored.batch.rollouts
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
@@ -148,8 +152,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         stopping = stop.agreed() or diverged is not None
         #    An async save is written while the next steps run; stopping, or the last step, waits for it.
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
-            checkpoints.save(step, policy.chunks, policy.optimizer, policy.scheduler,
-                             {"step": step, "sampler": sampler.state_dict(), "inflight": pipeline.state()})
+            _checkpoint(checkpoints, step, policy, sampler, pipeline)
         if stopping or step == tr.total_steps:
             checkpoints.wait()
         hf_snapshots.maybe_save(step)  # trainer.hf_every: run_dir/hf/step_N, an HF folder of the live weights
@@ -188,6 +191,23 @@ def _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics) 
     return metrics | {"rollout/staleness": scored.staleness}
 
 
+def _checkpoint(checkpoints, step: int, policy, sampler, pipeline) -> None:
+    """Save `step`: weights, optimizer, LR schedule, the data position and a batch in flight (one-step-off)."""
+    inflight = pipeline.state()  # first: a batch that a stop cut short goes back into the sampler
+    checkpoints.save(step, policy.chunks, policy.optimizer, policy.scheduler,
+                     {"step": step, "sampler": sampler.state_dict(), "inflight": inflight})
+
+
+def _checkpoint_for_stop(step: int, checkpoints, policy, sampler, pipeline, run_dir) -> int:
+    """A stop during step + 1's rollout: save `step` (the state after it, the sampler before step + 1's draw) unless
+    the newest checkpoint holds it already (saved at its end, or the one this run resumed from), or it is step 0 (the
+    initial state: a rerun starts the same way); returns `step`."""
+    if trainer_broadcast(step not in (0, checkpoints.pending_step, latest_step(run_dir))):  # rank 0 decides for all
+        _checkpoint(checkpoints, step, policy, sampler, pipeline)
+    checkpoints.wait()
+    return step
+
+
 def _weight_stream(policy, shape):
     """bucket bytes -> the policy's full HF-named tensors, as the rollout engines load them (every rank iterates)."""
     return lambda bucket_bytes: export_hf_stream(policy.chunks, shape, bucket_bytes=bucket_bytes,
@@ -224,7 +244,7 @@ def _report_end(logger, run_dir, heldout, start_accuracy, end_accuracy) -> None:
     """Rank 0 at the last step: the held-out accuracy (printed and in heldout_accuracy.json) and the curves."""
     if not logger.enabled:
         return
-    if start_accuracy is not None:
+    if start_accuracy is not None and end_accuracy is not None:  # (None: no held-out set, or a stop cut it short)
         logger.print(f"held-out accuracy (greedy, {len(heldout)} problems): start {start_accuracy:.3f} -> "
                      f"end {end_accuracy:.3f}")
     _write_heldout(run_dir, start_accuracy, end_accuracy)
@@ -282,7 +302,10 @@ def _evaluate(rollout, prompts, scorer, tokenizer, ro) -> float | None:
     if not prompts:
         return None
     greedy = SamplingConfig(temperature=0.0, max_tokens=ro.max_response_length)
-    got = generate_and_score(rollout, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
+    try:
+        got = generate_and_score(rollout, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
+    except RolloutInterrupted:  # a stop: no accuracy; the run stops at its next step boundary
+        return None
     return None if scorer is None else sum(got.correct) / len(prompts)
 
 

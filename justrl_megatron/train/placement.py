@@ -30,6 +30,7 @@ from .. import compat
 from ..distributed import init_distributed
 from ..rollout import RolloutEngine, Rollouts, SamplingConfig
 from ..rollout.base import WeightStream
+from ..slurm import stop_requested
 
 # rollout.placement -> "module:Class"
 PLACEMENTS = {
@@ -117,8 +118,9 @@ class ColocatedPlacement:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
                  seed: int | None = None) -> Rollouts:
-        """Each engine samples its share; every rank gets the whole batch."""
-        return self.engine.generate_all(prompt_ids, n, sampling, seed=seed)
+        """Each engine samples its share; every rank gets the whole batch. A stop signal (SIGTERM / SIGUSR1 / Ctrl-C)
+        during it aborts the batch on every rank together: RolloutInterrupted."""
+        return self.engine.generate_all(prompt_ids, n, sampling, seed=seed, stop=stop_requested)
 
     @contextlib.contextmanager
     def training(self):

@@ -42,7 +42,7 @@ from collections import deque
 from typing import Sequence
 
 from ..distributed import backend, free_port, init_split, trainer_broadcast
-from ..rollout import Rollouts, SamplingConfig
+from ..rollout import RolloutInterrupted, Rollouts, SamplingConfig
 
 
 class _Request:
@@ -52,6 +52,7 @@ class _Request:
         self.num_prompts = num_prompts
         self.rollouts: Rollouts | None = None
         self.stats: dict = {}
+        self.interrupted = False  # a rollout rank aborted its part (a stop signal there): no rollouts will come
 
 
 class SplitPlacement:
@@ -113,12 +114,15 @@ class SplitPlacement:
 
     def receive(self, request: _Request) -> tuple[Rollouts, dict] | None:
         """Trainer rank 0: block until `request`'s rollouts are in (batches arrive in submission order); returns
-        (rollouts, the rollout ranks' timings). None on the other trainer ranks. Safe from a second thread."""
+        (rollouts, the rollout ranks' timings). None on the other trainer ranks. Safe from a second thread.
+        RolloutInterrupted where a rollout rank aborted its part: a stop signal reached it, so the run stops."""
         if not self.leader:
             return None
         with self._lock:
-            while request.rollouts is None:
+            while request.rollouts is None and not request.interrupted:
                 self._receive_next()
+        if request.interrupted:
+            raise RolloutInterrupted("a rollout rank aborted the batch (a stop signal reached it)")
         return request.rollouts, request.stats
 
     def _receive_next(self) -> None:
@@ -128,6 +132,9 @@ class SplitPlacement:
             parts.sort(key=lambda part: part[2]["engine"])
         else:
             parts = [self._channel.recv_object(src=1 + e) for e in range(self.roles.num_rollout_ranks)]
+            if any(part is None for _, part, _ in parts):  # every engine answered: the channel stays in step
+                head.interrupted = True
+                return
         head.rollouts = merge_parts(parts, head.num_prompts)
         # the slowest engine decides when the batch is complete
         head.stats = {k: max(p[2][k] for p in parts) for k in parts[0][2]}
@@ -136,8 +143,14 @@ class SplitPlacement:
                  seed: int | None = None) -> Rollouts:
         """`n` samples per prompt, the whole batch on every trainer rank."""
         request = self.submit(prompt_ids, n, sampling, seed=seed)
-        got = self.receive(request)
-        return trainer_broadcast(None if got is None else got[0])
+        try:
+            got = self.receive(request)
+        except RolloutInterrupted:
+            got = ("interrupted", None)
+        rollouts = trainer_broadcast(None if got is None else got[0])
+        if isinstance(rollouts, str):  # "interrupted": every trainer rank raises
+            raise RolloutInterrupted("a rollout rank aborted the batch (a stop signal reached it)")
+        return rollouts
 
     # -- streaming ------------------------------------------------------------------------------------------------------
 
@@ -317,7 +330,7 @@ def serve_stream(engine, channel, results, e: int, engines: int, n: int, samplin
 def serve(cfg, model_dir, roles) -> None:
     """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
     from ..rollout import make_engine
-    from ..slurm import StopSignal
+    from ..slurm import StopSignal, stop_requested
 
     StopSignal().install()  # SIGUSR1 / SIGTERM: the trainer checkpoints and sends stop; this rank must not die first
     engine = make_engine(cfg, model_dir, seed=cfg.trainer.seed, in_process=False)
@@ -339,7 +352,11 @@ def serve(cfg, model_dir, roles) -> None:
                 prompts, n, sampling, seed = payload
                 mine = list(range(e, len(prompts), engines))  # as generate_all: seeds follow the place in the batch
                 t = time.perf_counter()
-                part = engine.generate([prompts[i] for i in mine], n, sampling, seed=seed, request_indices=mine)
+                try:  # a stop signal to this rank aborts the batch; the answer says so (None), the trainer stops
+                    part = engine.generate([prompts[i] for i in mine], n, sampling, seed=seed, request_indices=mine,
+                                           stop=stop_requested)
+                except RolloutInterrupted:
+                    part = None
                 channel.send_object((mine, part, {**waits, "generate_s": time.perf_counter() - t}), dst=0)
                 waits = dict.fromkeys(waits, 0.0)
             elif kind == "stream":  # from here on the engine streams until stop

@@ -241,16 +241,23 @@ class Validation:
         return f"validation every {self.every} steps: {sets}"
 
     def run(self, rollout, step: int) -> dict[str, float]:
-        """Sample and score every set with the engine's current weights; the metrics on the leader, {} elsewhere."""
+        """Sample and score every set with the engine's current weights; the metrics on the leader, {} elsewhere.
+        A stop during it (RolloutInterrupted, on every rank) ends it with no metrics: the run then stops after
+        this step."""
+        from ..rollout import RolloutInterrupted
         from .scoring import generate_and_score
 
         start, metrics = time.perf_counter(), {}
         with preserved_rng():
             for s in self.sets:
                 # sample k of prompt i is seeded seed + i * n + k however the engine cuts the set into calls
-                got = generate_and_score(rollout, s.prompts, s.n, s.sampling, seed=val_seed(self.seed, step, s.name),
-                                         scorer=self._scorer(s.verifier) if self.enabled else None,
-                                         tokenizer=self.tokenizer)
+                try:
+                    got = generate_and_score(rollout, s.prompts, s.n, s.sampling,
+                                             seed=val_seed(self.seed, step, s.name),
+                                             scorer=self._scorer(s.verifier) if self.enabled else None,
+                                             tokenizer=self.tokenizer)
+                except RolloutInterrupted:
+                    return {}
                 if self.enabled:
                     metrics.update(set_metrics(s.name, s.n, got.correct, [len(t) for t in got.rollouts.token_ids]))
         _drop_prefix_cache(rollout)

@@ -2,19 +2,23 @@
 
 usage: python loop_recording.py OUT.json [hydra overrides...]
 Runs `train.loop.run` on the composed config with `RecordingEngine` (the RolloutEngine protocol, random tokens) and
-writes its call log to OUT.json.
+writes its call log to OUT.json. With JUSTRL_RECORDING_STOP_AT=k the k-th batch gets a SIGTERM while it generates:
+the engine then does what vLLM's does with the stop predicate (reads it, aborts: RolloutInterrupted).
 """
 
 import hashlib
 import json
+import os
+import signal
 import sys
+import time
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections for megatron-core)
 
 import torch
 
 from justrl_megatron.config import compose
-from justrl_megatron.rollout import RolloutEngine, Rollouts
+from justrl_megatron.rollout import RolloutEngine, RolloutInterrupted, Rollouts
 from justrl_megatron.train.loop import run
 from justrl_megatron.train_entry import apply_memory_plan, check_config
 
@@ -42,8 +46,16 @@ class RecordingEngine:
                         finish_reasons=["length" if len(t) == sampling.max_tokens else "stop" for t in token_ids],
                         weight_version=self._version)
 
-    def generate_all(self, prompt_token_ids, n, sampling, *, seed=None):
-        self.calls.append(["generate", self._version, len(prompt_token_ids)])
+    def generate_all(self, prompt_token_ids, n, sampling, *, seed=None, stop=None):
+        prompts = hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_token_ids]).encode()).hexdigest()
+        self.calls.append(["generate", self._version, len(prompt_token_ids), prompts])
+        if sum(c[0] == "generate" for c in self.calls) == int(os.environ.get("JUSTRL_RECORDING_STOP_AT", 0)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while stop is not None and time.monotonic() < deadline:  # as vLLM's engine reads it between its steps
+                if stop():
+                    raise RolloutInterrupted("stopped while generating")
+                time.sleep(0.01)
         return self.generate(prompt_token_ids, n, sampling, seed=seed)
 
     def update_weights(self, stream, version):

@@ -8,8 +8,8 @@ move), sync, sample again, and compare vLLM's logprobs of its sampled tokens wit
 (model/ + train/step.py). Phase B, Megatron TP2: a fresh policy loaded from the same HF folder streams its weights into
 the same engines; vLLM's greedy tokens must equal transformers' on the original HF weights. Phase C, Megatron CP2
 (context parallel: both ranks split each sequence): its logprobs agree with the engines' on the same weights, then a
-GRPO step and a sync, after which they agree again (CP shards no weights: the stream is the same). Verdicts:
-OUT/rank{r}.json.
+GRPO step and a sync, after which they agree again (CP shards no weights: the stream is the same). Phase D: a stop
+wanted on one rank during a big batch aborts it on both (rollout/stopping.py). Verdicts: OUT/rank{r}.json.
 """
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
@@ -136,6 +136,23 @@ def main(hf_dir, out):
     r3 = engine.generate_all(PROMPTS, N, sample, seed=10)
     v["cp2_v3_version"] = r3.weight_version
     v["gap_cp2_v3"] = logprob_gap(r3.logprobs, compute_logprobs(policy, samples_of(r3), max_tokens_per_micro_batch=256))
+
+    # --- phase D (issue 42): a stop wanted on rank 1 only, during a big batch: both engines abort together -----------
+    from justrl_megatron.rollout import RolloutInterrupted
+
+    polls = []
+
+    def stop():  # rank 1 wants to stop from its 3rd poll on
+        polls.append(time.monotonic())
+        return rank == 1 and len(polls) >= 3
+
+    start, raised = time.monotonic(), None
+    try:
+        engine.generate_all(PROMPTS * 4, 32, SamplingConfig(max_tokens=40, seed=11, ignore_eos=True), stop=stop)
+    except RolloutInterrupted:
+        raised = "RolloutInterrupted"
+    v["stop"] = {"raised": raised, "seconds": time.monotonic() - start, "left": engine.num_unfinished(),
+                 "again_equal": engine.generate_all(PROMPTS, N, sample, seed=10).token_ids == r3.token_ids}
 
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(v, f, indent=1)

@@ -6,8 +6,8 @@ The rollout rank's engine runs in a child process (vLLM's own engine-core proces
 WORLD); every sync travels as packed buckets broadcast by trainer rank 0 over the `gloo` weight-transfer group into
 the engine's worker, with the per-bucket metadata on a torch.distributed control group — the control flow of split
 placement on GPU, where vLLM's `nccl` backend carries the tensors. The weights come from a transformers model that
-rank 0 perturbs before each sync (an independent reference for what the engine must compute). Verdict:
-OUT/verdict.json (rank 0).
+rank 0 perturbs before each sync (an independent reference for what the engine must compute). Then a SIGTERM to the
+rollout rank aborts a big batch in its child-process engine. Verdict: OUT/verdict.json (rank 0).
 """
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
@@ -80,12 +80,36 @@ def main(hf_dir, out):
             share({"stats": stats, "greedy": g.token_ids, "tokens": s.token_ids, "logprobs": s.logprobs,
                    "prompt_index": s.prompt_index, "versions": [g.weight_version, s.weight_version]}, 1, control)
 
+    # issue 42: a SIGTERM to the rollout rank during a big batch; its engine (a child process) aborts it, keeps no
+    # request, and then samples the last seeded batch again (what serve does: train/split_rollout.py)
+    if not trainer:
+        import signal
+        import threading
+        import time
+
+        from justrl_megatron.rollout import RolloutInterrupted
+        from justrl_megatron.slurm import StopSignal, stop_requested
+
+        stop_signal = StopSignal().install()
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start, raised = time.monotonic(), None
+        try:
+            engine.generate(PROMPTS * 8, 32, SamplingConfig(max_tokens=100, seed=5, ignore_eos=True),
+                            stop=stop_requested)
+        except RolloutInterrupted:
+            raised = "RolloutInterrupted"
+        stop_signal.restore()
+        again = engine.generate(PROMPTS, 2, sample)
+        stopped = {"raised": raised, "seconds": time.monotonic() - start, "left": engine.num_unfinished(),
+                   "again_equal": [again.token_ids, again.logprobs] == [s.token_ids, s.logprobs]}
     if trainer:
+        verdict["stop"] = share(None, 1, control)
         verdict["backend"] = share(None, 1, control)
         sender.close()
         with open(os.path.join(out, "verdict.json"), "w") as f:
             json.dump(verdict, f, indent=1)
     else:
+        share(stopped, 1, control)
         share(v_backend, 1, control)
         engine.shutdown()
     dist.barrier(group=control)

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -88,9 +89,55 @@ def main(model_dir, out):
                 rec["single_version_gap"] = max(gap, rec["single_version_gap"] or 0.0)
                 rec["equals_hf_greedy"] = toks == hf_ref[g.gid]
         v["groups"].append(rec)
+    v["abort"] = abort_checks(engine)
     engine.shutdown()
     with open(os.path.join(out, "verdict.json"), "w") as f:
         json.dump(v, f)
+
+
+def old_generate(engine, prompts, n, sampling):
+    """VLLMEngine.generate before issue 42: one LLM.generate per planned call (tokens, logprobs, finish reasons)."""
+    from justrl_megatron.rollout.vllm_engine import plan_calls
+
+    toks, lps, finish = [], [], []
+    for first, count, k0, m in plan_calls([len(p) for p in prompts], n, engine.step_budget):
+        params = [engine.sampling_params(m, sampling, first + j, first_sample=k0, group=n) for j in range(count)]
+        for out in engine.llm.generate([{"prompt_token_ids": p} for p in prompts[first:first + count]], params,
+                                       use_tqdm=False):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks.append(list(c.token_ids))
+                lps.append([st[t].logprob for st, t in zip(c.logprobs, c.token_ids)])
+                finish.append(c.finish_reason)
+    return toks, lps, finish
+
+
+def abort_checks(engine):
+    """generate runs the engine's own request loop: the samples LLM.generate gave (seeded), and a stop cuts a big
+    batch short within a few steps, leaving no request behind; the engine then generates the same samples again."""
+    from justrl_megatron.rollout import RolloutInterrupted, SamplingConfig
+
+    sampled = SamplingConfig(max_tokens=12, seed=7)
+    ref = old_generate(engine, PROMPTS, 3, sampled)
+    new = engine.generate(PROMPTS, 3, sampled)
+    polls = []
+
+    def stop():  # true from the 4th poll on: after 3 engine steps
+        polls.append(time.monotonic())
+        return len(polls) > 3
+
+    big = SamplingConfig(max_tokens=100, seed=11, ignore_eos=True)  # >= 100 engine steps to finish
+    t = time.monotonic()
+    raised = None
+    try:
+        engine.generate(PROMPTS * 8, 32, big, stop=stop)
+    except RolloutInterrupted as exc:
+        raised = type(exc).__name__
+    seconds = time.monotonic() - t
+    left = engine.num_unfinished()
+    again = engine.generate(PROMPTS, 3, sampled)
+    return {"parity": [new.token_ids, new.logprobs, new.finish_reasons] == [*ref],
+            "samples": len(new.token_ids), "raised": raised, "seconds": seconds, "polls": len(polls), "left": left,
+            "again_equal": [again.token_ids, again.logprobs] == [new.token_ids, new.logprobs]}
 
 
 if __name__ == "__main__":
