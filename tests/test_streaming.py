@@ -118,17 +118,18 @@ class ScriptedEngines:
     def __init__(self, lengths, eta):
         self.lengths, self.eta = lengths, eta
         self.buffer, self.version, self.inflight, self.admitted, self.waits = None, 0, {}, [], []
+        self.frozen = False  # True: a trainer that would block does not let the engine run (a stop must end the wait)
 
     def stream_open(self, n, sampling, capacity):
         engines = self
 
         class Buffer(GroupBuffer):
-            def take(self, pick=None):  # a trainer that would block lets the engine run: the soonest group finishes
-                while pick is not None and (not len(self) or pick(list(self._items)) is None):
+            def take(self, pick=None, stop=None):  # a trainer that would block lets the engine run: the soonest
+                while not engines.frozen and pick is not None and (not len(self) or pick(list(self._items)) is None):
                     gid = min(engines.inflight, key=lambda g: engines.inflight[g] + engines.lengths[g])
                     engines.waits.append(gid)
                     engines._finish(gid, engines.inflight.pop(gid))
-                return super().take(pick)
+                return super().take(pick, stop)
 
         self.n, self.buffer = n, Buffer(capacity)
 
@@ -230,6 +231,25 @@ def test_a_step_takes_drop_notices_and_expiring_groups_first_and_waits_only_for_
     assert pick(3)([fresh]) == 0  # a third place: the fresh group may take it meanwhile
     del pipeline._admitted[0]
     assert pick(2)([fresh]) == 0  # one expiring group left for the 2 places
+
+
+def test_a_stop_while_the_step_waits_for_groups_ends_the_step_and_keeps_every_prompt(single_trainer, monkeypatch):
+    """SIGTERM while the step waits for a long tail: next_batch returns None within a second instead of waiting, and
+    the group it had already taken goes back among the admitted prompts that a checkpoint saves."""
+    import time
+
+    import justrl_megatron.train.async_rollout as ar
+
+    engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others run for 3 versions
+    engines.frozen = True
+    monkeypatch.setattr(ar, "stop_requested", lambda: True)
+    pipeline = _pipeline(engines, _sampler(), 1)
+    engines.publish(0)
+    t = time.perf_counter()
+    assert pipeline.next_batch(1, 0, Timer()) is None
+    assert time.perf_counter() - t < 1.0
+    state = pipeline.state()
+    assert state["outstanding"] == 4 and [p["id"] for p in state["prompts"][:4]] == ["0", "1", "2", "3"]
 
 
 def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first(single_trainer):

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .base import Rollouts, SamplingConfig
+from .base import RolloutInterrupted, Rollouts, SamplingConfig
 
 
 @dataclass
@@ -254,9 +254,10 @@ class GroupBuffer:
             self.ends.append(payload)
             self._cond.notify_all()
 
-    def take(self, pick: Callable[[list], int | None] | None = None):
+    def take(self, pick: Callable[[list], int | None] | None = None, stop: Callable[[], bool] | None = None):
         """A finished group; blocks until one is in. `pick(items)` chooses among the finished ones (an index, or None:
-        wait for more); default the oldest. Raises what a producer raised, or when none is left."""
+        wait for more); default the oldest. Raises what a producer raised, or when none is left; RolloutInterrupted
+        when `stop()` holds when it would wait (read at least once a second while it waits)."""
         with self._cond:
             while True:
                 if self._error is not None:
@@ -269,6 +270,8 @@ class GroupBuffer:
                         return item
                 if self._open <= 0:
                     raise BufferError("every rollout rank stopped streaming while the trainer waits for groups")
+                if stop is not None and stop():  # only instead of waiting: groups already in are taken
+                    raise RolloutInterrupted("a stop was requested while the step waited for finished groups")
                 self._cond.wait(timeout=1.0)
 
     def take_stats(self) -> tuple[dict[str, float], int, int]:

@@ -34,6 +34,7 @@ import torch
 from ..algo.dynamic_sampling import SamplingStats, ScoredBatch, collect_groups, round_seed
 from ..distributed import trainer_broadcast
 from ..rollout import RolloutInterrupted, Rollouts, check_staleness
+from ..slurm import stop_requested
 from .sampler import Prompt
 from .scoring import generate_and_score, score
 
@@ -304,9 +305,20 @@ class StreamingPipeline:
         self._open = False
         self._counts = {"dropped_stale": 0, "dropped_in_engine": 0, "discarded_at_resume": 0}
 
-    def next_batch(self, step: int, version: int, timer) -> ScoredStep:
-        payload = self._take(step, version) if self.leader else None
-        prompts, rollouts, rewards, correct, reward_stats, figures, seconds, sampler_state = trainer_broadcast(payload)
+    def next_batch(self, step: int, version: int, timer) -> ScoredStep | None:
+        """The step's groups. None: a stop (SIGTERM / SIGUSR1 / Ctrl-C) came while the step waited for them: every
+        trainer rank returns None, and the groups it had taken go back among the admitted ones, whose prompts the
+        checkpoint saves (a long tail never holds a requeue up)."""
+        payload = None
+        if self.leader:
+            try:
+                payload = self._take(step, version)
+            except RolloutInterrupted:
+                payload = "interrupted"
+        payload = trainer_broadcast(payload)
+        if payload == "interrupted":
+            return None
+        prompts, rollouts, rewards, correct, reward_stats, figures, seconds, sampler_state = payload
         self.sampler.load_state_dict(sampler_state)  # only trainer rank 0 draws: every rank keeps its position
         timer.seconds |= seconds
         staleness = int(figures["rollout/staleness_max"])
@@ -358,11 +370,16 @@ class StreamingPipeline:
         kept, zero_variance, taken = [], 0, 0
         wait = reward = 0.0
         pick = self._pick(version, lambda: self.num_groups - len(kept))
+        taken_back: dict[int, tuple[Prompt, int]] = {}  # what a stop puts back: the groups this step took to train
         while len(kept) < self.num_groups:
             t = time.perf_counter()
-            gid, rollouts, _ = buffer.take(pick)
+            try:
+                gid, rollouts, _ = buffer.take(pick, stop=stop_requested)
+            except RolloutInterrupted:
+                self._admitted.update(taken_back)
+                raise
             wait += time.perf_counter() - t
-            prompt, _ = self._admitted.pop(gid)
+            prompt, admitted = self._admitted.pop(gid)
             if rollouts is None:  # aborted by its engine: too old to train
                 counts["dropped_in_engine"] += 1
                 self._admit(step, version)
@@ -375,6 +392,7 @@ class StreamingPipeline:
             rewards, correct, reward_stats = score(self.scorer, self.tokenizer, [prompt], rollouts, self.n)
             reward += time.perf_counter() - t
             taken += 1
+            taken_back[gid] = (prompt, admitted)
             # dynamic sampling: a group without reward variance teaches nothing; after max_rounds batches' worth of
             # groups the step takes what comes (as the synchronous rounds do when they run out)
             if (self.dynamic_sampling and len(set(rewards)) == 1
