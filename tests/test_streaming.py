@@ -303,9 +303,10 @@ def test_longtail_histogram_and_figures():
                 "response/length_mean": 50.0, "time/wait_rollout_s": 1.0},
                {"time": 14.0, "time/step_s": 2.0, "throughput/tokens_per_s": 300.0, "rollout/logprob_diff_tokens": 400,
                 "response/length_mean": 100.0, "time/wait_rollout_s": 0.5, "rollout/engine_occupancy": 0.9,
-                "rollout/staleness_max": 1.0}]
+                "rollout/staleness_max": 1.0, "time/update_s": 2.5, "time/reward_s": 0.5, "time/sync_s": 0.7}]
     f = mode_figures(records, warmup=1)
     # the step is the wall time between step ends (4 s), not the loop's own 2 s: 600 trained tokens over 4 s
     assert f["step_s"] == [4.0] and f["trained_tokens_per_s"] == [150.0] and f["generated_tokens_per_s"] == [100.0]
-    assert f["trainer_idle_frac"] == [0.125] and f["engine_occupancy"] == [0.9] and f["staleness_max"] == [1.0]
+    # idle: the 4 s minus the trainer's own 3 s of update and rewards (the sync's wait counts as idle)
+    assert f["trainer_idle_frac"] == [0.25] and f["engine_occupancy"] == [0.9] and f["staleness_max"] == [1.0]
     assert math.isnan(mode_figures(records[:1], warmup=0)["engine_occupancy"][0])  # batch modes: not measured

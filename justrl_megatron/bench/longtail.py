@@ -14,8 +14,9 @@ On 1 trainer + 1 rollout rank (torchrun, 2 processes), one after the other in on
 
 Per mode, medians over the timed steps: trained tokens/s end to end (prompt + response tokens of the trained batch
 over the wall time between step ends), generated tokens/s (its response tokens over the same time), engine occupancy
-(streaming: running sequences / the most the admission lets the engine hold), trainer idle fraction (the trainer's
-wait for rollouts over the step).
+(streaming: running sequences / the most the admission lets the engine hold), trainer idle fraction (the
+step's wall time minus the trainer's own work: update, old and reference logprobs, rewards; the rest it waited, for
+rollouts or in the weight sync for a rollout rank still generating).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def mode_figures(records: list[dict], warmup: int) -> dict[str, list[float]]:
         out["trained_tokens_per_s"].append(tokens / step_s)
         out["generated_tokens_per_s"].append(r["rollout/logprob_diff_tokens"] / step_s)  # the response tokens
         out["engine_occupancy"].append(r.get("rollout/engine_occupancy", float("nan")))
-        out["trainer_idle_frac"].append(r.get("time/wait_rollout_s", 0.0) / step_s)
+        # the trainer's own work: the rest of the step it waited (for groups, or in the weight sync for a rollout
+        # rank still generating: one-step-off's wait shows there, not in time/wait_rollout_s)
+        busy = sum(r.get(f"time/{k}_s", 0.0) for k in ("update", "old_logprob", "ref_logprob", "reward"))
+        out["trainer_idle_frac"].append(max(0.0, 1.0 - busy / step_s))
         out["staleness_max"].append(r.get("rollout/staleness_max", r.get("rollout/staleness", 0.0)))
         out["response_length_mean"].append(r["response/length_mean"])
     return out
