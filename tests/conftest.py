@@ -49,7 +49,7 @@ def tiny_llama(request, tmp_path_factory):
 MODULE_SECONDS = {
     "test_train": 520, "test_split": 420, "test_convert": 275, "test_slurm": 229, "test_algo_extras": 226,
     "test_step": 199, "test_rollout": 139, "test_context_parallel": 120, "test_bench": 118, "test_validation": 83,
-    "test_moe": 170, "test_lora": 77, "test_models": 66, "test_run_safety": 55, "test_checkpoint": 55, "test_eval": 27,
+    "test_moe": 170, "test_lora": 77, "test_models": 66, "test_run_safety": 40, "test_checkpoint": 55, "test_eval": 27,
     "test_sandbox": 24, "test_compat": 23, "test_shared_prompt": 22, "test_loop": 40, "test_model": 11,
     "test_upcycle": 10, "test_gpu_check": 8, "test_install": 7, "test_vllm_api": 12,
     "test_launch": 30, "test_preflight": 35, "test_streaming": 85,

@@ -312,6 +312,29 @@ def test_a_stop_on_one_rank_aborts_the_batch_on_every_engine(megatron_run):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_ranks_agree_to_stop_a_rollout_together_and_within_a_round(megatron_run):
+    """rollout/stopping.StopCheck on the 2 ranks with simulated engine steps: a stop wanted on one rank is taken by
+    both at the same round, a rank whose share is done raises with the generating one, ranks stepping in lockstep
+    (one TP engine) never deadlock, and without a stop both return together."""
+    from justrl_megatron.rollout.stopping import ROUND_S
+
+    r0, r1 = (v["agreement"] for v in megatron_run)
+    for case in ("lockstep", "one_done", "stopped_before"):
+        assert r0[case]["raised"] and r1[case]["raised"], case
+        assert r0[case]["rounds"] == r1[case]["rounds"], case
+    assert r0["lockstep"]["steps"] == r1["lockstep"]["steps"] < 400  # one engine: aborted after the same step
+    assert r0["lockstep"]["after_stop_s"] < ROUND_S + 1.5, r0["lockstep"]  # about one round of steps, on a busy CI
+    assert r0["one_done"]["steps"] == 0 and r1["one_done"]["steps"] < 400
+    assert r1["one_done"]["after_stop_s"] < ROUND_S + 1.5, r1["one_done"]
+    assert r0["stopped_before"]["steps"] == r1["stopped_before"]["steps"] == 0
+    assert r0["stopped_before"]["rounds"] == 1
+    assert not r0["no_stop"]["raised"] and not r1["no_stop"]["raised"]
+    assert (r0["no_stop"]["steps"], r1["no_stop"]["steps"]) == (20, 60)
+    assert r0["no_stop"]["rounds"] == r1["no_stop"]["rounds"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_context_parallel_cp2_run_syncs_into_vllm(megatron_run):
     """parallel.context=2: CP shards no weights, so a CP2 policy's stream reaches vLLM intact; the trainer's CP2
     logprobs agree with the engines' before and after a GRPO step and a sync."""

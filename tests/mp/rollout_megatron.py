@@ -9,7 +9,9 @@ move), sync, sample again, and compare vLLM's logprobs of its sampled tokens wit
 the same engines; vLLM's greedy tokens must equal transformers' on the original HF weights. Phase C, Megatron CP2
 (context parallel: both ranks split each sequence): its logprobs agree with the engines' on the same weights, then a
 GRPO step and a sync, after which they agree again (CP shards no weights: the stream is the same). Phase D: a stop
-wanted on one rank during a big batch aborts it on both (rollout/stopping.py). Verdicts: OUT/rank{r}.json.
+wanted on one rank during a big batch aborts it on both (rollout/stopping.py); phase E: that agreement with
+simulated engine steps (lockstep, a rank done early, no stop, a stop before the first step). Verdicts:
+OUT/rank{r}.json.
 """
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
@@ -154,10 +156,47 @@ def main(hf_dir, out):
     v["stop"] = {"raised": raised, "seconds": time.monotonic() - start, "left": engine.num_unfinished(),
                  "again_equal": engine.generate_all(PROMPTS, N, sample, seed=10).token_ids == r3.token_ids}
 
+    # --- phase E: the agreement itself (rollout/stopping.StopCheck) with simulated engine steps ----------------------
+    v["agreement"] = {
+        # one TP engine: every step is a collective of both ranks, whose steps take different times; rank 0 wants
+        # to stop 0.3 s in (a round placed inside a step on one rank and between steps on the other: a deadlock)
+        "lockstep": simulated_generate(400, 0.005 if rank == 0 else 0.02, 0.3 if rank == 0 else None, lockstep=True),
+        # rank 0's share is done at once (it waits in the rounds); rank 1 generates and wants to stop 0.3 s in
+        "one_done": simulated_generate(0 if rank == 0 else 400, 0.01, 0.3 if rank == 1 else None),
+        "no_stop": simulated_generate(20 if rank == 0 else 60, 0.01, None),  # different shares, no stop
+        "stopped_before": simulated_generate(50, 0.01, 0.0 if rank == 1 else None),  # wanted before the first step
+    }
+
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(v, f, indent=1)
     dist.barrier()
     engine.shutdown()
+
+
+def simulated_generate(steps: int, step_s: float, stop_after: float | None, lockstep: bool = False) -> dict:
+    """StopCheck's protocol as VLLMEngine.generate runs it (before_step / step / stepped, finish at the end), with
+    sleeps for engine steps (and an all_reduce in each, where `lockstep`, as a TP engine's forward has)."""
+    from justrl_megatron.rollout import RolloutInterrupted
+    from justrl_megatron.rollout.stopping import StopCheck
+
+    start = time.monotonic()
+    check, done, raised = StopCheck(lambda: stop_after is not None and time.monotonic() - start >= stop_after,
+                                    distributed=True), 0, False
+    try:
+        for _ in range(steps):
+            check.before_step()
+            t = time.perf_counter()
+            time.sleep(step_s)
+            if lockstep:
+                dist.all_reduce(torch.ones(1))
+            check.stepped(time.perf_counter() - t)
+            done += 1
+        check.finish()
+    except RolloutInterrupted:
+        raised = True
+    end = time.monotonic()
+    return {"raised": raised, "steps": done, "rounds": check.rounds,
+            "after_stop_s": None if stop_after is None else end - (start + stop_after)}
 
 
 if __name__ == "__main__":
