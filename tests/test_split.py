@@ -100,8 +100,9 @@ STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_st
 
 @pytest.fixture(scope="module")
 def streaming(tmp_path_factory, tiny_llama):
-    """4 streaming steps (eta 1, tis by default) in two launches of justrl-train's own launcher: the first gets
-    SIGTERM once step 2 is logged (groups admitted, in flight and buffered), finishes its step, saves and exits 0;
+    """4 streaming steps (eta 1, tis by default) in two launches of justrl-train's own launcher: the first gets a
+    Ctrl-C (SIGINT, forwarded to both ranks) once step 2 is logged (groups admitted, in flight and buffered): it
+    finishes or ends its step, saves and exits 0 (the rollout rank must not die of KeyboardInterrupt first);
     the second resumes from that checkpoint. Returns (run dir, the first launch's output, the step it stopped at,
     the trainer state it saved, the second launch's output)."""
     import signal
@@ -119,7 +120,7 @@ def streaming(tmp_path_factory, tiny_llama):
         while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
             time.sleep(0.5)
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signal.SIGINT)
         out, _ = launcher.communicate(timeout=600)
     finally:
         if launcher.poll() is None:
@@ -169,12 +170,12 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_streaming_stops_on_sigterm_and_resume_admits_the_saved_prompts_anew(streaming):
-    """SIGTERM mid-stream: the step in progress finishes and is saved, one line, exit 0, no process left. The prompts
+def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(streaming):
+    """Ctrl-C mid-stream: the run saves, says so in one line, exits 0, no process left. The prompts
     admitted but not trained were saved (their samples were not); the resumed run generates them again and counts
     the discarded work."""
     run_dir, out, stopped, saved, resumed = streaming
-    assert stopped in (2, 3) and f"checkpoint saved at step {stopped}" in out, out[-3000:]
+    assert stopped in (2, 3) and f"checkpoint saved at step {stopped}; exiting on Ctrl-C" in out, out[-3000:]
     assert "Traceback" not in out, out[-5000:]
     assert saved["streaming"] and saved["outstanding"] == 2 and len(saved["prompts"]) >= 2
     assert "resumed from" in resumed

@@ -330,9 +330,12 @@ def serve_stream(engine, channel, results, e: int, engines: int, n: int, samplin
 def serve(cfg, model_dir, roles) -> None:
     """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
     from ..rollout import make_engine
-    from ..slurm import StopSignal, stop_requested
+    from ..slurm import stop_requested
+    from .interrupt import Interruptible
 
-    StopSignal().install()  # SIGUSR1 / SIGTERM: the trainer checkpoints and sends stop; this rank must not die first
+    # SIGUSR1 / SIGTERM / a first Ctrl-C: the trainer checkpoints and sends stop; this rank must not die first (a
+    # second Ctrl-C aborts it with the rest, as it does the trainer)
+    Interruptible().install()
     engine = make_engine(cfg, model_dir, seed=cfg.trainer.seed, in_process=False)
     channel, e, engines = roles.control, roles.engine_index, roles.num_rollout_ranks
     # idle time since this engine's previous batch: waiting for weights, and for the next prompts
