@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from helpers import VLLM_TINY, run_mp
+from helpers import run_mp
 from justrl_megatron.config import ConfigError, compose, validate
 from justrl_megatron.rollout import Rollouts, SamplingConfig, logprob_gap
 from justrl_megatron.rollout.multi_turn import ToolRollout
@@ -231,7 +231,7 @@ def test_fences_found_on_the_real_tokenizers(tokenizer):
         assert tool.find_call(no_call) is None, no_call
 
 
-# --- the Python tool against hostile code (the code reward's sandbox cases, through the tool) ---------------------------
+# --- the Python tool against hostile code (the code reward's sandbox cases, through the tool) -------------------------
 
 def test_hostile_code_stays_in_the_sandbox(tmp_path):
     tool = PythonTool(timeout_s=2.0, memory_mb=256, max_output_chars=200)
@@ -279,7 +279,7 @@ def test_hostile_code_stays_in_the_sandbox(tmp_path):
     assert stray == []
 
 
-# --- masks through Rollouts, the parity metric and packing --------------------------------------------------------------
+# --- masks through Rollouts, the parity metric and packing ------------------------------------------------------------
 
 def test_sampled_mask_travels_and_counts():
     a = Rollouts(prompt_index=[0], token_ids=[[1, 2, 3, 4]], logprobs=[[-0.1, 0.0, 0.0, -0.4]], finish_reasons=["stop"],
@@ -317,7 +317,7 @@ def test_packing_masks_tool_tokens_target_by_target():
                                                                                       cp.col.tolist())]
 
 
-# --- config ---------------------------------------------------------------------------------------------------------------
+# --- config -----------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.tools=[shell]"], "rollout.tools: unknown tool(s) ['shell']"),
@@ -341,19 +341,17 @@ def test_tool_recipes_validate():
     validate(cfg, world_size=32)
 
 
-# --- a real engine, and the trainer on its samples -------------------------------------------------------------------------
+# --- a real engine, and the trainer on its samples --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def engine_run(tmp_path_factory):
-    from justrl_megatron.assets import tiny_model
-
+def engine_run(tmp_path_factory, tiny_llama):
+    """One engine (a tiny random Llama with SmolLM2's tokenizer) for the three runs, then a Megatron policy."""
     out = tmp_path_factory.mktemp("tool_rollout")
-    model = tiny_model(out / "tiny_qwen2", "qwen2", with_tokenizer=True, vocab_size=151680, num_layers=2,
-                       **VLLM_TINY)
-    run_mp("tool_rollout.py", model, out, timeout=600)
+    run_mp("tool_rollout.py", tiny_llama, out, timeout=600)
     return json.loads((out / "verdict.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_a_real_engine_forced_to_call_the_tool(engine_run):
     forced = engine_run["forced"]
@@ -365,14 +363,16 @@ def test_a_real_engine_forced_to_call_the_tool(engine_run):
     assert forced["engine_stepped_while_tools_ran"]
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_real_engine_budget_and_timeout(engine_run):
     b = engine_run["budget"]
     assert b["finish"] == ["length"] * len(b["finish"]) and b["lengths"] == [b["max_tokens"]] * len(b["finish"])
     assert all(s["timeouts"] == 1 and s["calls"] == 1 for s in b["stats"])
-    assert b["seconds"] < 20
+    assert b["seconds"] < 10  # a 0.5 s limit per call
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_trainer_logprobs_and_a_grpo_step_on_tool_samples(engine_run):
     t = engine_run["trainer"]
@@ -382,4 +382,5 @@ def test_trainer_logprobs_and_a_grpo_step_on_tool_samples(engine_run):
     # the update's loss and counts cover the model's tokens only (independent sums over the masks)
     assert t["num_response_tokens"] == t["model_tokens"] < t["all_tokens"]
     assert t["pg_loss"] == pytest.approx(t["expected_pg_loss"], abs=1e-5)
+    assert abs(t["unmasked_pg_loss"] - t["expected_pg_loss"]) > 1e-3  # the check tells masked from unmasked
     assert t["entropy"] == pytest.approx(t["expected_entropy"], rel=1e-4)

@@ -24,6 +24,7 @@ error message, never an exception in the rollout.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -156,8 +157,11 @@ def problems(cfg) -> list[str]:
     if not isinstance(ro.max_turns, int) or ro.max_turns < 1:
         out.append(f"rollout.max_turns must be >= 1 (tool calls per response), got {ro.max_turns!r}")
     for key, rule, ok in (("tool_timeout_s", "> 0", lambda v: v > 0), ("tool_memory_mb", ">= 32", lambda v: v >= 32),
-                          ("tool_max_output_chars", ">= 1", lambda v: v >= 1), ("tool_workers", ">= 1", lambda v: v >= 1)):
+                          ("tool_max_output_chars", ">= 1", lambda v: v >= 1),
+                          ("tool_workers", ">= 1", lambda v: v >= 1)):
         value = getattr(ro, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            continue  # said by config.nonfinite_problems
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             out.append(f"rollout.{key} must be {rule}, got {value!r}")
     from ..rewards.sandbox import BACKENDS
