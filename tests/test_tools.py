@@ -157,7 +157,8 @@ def test_max_turns_and_the_response_budget(tokenizer):
 
 def test_timeouts_errors_and_a_failing_sandbox_do_not_stop_the_rollout(tokenizer, monkeypatch):
     turns = ["```python\nwhile True:\n    pass\n```\n", "```python\n1/0\n```\n", "```python\nprint(1)\n```\n", "end"]
-    driver = _driver(tokenizer, PythonTool(timeout_s=1.0))
+    driver = _driver(tokenizer, PythonTool(timeout_s=30))  # the calls that end on their own: never near it
+    quick = PythonTool(timeout_s=1.0)  # for the endless loop
     real = driver.tools[0].run
     failures = iter([None, None, RuntimeError("bwrap crashed")])
 
@@ -167,13 +168,13 @@ def test_timeouts_errors_and_a_failing_sandbox_do_not_stop_the_rollout(tokenizer
             from justrl_megatron.rewards import sandbox
 
             monkeypatch.setattr(sandbox, "run_python", lambda *a, **k: (_ for _ in ()).throw(exc))
-        return real(call)
+        return quick.run(call) if "while True" in call else real(call)
 
     driver.tools[0].run = run
     try:
         t0 = time.monotonic()
         r = driver.generate(ScriptedEngine(tokenizer, turns), [PROMPT], 1, SamplingConfig(max_tokens=600))
-        assert time.monotonic() - t0 < 8
+        assert time.monotonic() - t0 < 15
     finally:
         driver.close()
     s = r.tool_stats[0]
@@ -234,7 +235,9 @@ def test_fences_found_on_the_real_tokenizers(tokenizer):
 # --- the Python tool against hostile code (the code reward's sandbox cases, through the tool) -------------------------
 
 def test_hostile_code_stays_in_the_sandbox(tmp_path):
-    tool = PythonTool(timeout_s=2.0, memory_mb=256, max_output_chars=200)
+    # a long deadline: no case here needs it (each ends, is killed at the output cap, or leaves processes that die
+    # with the namespace), so a slow sandbox start on a loaded machine cannot turn an error into a timeout
+    tool = PythonTool(timeout_s=20.0, memory_mb=256, max_output_chars=200)
     target = tmp_path / "escaped.txt"
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2")
@@ -257,7 +260,7 @@ def test_hostile_code_stays_in_the_sandbox(tmp_path):
     for name, code in cases.items():
         t0 = time.monotonic()
         got[name] = tool.run(code)
-        assert time.monotonic() - t0 < tool.timeout_s + 3, name
+        assert time.monotonic() - t0 < tool.timeout_s, name
     try:
         with pytest.raises(socket.timeout):
             server.accept()
@@ -266,7 +269,8 @@ def test_hostile_code_stays_in_the_sandbox(tmp_path):
     assert not target.exists() and "hunter2" not in got["read"].text
     for name in ("write", "read", "net", "disk", "memory"):
         assert got[name].status == "error", (name, got[name])
-    assert "MemoryError" in got["memory"].text and "OSError" in got["disk"].text or "File" in got["disk"].text
+    assert "MemoryError" in got["memory"].text
+    assert "File too large" in got["disk"].text or "No space left" in got["disk"].text, got["disk"]
     assert len(got["flood"].text) <= 4 * 200 + 4096 and len(tool.format(got["flood"])) < 300
     time.sleep(0.3)
     stray = []
@@ -369,7 +373,7 @@ def test_real_engine_budget_and_timeout(engine_run):
     b = engine_run["budget"]
     assert b["finish"] == ["length"] * len(b["finish"]) and b["lengths"] == [b["max_tokens"]] * len(b["finish"])
     assert all(s["timeouts"] == 1 and s["calls"] == 1 for s in b["stats"])
-    assert b["seconds"] < 10  # a 0.5 s limit per call
+    assert b["seconds"] < 30  # four calls with a 0.5 s limit (two at a time), on a loaded machine
 
 
 @pytest.mark.slow
