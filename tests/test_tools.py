@@ -50,6 +50,9 @@ class ScriptedEngine:
     def wake_up(self):
         pass
 
+    def shutdown(self):
+        pass
+
     def add_request(self, rid, prompt, n, sampling, *, request_index=0, stream=False, regex=None):
         assert n == 1 and stream and sampling.seed is None
         turn = int(rid.rsplit("_", 1)[1])
@@ -153,6 +156,20 @@ def test_max_turns_and_the_response_budget(tokenizer):
         assert r.finish_reasons == ["length"] and r.sampled_mask == [[1] * 5] and r.tool_stats[0]["calls"] == 0
     finally:
         driver.close()
+
+
+def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokenizer):
+    from justrl_megatron.train.placement import ColocatedPlacement
+
+    cfg = compose(["rollout.tools=[python]", "rollout.max_turns=1", f"model.tokenizer={tokenizer.name_or_path}"])
+    engine = ScriptedEngine(tokenizer, TURNS)
+    engine.generate_all = None  # single-turn generation must not be asked for
+    placement = ColocatedPlacement(cfg, "unused-model-dir", engine=engine)
+    placement.start(lambda bucket_bytes: iter(()))
+    r = placement.generate([PROMPT], 2, SamplingConfig(max_tokens=300), seed=4)
+    assert [s["calls"] for s in r.tool_stats] == [1, 1] and r.sampled_mask is not None
+    placement.shutdown()
+    assert placement.tools.pool._shutdown
 
 
 def test_timeouts_errors_and_a_failing_sandbox_do_not_stop_the_rollout(tokenizer, monkeypatch):

@@ -90,7 +90,7 @@ class PythonTool:
     """A fenced ```python block run in the OS sandbox; its stdout (or traceback) comes back as an ```output block."""
 
     name = "python"
-    languages = ("python", "py")
+    languages = ("python", "py", "python3")
 
     def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 1024,
                  sandbox: str = "auto", nproc: int = 16, file_mb: int = 16):
