@@ -199,6 +199,8 @@ def test_timeouts_errors_and_a_failing_sandbox_do_not_stop_the_rollout(tokenizer
     text = tokenizer.decode(r.token_ids[0])
     assert "TimeoutError: the code ran longer than 1 s" in text and "ZeroDivisionError" in text
     assert "the sandbox failed (RuntimeError: bwrap crashed)" in text
+    monkeypatch.undo()  # a syntax error reads as the model's own line, without the runner's frames
+    assert PythonTool().run("=70 * 93").text == '  File "<code>", line 1\n    =70 * 93\n    ^\nSyntaxError: invalid syntax\n'
     shaped, m = tool_penalties([1.0], r.tool_stats, error_penalty=0.25, timeout_penalty=0.5)
     assert shaped == [0.0] and m == {"reward/tool_penalty_mean": 1.0}
 

@@ -51,6 +51,9 @@ try:
             print(repr(_v))
 except SystemExit as _e:
     _sys.exit(_e.code if isinstance(_e.code, int) else 1)
+except SyntaxError as _e:  # raised inside ast.parse: its frames say nothing about the code
+    print("".join(_tb.format_exception_only(type(_e), _e)), end="")
+    _sys.exit(1)
 except BaseException as _e:
     _tb.print_exception(type(_e), _e, _e.__traceback__.tb_next if _e.__traceback__ else None)
     _sys.exit(1)
