@@ -11,7 +11,6 @@ and one GRPO step on its samples (tests/mp/tool_rollout.py).
 import json
 import os
 import socket
-import threading
 import time
 
 import pytest

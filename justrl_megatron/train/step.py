@@ -38,9 +38,9 @@ from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
-from .batching import CP_LOSS_AGGS, MicroBatch, Sample, check_samples_fit, gather_per_target, sampled_targets, \
-    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, split_for_context_parallel, \
-    split_over_dp, unit_length
+from .batching import CP_LOSS_AGGS, MicroBatch, Sample, check_samples_fit, gather_per_target, \
+    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, sampled_targets, \
+    split_for_context_parallel, split_over_dp, unit_length
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
