@@ -127,6 +127,15 @@ class RolloutConfig:
     streaming: bool = False  # split only: engines stay full from a prompt stream, weights load mid-generation
     weight_sync_bucket_mb: int = 512
     weight_sync_backend: str = "auto"  # auto | nccl | ipc | cpu
+    # tool use (rollout/multi_turn.py): [python] lets the model run ```python blocks in the OS sandbox mid-response;
+    # up to max_turns calls per response, tool outputs count against max_response_length and are never trained on
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4
+    tool_timeout_s: float = 5.0  # wall clock per call (the sandbox's namespace is killed after it)
+    tool_memory_mb: int = 512  # address space per call
+    tool_max_output_chars: int = 1024  # of a call's stdout shown to the model
+    tool_workers: int = 4  # calls running at once (threads; each call is a sandboxed process)
+    tool_sandbox: str = "auto"  # auto | bwrap | unshare (rewards/sandbox.py)
 
 
 @dataclass
@@ -165,6 +174,9 @@ class AlgoConfig:
     # one-step-off or streaming: decoupled PPO), none on-policy (docs/algorithm.md, "Streaming rollouts")
     rollout_correction: str = "${justrl_default_correction:${rollout.max_staleness}}"
     tis_cap: float = LossConfig.tis_cap  # ms-swift's threshold; slime's MIS example keeps ratios in [0.5, 2]
+    # rollout.tools: subtracted from the reward per failed / timed-out call of a response (0: off)
+    tool_error_penalty: float = 0.0
+    tool_timeout_penalty: float = 0.0
 
 
 @dataclass
@@ -608,8 +620,9 @@ def _split_problems(cfg) -> list[str]:
                         f"rollout.placement=split with rollout.num_rollout_ranks >= 1: a colocated engine shares the "
                         f"trainer's devices, so nothing overlaps; use max_staleness=0")
     from .rollout.streaming import problems as streaming_problems  # streaming's refusals live next to it
+    from .rollout.tools import problems as tool_problems  # rollout.tools' refusals live next to it
 
-    problems += streaming_problems(cfg)
+    problems += streaming_problems(cfg) + tool_problems(cfg)
     if ro.max_staleness > 1 and cfg.algo.rollout_correction == "none":
         problems.append(f"rollout.max_staleness={ro.max_staleness} trains on samples up to {ro.max_staleness} "
                         f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, "

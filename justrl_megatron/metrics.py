@@ -188,7 +188,7 @@ CONSOLE_KEYS = ("reward/mean", "reward/accuracy", "response/length_mean", "respo
                 "rollout/logprob_diff_mean", "rollout/weight_version", "time/step_s", "throughput/tokens_per_s",
                 # with algo.dynamic_sampling / overlong_buffer / mask_truncated / rollout_correction
                 "batch/kept_groups", "batch/sampling_rounds", "reward/overlong_penalty_mean",
-                "response/masked_truncated", "rollout_correction/ratio_max")
+                "response/masked_truncated", "rollout_correction/ratio_max", "tool/calls_per_response")
 
 
 def _table(step: int, record: dict) -> Table:
@@ -260,9 +260,12 @@ def val_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_tokens: int, logprob_gap: dict,
                  update: dict, phase_seconds: dict, step_seconds: float) -> dict[str, float]:
-    """One RL step's record: rewards, response lengths, trainer<->rollout parity, the update's own figures, timings."""
-    lengths = [len(r) for r in rollouts.token_ids]
-    tokens = sum(lengths) + prompt_tokens
+    """One RL step's record: rewards, response lengths, trainer<->rollout parity, the update's own figures, timings.
+    Response lengths count the tokens the model sampled (a tool's output is context: tool/output_tokens_mean)."""
+    from .rollout.tools import tool_metrics
+
+    lengths = rollouts.sampled_lengths()
+    tokens = rollouts.num_tokens + prompt_tokens  # everything the trainer forwards, tool outputs included
     return {
         "reward/mean": sum(rewards) / len(rewards),
         "reward/accuracy": sum(correct) / len(correct),
@@ -280,5 +283,6 @@ def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_token
         **{f"time/{k}_s": v for k, v in phase_seconds.items()},
         "time/step_s": step_seconds,
         "throughput/tokens_per_s": tokens / step_seconds,
+        **tool_metrics(rollouts),  # tool/* with rollout.tools
         **gpu_stats(),
     }

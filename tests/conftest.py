@@ -52,7 +52,7 @@ MODULE_SECONDS = {
     "test_moe": 170, "test_lora": 77, "test_models": 66, "test_run_safety": 40, "test_checkpoint": 55, "test_eval": 27,
     "test_sandbox": 24, "test_compat": 23, "test_shared_prompt": 22, "test_loop": 40, "test_model": 11,
     "test_upcycle": 10, "test_gpu_check": 8, "test_install": 7, "test_vllm_api": 12,
-    "test_launch": 30, "test_preflight": 35, "test_streaming": 85,
+    "test_launch": 30, "test_preflight": 35, "test_streaming": 85, "test_tools": 39,
 }
 
 

@@ -144,7 +144,7 @@ def test_command_line_typos_are_taken_off_before_hydra_composes():
     ("rollout.weight_sync_backend=nccl", "rollout.weight_sync_backend=nccl is for rollout.placement=split"),
     ("rollout.weight_sync_backend=shm", "rollout.weight_sync_backend must be one of auto, local"),
     ("rollout.placement=split", "rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size"),
-    ("data.template=justr", "data.template must be one of boxed, justrl"),
+    ("data.template=justr", "data.template must be one of boxed, boxed_tool, justrl"),
     ("logging.console_every=0", "logging.console_every must be >= 1"),
 ])
 def test_each_bad_value_is_named_with_its_rule(override, message):

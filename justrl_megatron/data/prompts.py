@@ -2,7 +2,8 @@
 
 Two kinds of template:
 
-* chat templates (``"justrl"``, ``"justrl_stripped"``, ``"justrl_eval"``, ``"boxed"``, ``"plain"``, ``"think"``)
+* chat templates (``"justrl"``, ``"justrl_stripped"``, ``"justrl_eval"``, ``"boxed"``, ``"plain"``, ``"think"``,
+  and the tool-offering ``"justrl_tool"``, ``"boxed_tool"``)
   produce a list of chat messages; the tokenizer's own chat template turns them into text (:func:`render_prompt`, with
   ``add_generation_prompt=True``);
 * raw templates (``"countdown"``, ``"raw:<format string>"``) produce the final prompt string themselves, no chat
@@ -50,6 +51,13 @@ def _escape(text: str) -> str:
 # Short-answer variant for small models and short budgets (the CPU demo): no "reason step by step".
 BOXED_SUFFIX = "\n\nPut your final answer within \\boxed{}."
 
+# Tool use (rollout.tools=[python]): the prompt offers the Python tool in the format rollout/tools.py runs, a fenced
+# ```python block answered by an ```output block (the format Qwen / DeepSeek-R1-Distill models write by themselves).
+TOOL_OFFER = ("\n\nYou may run Python code while you reason: write it in a ```python code block and its output will "
+              "be shown to you in an ```output block.")
+JUSTRL_TOOL_SUFFIX = TOOL_OFFER + " Please reason step by step, and put your final answer within \\boxed{}."
+BOXED_TOOL_SUFFIX = TOOL_OFFER + " Put your final answer within \\boxed{}."
+
 CHAT_TEMPLATES = {
     "justrl": "{problem}" + _escape(JUSTRL_SUFFIX),  # row_messages fills it with the source's own prompt text
     "justrl_stripped": "{problem}" + _escape(JUSTRL_SUFFIX),  # the bare problem (DAPO's wrapper removed)
@@ -57,10 +65,12 @@ CHAT_TEMPLATES = {
     "boxed": "{problem}" + _escape(BOXED_SUFFIX),
     "plain": "{problem}",
     "think": "{problem}" + _escape(THINK_SUFFIX),
+    "justrl_tool": "{problem}" + _escape(JUSTRL_TOOL_SUFFIX),  # as justrl (the source's own text), Python offered
+    "boxed_tool": "{problem}" + _escape(BOXED_TOOL_SUFFIX),
 }
 RAW_TEMPLATES = {"countdown": COUNTDOWN_RAW}
 # Templates filled with the dataset's prompt text exactly as stored, not the loader's stripped problem.
-VERBATIM_TEMPLATES = frozenset({"justrl"})
+VERBATIM_TEMPLATES = frozenset({"justrl", "justrl_tool"})
 
 
 def _fill(fmt: str, problem: str, fields: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ NamedTensor = tuple[str, torch.Tensor]
 WeightStream = Iterable[Union[NamedTensor, list[NamedTensor]]]
 
 FINISH_REASONS = ("stop", "length", "abort")
+NO_TOOL_STATS = {"calls": 0, "errors": 0, "timeouts": 0, "turns": 1, "sandbox_s": 0.0}
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class Rollouts:
     # streaming (rollout.streaming): per sample, the weight version that sampled each response token (a response may
     # span versions: the engine takes new weights mid-generation); None: every token is of `weight_version`
     token_versions: list[list[int]] | None = None
+    # tool rollouts (rollout.tools, rollout/multi_turn.py): per sample, 1 for each response token the model sampled and
+    # 0 for a tool's output (context: its logprob is a 0.0 placeholder, and it is never trained on); None: all sampled
+    sampled_mask: list[list[int]] | None = None
+    # tool rollouts: per sample, {"calls", "errors", "timeouts", "turns", "sandbox_s"}
+    tool_stats: list[dict] | None = None
 
     def __post_init__(self):
         n = len(self.token_ids)
@@ -102,6 +108,15 @@ class Rollouts:
             for i, (toks, vs) in enumerate(zip(self.token_ids, self.token_versions)):
                 if len(toks) != len(vs):
                     raise ValueError(f"sample {i}: {len(toks)} tokens but {len(vs)} token versions")
+        if self.sampled_mask is not None:
+            if len(self.sampled_mask) != n:
+                raise ValueError(f"Rollouts: {len(self.sampled_mask)} sampled masks for {n} samples")
+            for i, (toks, m) in enumerate(zip(self.token_ids, self.sampled_mask)):
+                if len(toks) != len(m) or any(x not in (0, 1) for x in m):
+                    raise ValueError(f"sample {i}: {len(toks)} tokens but a sampled mask of {len(m)} entries "
+                                     f"(each 0 or 1)")
+        if self.tool_stats is not None and len(self.tool_stats) != n:
+            raise ValueError(f"Rollouts: {len(self.tool_stats)} tool stats for {n} samples")
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -112,11 +127,25 @@ class Rollouts:
         routed = [r.routed_experts[k] if r.routed_experts is not None else None for r, k, _ in order]
         versions = [r.versions_of(k) for r, k, _ in order]
         mixed = any(r.token_versions is not None for r, _, _ in order)
+        tools = any(r.sampled_mask is not None for r, _, _ in order)
         return cls(prompt_index=[g for _, _, g in order], token_ids=[r.token_ids[k] for r, k, _ in order],
                    logprobs=[r.logprobs[k] for r, k, _ in order],
                    finish_reasons=[r.finish_reasons[k] for r, k, _ in order], weight_version=weight_version,
                    routed_experts=routed if routed and all(x is not None for x in routed) else None,
-                   token_versions=versions if mixed else None)
+                   token_versions=versions if mixed else None,
+                   sampled_mask=[r.mask_of(k) for r, k, _ in order] if tools else None,
+                   tool_stats=[r.tool_stats[k] if r.tool_stats is not None else dict(NO_TOOL_STATS)
+                               for r, k, _ in order] if tools else None)
+
+    def mask_of(self, i: int) -> list[int]:
+        """Which of sample i's response tokens the model sampled (1) and which a tool wrote (0)."""
+        if self.sampled_mask is not None:
+            return list(self.sampled_mask[i])
+        return [1] * len(self.token_ids[i])
+
+    def sampled_lengths(self) -> list[int]:
+        """Tokens the model sampled per sample (tool outputs not counted)."""
+        return [sum(self.mask_of(i)) for i in range(len(self))]
 
     def versions_of(self, i: int) -> list[int]:
         """The weight version of each of sample i's response tokens."""
@@ -187,10 +216,12 @@ def check_staleness(batch_version: int, current_version: int, max_staleness: int
     return lag
 
 
-def logprob_gap(rollout_logprobs: Sequence[Sequence[float]], trainer_logprobs: Sequence) -> dict[str, float]:
+def logprob_gap(rollout_logprobs: Sequence[Sequence[float]], trainer_logprobs: Sequence,
+                mask: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
     """Mean and max |rollout - trainer| logprob over all sampled tokens (the per-step trainer/engine parity metric).
 
     `trainer_logprobs[i]` holds the trainer's logprobs of sample i's response tokens (a list or 1-D tensor).
+    `mask` (Rollouts.sampled_mask): only the tokens marked 1 count (a tool's output has no rollout logprob).
     """
     if len(rollout_logprobs) != len(trainer_logprobs):
         raise ValueError(f"{len(rollout_logprobs)} rollout samples but {len(trainer_logprobs)} trainer samples")
@@ -200,7 +231,8 @@ def logprob_gap(rollout_logprobs: Sequence[Sequence[float]], trainer_logprobs: S
         b = torch.as_tensor(b, dtype=torch.float64).detach().cpu().reshape(-1)
         if a.numel() != b.numel():
             raise ValueError(f"sample {i}: {a.numel()} rollout logprobs but {b.numel()} trainer logprobs")
-        diffs.append((a - b).abs())
+        d = (a - b).abs()
+        diffs.append(d if mask is None else d[torch.as_tensor(mask[i], dtype=torch.bool)])
     flat = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
     if flat.numel() == 0:
         return {"logprob_diff_mean": 0.0, "logprob_diff_max": 0.0, "logprob_diff_tokens": 0}

@@ -77,6 +77,7 @@ class VLLMEngine:
         progress: bool = False,
         return_routed_experts: bool = False,
         prefix_caching: bool = True,
+        load_tokenizer: bool = False,
     ):
         from justrl_megatron.assets import cache_dir
 
@@ -112,7 +113,8 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel,
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
-            skip_tokenizer_init=True,
+            # the trainer owns the tokenizer; vLLM needs its own only for structured outputs (tests force tool calls)
+            skip_tokenizer_init=not load_tokenizer,
             weight_transfer_config={"backend": self.backend},
             worker_extension_cls="justrl_megatron.rollout.weight_transfer.WorkerExtension",
         )
@@ -329,13 +331,37 @@ class VLLMEngine:
 
     # -- streaming (continuous batching: rollout/streaming.py drives these) ---------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], n: int, sampling: SamplingConfig) -> None:
-        """Start `n` samples of one prompt now (they share `request_id`); `step` hands them back when all are done."""
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], n: int, sampling: SamplingConfig, *,
+                    request_index: int = 0, stream: bool = False, regex: str | None = None) -> None:
+        """Start `n` samples of one prompt now (they share `request_id`); `step` hands them back when all are done.
+
+        `request_index` seeds the request as the prompt at that place of a batch (see `sampling_params`).
+        `stream=True`: its tokens come out of `step_tokens` as they are sampled (not out of `step`), so that a caller
+        can stop it mid-way (multi-turn tool calls: rollout/multi_turn.py). `regex`: vLLM's structured output holds
+        the sample to it (needs an engine built with load_tokenizer=True; tests force tool calls with it)."""
         from vllm.sampling_params import RequestOutputKind
 
-        params = self.sampling_params(n, sampling)
-        params.output_kind = RequestOutputKind.FINAL_ONLY  # the group once, when its last sample finishes
+        params = self.sampling_params(n, sampling, request_index)
+        # FINAL_ONLY: the group once, when its last sample finishes; DELTA: each step's new tokens
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        if regex is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            params.structured_outputs = StructuredOutputsParams(regex=regex)
         self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(map(int, prompt_ids))}, params)
+
+    def step_tokens(self) -> list[tuple[str, list[int], list[float], str | None]]:
+        """One engine step for requests added with stream=True: per request that sampled in it, (request id, the new
+        token ids, their logprobs, the finish reason or None while it runs). n = 1 requests only."""
+        if self._paused or not self.llm.llm_engine.has_unfinished_requests():
+            return []
+        out = []
+        for o in self.llm.llm_engine.step():
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            out.append((o.request_id, toks, [st[t].logprob for st, t in zip(c.logprobs or [], toks)],
+                        (c.finish_reason or "abort") if o.finished else None))
+        return out
 
     def step(self) -> list[tuple[str, Rollouts]]:
         """One engine step (blocks until the engine reports one); the groups that finished: (request id, Rollouts

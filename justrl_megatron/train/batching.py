@@ -47,6 +47,14 @@ class Sample:
     group: int = 0
     truncated: bool = False  # cut at rollout.max_response_length; leaves the loss with algo.mask_truncated
     routed_experts: object = None  # MoE, algo.routing_replay=rollout: vLLM's experts [tokens - 1, layers, top-k]
+    # tool rollouts: 1 per response token the model sampled, 0 per tool-output token (context: out of the loss and
+    # of every response-token statistic); None: every token was sampled
+    sampled_mask: list[int] | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        """Response tokens the model sampled (the ones the loss and its counts cover)."""
+        return len(self.response_ids) if self.sampled_mask is None else int(sum(self.sampled_mask))
 
     @property
     def length(self) -> int:
@@ -186,6 +194,15 @@ def gather_per_target(values: Sequence[torch.Tensor | Sequence[float]], mb: Micr
         return torch.zeros(0)
     starts = torch.tensor([0, *mb.response_lengths[:-1]], dtype=torch.int64).cumsum(0)
     return torch.cat(parts)[starts[mb.row.cpu()] + mb.col.cpu()]
+
+
+def sampled_targets(samples: Sequence[Sample], mb: MicroBatch) -> torch.Tensor | None:
+    """Per target of ``mb``: 1.0 where the model sampled the token, 0.0 where a tool wrote it (tool rollouts: context,
+    out of the loss); None when no sample of ``mb`` has a tool output."""
+    if all(samples[i].sampled_mask is None for i in mb.sample_ids):
+        return None
+    masks = {i: samples[i].sampled_mask or [1] * len(samples[i].response_ids) for i in mb.sample_ids}
+    return gather_per_target(masks, mb)
 
 
 # --- context parallel --------------------------------------------------------------------------------------------

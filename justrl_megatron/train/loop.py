@@ -37,6 +37,7 @@ from ..model.lora import has_lora
 from ..model.policy import Policy
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, RolloutInterrupted, SamplingConfig, logprob_gap
+from ..rollout.tools import tool_penalties
 from ..slurm import current_job, describe
 from .async_rollout import RolloutPipeline
 from .batching import Sample
@@ -108,13 +109,17 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
             logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
 
-        # 4. reward shaping (algo.overlong_buffer) and advantages (algo.advantage); reward/mean stays the verifier's
+        # 4. reward shaping (algo.overlong_buffer: on the whole budget, tool outputs included; algo.tool_*_penalty)
+        #    and advantages (algo.advantage; per sampled token); reward/mean stays the verifier's
         lengths = [len(t) for t in rollouts.token_ids]
         shaped, shaping_metrics = shape_rewards(scored.batch.rewards, lengths, rollouts.truncated,
                                                 max_length=ro.max_response_length, buffer=algo.overlong_buffer,
                                                 factor=algo.overlong_penalty_factor, mask_truncated=loss.mask_truncated)
+        shaped, penalty_metrics = tool_penalties(shaped, rollouts.tool_stats, error_penalty=algo.tool_error_penalty,
+                                                 timeout_penalty=algo.tool_timeout_penalty)
+        shaping_metrics |= penalty_metrics
         advantages = compute_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n, estimator=loss.advantage,
-                                        norm_by_std=loss.norm_adv_by_std, response_lengths=lengths)
+                                        norm_by_std=loss.norm_adv_by_std, response_lengths=rollouts.sampled_lengths())
         samples = _samples(batch, rollouts, advantages, ro.n)
 
         # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step needs no
@@ -176,7 +181,8 @@ def _samples(prompts, rollouts, advantages, n: int) -> list[Sample]:
     """The update's samples: sample i answers prompt i // n (its group) and carries its advantage."""
     return [Sample(prompt_ids=prompts[i // n].ids, response_ids=rollouts.token_ids[i], advantage=float(advantages[i]),
                    rollout_logprobs=rollouts.logprobs[i], group=i // n, truncated=bool(rollouts.truncated[i]),
-                   routed_experts=None if rollouts.routed_experts is None else rollouts.routed_experts[i])
+                   routed_experts=None if rollouts.routed_experts is None else rollouts.routed_experts[i],
+                   sampled_mask=None if rollouts.sampled_mask is None else rollouts.sampled_mask[i])
             for i in range(len(rollouts.token_ids))]
 
 
@@ -185,7 +191,8 @@ def _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics) 
     b, stats = scored.batch, scored.sampling_stats
     metrics = step_metrics(rewards=b.rewards, correct=b.correct, reward_stats=b.reward_stats, rollouts=b.rollouts,
                            prompt_tokens=sum(len(s.prompt_ids) for s in samples),
-                           logprob_gap=logprob_gap(b.rollouts.logprobs, old_logprobs), update=update,
+                           logprob_gap=logprob_gap(b.rollouts.logprobs, old_logprobs, b.rollouts.sampled_mask),
+                           update=update,
                            phase_seconds=timer.seconds, step_seconds=timer.elapsed())
     metrics |= shaping_metrics | (stats.metrics() if stats is not None else {})
     return metrics | {"rollout/staleness": scored.staleness}

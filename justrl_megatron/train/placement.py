@@ -99,6 +99,7 @@ class ColocatedPlacement:
         self.cfg, self.model_dir, self.engine = cfg, model_dir, engine
         self._export_weights = None
         self._bucket_bytes = int(cfg.rollout.weight_sync_bucket_mb) << 20
+        self.tools = None  # rollout.tools: the multi-turn driver (rollout/multi_turn.py), built in `start`
 
     @staticmethod
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
@@ -112,15 +113,20 @@ class ColocatedPlacement:
         """Every rank builds its engine (vLLM's external_launcher spans the whole world)."""
         from ..rollout import make_engine
 
+        from ..rollout.multi_turn import ToolRollout
+
         self._export_weights = export_weights
         if self.engine is None:
             self.engine = make_engine(self.cfg, self.model_dir, seed=self.cfg.trainer.seed, in_process=True)
+        self.tools = ToolRollout.from_config(self.cfg, self.model_dir)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
                  seed: int | None = None) -> Rollouts:
-        """Each engine samples its share; every rank gets the whole batch. A stop signal (SIGTERM / SIGUSR1 / Ctrl-C)
-        during it aborts the batch on every rank together: RolloutInterrupted."""
-        return self.engine.generate_all(prompt_ids, n, sampling, seed=seed, stop=stop_requested)
+        """Each engine samples its share; every rank gets the whole batch (multi-turn with rollout.tools). A stop
+        signal (SIGTERM / SIGUSR1 / Ctrl-C) during it aborts the batch on every rank together: RolloutInterrupted."""
+        from ..rollout.multi_turn import generate_batch
+
+        return generate_batch(self.engine, prompt_ids, n, sampling, seed=seed, tools=self.tools, stop=stop_requested)
 
     @contextlib.contextmanager
     def training(self):
@@ -135,6 +141,8 @@ class ColocatedPlacement:
         return stats
 
     def shutdown(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
         if self.engine is not None:
             self.engine.shutdown()
 

@@ -39,8 +39,8 @@ from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
 from .batching import CP_LOSS_AGGS, MicroBatch, Sample, check_samples_fit, gather_per_target, \
-    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, split_for_context_parallel, \
-    split_over_dp, unit_length
+    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, sampled_targets, \
+    split_for_context_parallel, split_over_dp, unit_length
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
@@ -202,11 +202,12 @@ def loss_denominator(samples: Sequence[Sample], ids: Sequence[int], loss_agg: st
         raise ValueError(f"unknown loss aggregation {loss_agg!r}; known: {AGG_MODES}")
     if mask_truncated:
         ids = [i for i in ids if not samples[i].truncated]
+    # tool rollouts: only the tokens the model sampled count (a tool's output is context)
     if loss_agg == "token-mean":
-        return sum(len(samples[i].response_ids) for i in ids)
+        return sum(samples[i].num_sampled for i in ids)
     if loss_agg == "verl04-dynbsz":  # verl divides by the mini-batch size: every sequence, empty or not
         return len(ids)
-    return sum(1 for i in ids if samples[i].response_ids)
+    return sum(1 for i in ids if samples[i].num_sampled)
 
 
 def _padded(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -309,6 +310,9 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                 kept = [not samples[i].truncated for i in mb.sample_ids]
                 mb.extras["keep"] = torch.tensor(kept, dtype=torch.float32)[mb.row]
                 mb.extras["kept_rows"] = torch.tensor(sum(kept))  # verl04-dynbsz: this micro-batch's sequences
+            sampled = sampled_targets(samples, mb)  # tool rollouts: a tool's output is context, never trained on
+            if sampled is not None:
+                mb.extras["keep"] = mb.extras["keep"] * sampled if "keep" in mb.extras else sampled
             if rollout_correction != "none":
                 mb.extras["rollout"] = gather_per_target([s.rollout_logprobs for s in samples], mb)
         micro_batch_counts.append(len(micro_batches))
@@ -489,7 +493,8 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
     if not entropy_coef:
         ent = ent.detach()  # metric only: no backward through the entropy
     old = mb.extras["old"] if "old" in mb.extras else logp.detach()  # on-policy single step: ratio exactly 1
-    # the response tokens in the loss: all of them, or (algo.mask_truncated) those of untruncated responses
+    # the response tokens in the loss: all of them, or (algo.mask_truncated) those of untruncated responses, and
+    # (tool rollouts) only those the model sampled
     keep = mb.extras.get("keep")
     mask = _padded(torch.ones_like(logp) if keep is None else keep, mb)
     num_rows = int(mb.extras["kept_rows"]) if "kept_rows" in mb.extras else None

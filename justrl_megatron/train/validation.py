@@ -259,7 +259,7 @@ class Validation:
                 except RolloutInterrupted:
                     return {}
                 if self.enabled:
-                    metrics.update(set_metrics(s.name, s.n, got.correct, [len(t) for t in got.rollouts.token_ids]))
+                    metrics.update(set_metrics(s.name, s.n, got.correct, got.rollouts.sampled_lengths()))
         _drop_prefix_cache(rollout)
         if metrics:
             metrics["val/time_s"] = time.perf_counter() - start

@@ -1,0 +1,216 @@
+"""Tools a policy may call while it generates (rollout.tools): the `Tool` seam and the sandboxed Python tool.
+
+A tool says three things: whether a finished piece of model text ends in a call to it (`find_call`), how to run a
+call (`run`, in a worker thread: it must never raise), and how its result reads to the model (`format`, tokenised and
+appended as context). rollout/multi_turn.py drives the engine around them.
+
+The Python tool recognises the format Qwen / DeepSeek-R1-Distill models write by themselves, a fenced block
+
+    ```python
+    print(3 + 7)
+    ```
+
+and answers in kind (ToRL / ReTool style):
+
+    ```output
+    10
+    ```
+
+The code runs in rewards/sandbox.py's OS sandbox (bubblewrap or unshare: no network, no host files, a private size
+limited /tmp, process / memory / CPU / file-size limits, the whole PID namespace killed at the deadline). Code from a
+model is hostile: it runs there and nowhere else, and a sandbox that fails (unavailable, crashed) gives the model an
+error message, never an exception in the rollout.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+FENCE = "```"
+# the program the sandbox runs: the call's code comes on stdin (never spliced into source); errors are printed to
+# stdout (the sandbox returns only stdout) without the wrapper's frames; a last bare expression is printed, as a
+# notebook cell would (models often end a block with `x` rather than `print(x)`)
+_RUNNER = r"""
+import ast as _ast, sys as _sys, traceback as _tb
+_sys.stdout.reconfigure(line_buffering=True)
+_sys.stderr = _sys.stdout
+_src = _sys.stdin.read()
+_g = {"__name__": "__main__"}
+try:
+    _tree = _ast.parse(_src, "<code>")
+    _last = None
+    if _tree.body and isinstance(_tree.body[-1], _ast.Expr):
+        _last = _ast.Expression(_tree.body.pop().value)
+    exec(compile(_tree, "<code>", "exec"), _g)
+    if _last is not None:
+        _v = eval(compile(_last, "<code>", "eval"), _g)
+        if _v is not None:
+            print(repr(_v))
+except SystemExit as _e:
+    _sys.exit(_e.code if isinstance(_e.code, int) else 1)
+except SyntaxError as _e:  # raised inside ast.parse: its frames say nothing about the code
+    print("".join(_tb.format_exception_only(type(_e), _e)), end="")
+    _sys.exit(1)
+except BaseException as _e:
+    _tb.print_exception(type(_e), _e, _e.__traceback__.tb_next if _e.__traceback__ else None)
+    _sys.exit(1)
+"""
+
+
+@dataclass
+class Observation:
+    """What one call gave back."""
+
+    text: str  # what the model sees (before `Tool.format`)
+    status: str  # ok | error (the code raised or exited non-zero, or the sandbox failed) | timeout
+    seconds: float  # wall time of the call (sandbox start to teardown)
+
+
+class Tool(Protocol):
+    name: str
+
+    def find_call(self, text: str) -> str | None:
+        """The call that `text` (the model's text since the last tool output) ends with, else None."""
+
+    def run(self, call: str) -> Observation:
+        """Run a call; never raises (a failure is an Observation with status error)."""
+
+    def format(self, obs: Observation) -> str:
+        """The tool turn as the model reads it."""
+
+
+def trigger_token_ids(tokenizer) -> set[int]:
+    """Token ids that carry a backtick: only after one of them can a fence have closed. Any backtick, not only "```":
+    Qwen2's tokenizer writes a closing "```\\n" as "``" + "`\\n" (byte-level BPE keeps "`" as itself; a byte-fallback
+    vocabulary spells it <0x60>)."""
+    return {i for piece, i in tokenizer.get_vocab().items() if "`" in piece or piece == "<0x60>"}
+
+
+class PythonTool:
+    """A fenced ```python block run in the OS sandbox; its stdout (or traceback) comes back as an ```output block."""
+
+    name = "python"
+    languages = ("python", "py", "python3")
+
+    def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 1024,
+                 sandbox: str = "auto", nproc: int = 16, file_mb: int = 16):
+        self.timeout_s, self.memory_mb, self.sandbox = float(timeout_s), int(memory_mb), sandbox
+        self.max_output_chars, self.nproc, self.file_mb = int(max_output_chars), int(nproc), int(file_mb)
+
+    def find_call(self, text: str) -> str | None:
+        """The code of the block `text` ends in: an even number of fences, the last pair opened with a Python tag
+        (text after the closing fence on its line is allowed: a token may carry the newline)."""
+        parts = text.split(FENCE)
+        if len(parts) < 3 or len(parts) % 2 == 0 or parts[-1].strip():
+            return None
+        block = parts[-2]
+        header, _, code = block.partition("\n")
+        if header.strip().lower() not in self.languages or not code.strip():
+            return None
+        return code
+
+    def run(self, call: str) -> Observation:
+        from ..rewards import sandbox
+
+        t = time.perf_counter()
+        try:
+            # CPU time one second past the deadline: the wall clock decides, and a busy loop is a timeout
+            r = sandbox.run_python(_RUNNER, call.encode(), deadline_s=self.timeout_s, cpu_s=int(self.timeout_s) + 1,
+                                   memory_mb=self.memory_mb, file_mb=self.file_mb, nproc=self.nproc,
+                                   max_output=4 * self.max_output_chars + 4096, kind=self.sandbox)
+        except Exception as exc:  # noqa: BLE001  (the sandbox itself failed: the model is told, the rollout goes on)
+            return Observation(f"error: the sandbox failed ({type(exc).__name__}: {exc})", "error",
+                               time.perf_counter() - t)
+        seconds = time.perf_counter() - t
+        text = r.stdout.decode("utf-8", errors="replace")
+        if r.timed_out:
+            said = f"TimeoutError: the code ran longer than {self.timeout_s:g} s and was stopped"
+            return Observation(f"{text.rstrip()}\n{said}".lstrip("\n"), "timeout", seconds)
+        if r.truncated:
+            return Observation(text, "ok", seconds)  # cut below: the model reads the first characters
+        return Observation(text, "ok" if r.returncode == 0 else "error", seconds)
+
+    def format(self, obs: Observation) -> str:
+        text = obs.text.rstrip("\n")
+        if len(text) > self.max_output_chars:
+            text = text[:self.max_output_chars] + f"\n... (output cut at {self.max_output_chars} characters)"
+        return f"\n{FENCE}output\n{text}\n{FENCE}\n"
+
+
+TOOLS = {"python": PythonTool}
+
+
+def make_tools(rollout_cfg) -> list:
+    """The tools `rollout.tools` names, with the rollout.tool_* limits."""
+    return [TOOLS[name](timeout_s=rollout_cfg.tool_timeout_s, memory_mb=rollout_cfg.tool_memory_mb,
+                        max_output_chars=rollout_cfg.tool_max_output_chars, sandbox=rollout_cfg.tool_sandbox)
+            for name in rollout_cfg.tools]
+
+
+def problems(cfg) -> list[str]:
+    """rollout.tools' refusals (config.validate collects them)."""
+    ro, out = cfg.rollout, []
+    tools = list(ro.tools or [])
+    unknown = [t for t in tools if t not in TOOLS]
+    if unknown:
+        out.append(f"rollout.tools: unknown tool(s) {unknown}; known: {', '.join(TOOLS)}")
+    if not isinstance(ro.max_turns, int) or ro.max_turns < 1:
+        out.append(f"rollout.max_turns must be >= 1 (tool calls per response), got {ro.max_turns!r}")
+    for key, rule, ok in (("tool_timeout_s", "> 0", lambda v: v > 0), ("tool_memory_mb", ">= 32", lambda v: v >= 32),
+                          ("tool_max_output_chars", ">= 1", lambda v: v >= 1),
+                          ("tool_workers", ">= 1", lambda v: v >= 1)):
+        value = getattr(ro, key)
+        if isinstance(value, float) and not math.isfinite(value):
+            continue  # said by config.nonfinite_problems
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            out.append(f"rollout.{key} must be {rule}, got {value!r}")
+    from ..rewards.sandbox import BACKENDS
+
+    if ro.tool_sandbox not in BACKENDS:
+        out.append(f"rollout.tool_sandbox must be one of {', '.join(BACKENDS)}, got {ro.tool_sandbox!r}")
+    if cfg.algo.tool_error_penalty < 0 or cfg.algo.tool_timeout_penalty < 0:
+        out.append(f"algo.tool_error_penalty and algo.tool_timeout_penalty are subtracted per call: they must be "
+                   f">= 0, got {cfg.algo.tool_error_penalty} and {cfg.algo.tool_timeout_penalty}")
+    if not tools:
+        return out
+    if ro.placement != "colocated":
+        out.append("rollout.tools needs rollout.placement=colocated (the split placement's rollout ranks generate "
+                   "single-turn only); drop rollout.tools or use colocated")
+    if ro.streaming:
+        out.append("rollout.tools does not work with rollout.streaming=true yet; drop one of them")
+    if ro.tensor_parallel > 1:
+        out.append(f"rollout.tools needs rollout.tensor_parallel=1 (the ranks of one engine would have to see tool "
+                   f"results in the same order), got {ro.tensor_parallel}")
+    if cfg.algo.routing_replay == "rollout":
+        out.append("rollout.tools does not work with algo.routing_replay=rollout (vLLM returns no experts for tool "
+                   "tokens); use algo.routing_replay=old")
+    return out
+
+
+def tool_penalties(rewards, tool_stats, *, error_penalty: float, timeout_penalty: float) -> tuple[list, dict]:
+    """Rewards minus `error_penalty` per failed call and `timeout_penalty` per timed-out call of each response
+    (algo.tool_error_penalty / tool_timeout_penalty); returns (rewards, {reward/tool_penalty_mean})."""
+    if tool_stats is None or not (error_penalty or timeout_penalty):
+        return list(rewards), {}
+    cut = [error_penalty * s["errors"] + timeout_penalty * s["timeouts"] for s in tool_stats]
+    return [r - c for r, c in zip(rewards, cut)], {"reward/tool_penalty_mean": sum(cut) / max(len(cut), 1)}
+
+
+def tool_metrics(rollouts) -> dict[str, float]:
+    """tool/*: calls, errors, timeouts, model turns and sandbox seconds per response; the share of responses with a
+    call; tool tokens per response (context, not trained on). Empty without tools."""
+    stats = rollouts.tool_stats
+    if not stats:
+        return {}
+    n = len(stats)
+    mean = lambda key: sum(s[key] for s in stats) / n  # noqa: E731
+    tool_tokens = [len(m) - sum(m) for m in rollouts.sampled_mask]
+    return {"tool/calls_per_response": mean("calls"), "tool/call_rate": sum(s["calls"] > 0 for s in stats) / n,
+            "tool/errors_per_response": mean("errors"), "tool/timeouts_per_response": mean("timeouts"),
+            "tool/turns_per_response": mean("turns"), "tool/sandbox_s_per_response": mean("sandbox_s"),
+            "tool/sandbox_s_total": sum(s["sandbox_s"] for s in stats),
+            "tool/output_tokens_mean": sum(tool_tokens) / n}
+
