@@ -47,12 +47,13 @@ def tiny_llama(request, tmp_path_factory):
 # prints them). Only the order matters: the 2 xdist workers take whole modules slowest first (longest-processing-
 # time-first), so that no long module starts last and runs alone at the end. A module missing here runs after them.
 MODULE_SECONDS = {
-    "test_train": 520, "test_split": 420, "test_convert": 275, "test_slurm": 229, "test_algo_extras": 226,
-    "test_step": 199, "test_rollout": 139, "test_context_parallel": 120, "test_bench": 118, "test_validation": 83,
-    "test_moe": 170, "test_lora": 77, "test_models": 66, "test_run_safety": 40, "test_checkpoint": 55, "test_eval": 27,
-    "test_sandbox": 24, "test_compat": 23, "test_shared_prompt": 22, "test_loop": 40, "test_model": 11,
-    "test_upcycle": 10, "test_gpu_check": 8, "test_install": 7, "test_vllm_api": 12,
-    "test_launch": 30, "test_preflight": 35, "test_streaming": 85, "test_tools": 39,
+    "test_train": 650, "test_split": 500, "test_convert": 503, "test_step": 350, "test_slurm": 288,
+    "test_rollout": 285, "test_context_parallel": 219, "test_bench": 191, "test_moe": 174, "test_algo_extras": 164,
+    "test_checkpoint": 160, "test_lora": 148, "test_models": 102, "test_validation": 93, "test_compat": 74,
+    "test_run_safety": 57, "test_launch": 49, "test_loop": 45, "test_tools": 39, "test_shared_prompt": 38,
+    "test_eval": 35, "test_gpu_check": 31, "test_streaming": 30, "test_sandbox": 25, "test_config": 20,
+    "test_model": 17, "test_upcycle": 10, "test_rewards": 10, "test_install": 9, "test_memory": 9,
+    "test_preflight": 7, "test_vllm_api": 4,
 }
 
 
