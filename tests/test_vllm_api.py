@@ -52,11 +52,19 @@ def test_the_llm_methods_the_engine_calls_exist():
     called = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
               and isinstance(n.value, ast.Attribute) and n.value.attr == "llm"
               and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
-    assert {"generate", "init_weight_transfer_engine", "start_weight_update", "update_weights",
+    assert {"enqueue", "init_weight_transfer_engine", "start_weight_update", "update_weights",
             "finish_weight_update", "sleep", "wake_up"} <= called
     init_source = inspect.getsource(LLM.__init__)
     absent = sorted(a for a in called if not hasattr(LLM, a) and f"self.{a} =" not in init_source)
     assert not absent, f"vllm.LLM has no {absent}"
+    # the engine loop generate and the streaming path step themselves (rollout/vllm_engine.py): vLLM's LLMEngine
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine_calls = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "llm_engine"}
+    assert {"add_request", "step", "abort_request", "has_unfinished_requests"} <= engine_calls, engine_calls
+    engine_init = inspect.getsource(LLMEngine.__init__)
+    assert not [a for a in engine_calls if not hasattr(LLMEngine, a) and f"self.{a} =" not in engine_init], engine_calls
 
 
 def test_the_nccl_sender_opens_its_group_with_the_installed_signature(monkeypatch):
