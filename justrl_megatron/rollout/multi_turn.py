@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .base import Rollouts, SamplingConfig
-from .stopping import StopCheck, agreement_group
+from .stopping import StopCheck
 from .tools import Observation, make_tools, trigger_token_ids
 
 CALL_WAIT_S = 0.1  # while only tool calls run: how long one wait lasts (a stop is read between waits)
@@ -194,31 +194,12 @@ class ToolRollout:
 
     def generate_all(self, engine, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
                      seed: int | None = None, stop: Callable[[], bool] | None = None) -> Rollouts:
-        """As `VLLMEngine.generate_all`: engine e samples prompts e, e + E, ...; every rank gets the whole batch; a
-        stop wanted on any rank aborts the batch on every rank (rollout/stopping.py)."""
-        import torch.distributed as dist
+        """As `VLLMEngine.generate_all` (vllm_engine.generate_shares): engine e samples prompts e, e + E, ...; every
+        rank gets the whole batch; a stop wanted on any rank aborts the batch on every rank."""
+        from .vllm_engine import generate_shares
 
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.generate(engine, prompt_token_ids, n, sampling, seed=seed, stop=stop)
-        check = StopCheck(stop, group=agreement_group(), distributed=True)
-        engines = getattr(engine, "num_engines", 1)
-        if engines == 1:
-            return self.generate(engine, prompt_token_ids, n, sampling, seed=seed, stop=check)
-        mine = list(range(engine.engine_index, len(prompt_token_ids), engines))
-        part = self.generate(engine, [prompt_token_ids[i] for i in mine], n, sampling, seed=seed,
-                             request_indices=mine, stop=check)
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (engine.engine_index, mine, part))
-        samples: dict[int, list[tuple[Rollouts, int]]] = {}
-        versions: dict[int, int] = {}
-        for index, indices, r in parts:  # (rollout TP is 1 with tools: one copy per engine)
-            if index in versions:
-                continue
-            versions[index] = r.weight_version
-            for k, local in enumerate(r.prompt_index):
-                samples.setdefault(indices[local], []).append((r, k))
-        order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
-        return Rollouts.in_order(order, min(versions.values()))
+        return generate_shares(engine, prompt_token_ids, lambda prompts, indices, check: self.generate(
+            engine, prompts, n, sampling, seed=seed, request_indices=indices, stop=check), stop)
 
 
 def generate_batch(engine, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,

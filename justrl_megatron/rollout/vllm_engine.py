@@ -269,34 +269,10 @@ class VLLMEngine:
 
     def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
                      seed: int | None = None, stop: Callable[[], bool] | None = None) -> Rollouts:
-        """Colocated SPMD generation: every rank passes the same full prompt list, each engine samples its share
-        (prompts engine_index, engine_index + num_engines, ...), and every rank gets the whole batch back in prompt
-        order — as if one engine had generated it (with a seed, each prompt's samples do not depend on the number
-        of engines: a request's seed follows its place in the whole batch). `stop` (this rank's predicate): when it
-        holds on any rank, every rank aborts and raises RolloutInterrupted (rollout/stopping.py)."""
-        import torch.distributed as dist
-
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.generate(prompt_token_ids, n, sampling, seed=seed, stop=stop)
-        # a stop is agreed by every rank: they meet in the gather below, and a TP engine's ranks in every forward
-        check = StopCheck(stop, group=agreement_group(), distributed=True)
-        if self.num_engines == 1:
-            return self.generate(prompt_token_ids, n, sampling, seed=seed, stop=check)
-        mine = list(range(self.engine_index, len(prompt_token_ids), self.num_engines))
-        part = self.generate([prompt_token_ids[i] for i in mine], n, sampling, seed=seed, request_indices=mine,
-                             stop=check)
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (self.engine_index, mine, part))
-        samples: dict[int, list[tuple[Rollouts, int]]] = {}  # global prompt index -> (part, sample) in order
-        versions: dict[int, int] = {}
-        for engine_index, indices, r in parts:  # the ranks of one engine hold the same samples: keep one copy
-            if engine_index in versions:
-                continue
-            versions[engine_index] = r.weight_version
-            for k, local in enumerate(r.prompt_index):
-                samples.setdefault(indices[local], []).append((r, k))
-        order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
-        return Rollouts.in_order(order, min(versions.values()))
+        """Colocated SPMD generation (`generate_shares`): every rank passes the same full prompt list and gets the
+        whole batch back in prompt order, as if one engine had generated it."""
+        return generate_shares(self, prompt_token_ids, lambda prompts, indices, check: self.generate(
+            prompts, n, sampling, seed=seed, request_indices=indices, stop=check), stop)
 
     def _run_requests(self, prompts: list[list[int]], params: list, check: StopCheck) -> list:
         """What `LLM.generate` does (vLLM 0.32's offline `_run_engine`: every request added, the engine stepped until
@@ -527,6 +503,39 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:
             pass
+
+
+
+def generate_shares(engine, prompt_token_ids: Sequence[Sequence[int]], generate, stop=None) -> Rollouts:
+    """Colocated SPMD generation: each engine samples its share (prompts engine_index, engine_index + num_engines,
+    ...) with `generate(prompts, request_indices, stop)`, and every rank gets the whole batch back in prompt order —
+    as if one engine had generated it (with a seed, each prompt's samples do not depend on the number of engines: a
+    request's seed follows its place in the whole batch). `stop` (this rank's predicate): when it holds on any rank,
+    every rank aborts and raises RolloutInterrupted (rollout/stopping.py). VLLMEngine.generate_all (one turn) and
+    multi_turn.ToolRollout.generate_all (tool turns) share it."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return generate(prompt_token_ids, None, stop)
+    # a stop is agreed by every rank: they meet in the gather below, and a TP engine's ranks in every forward
+    check = StopCheck(stop, group=agreement_group(), distributed=True)
+    engines = getattr(engine, "num_engines", 1)
+    if engines == 1:
+        return generate(prompt_token_ids, None, check)
+    mine = list(range(engine.engine_index, len(prompt_token_ids), engines))
+    part = generate([prompt_token_ids[i] for i in mine], mine, check)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (engine.engine_index, mine, part))
+    samples: dict[int, list[tuple[Rollouts, int]]] = {}  # global prompt index -> (part, sample) in order
+    versions: dict[int, int] = {}
+    for engine_index, indices, r in parts:  # the ranks of one engine hold the same samples: keep one copy
+        if engine_index in versions:
+            continue
+        versions[engine_index] = r.weight_version
+        for k, local in enumerate(r.prompt_index):
+            samples.setdefault(indices[local], []).append((r, k))
+    order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
+    return Rollouts.in_order(order, min(versions.values()))
 
 
 def span_versions(spans, num_tokens: int, default: int) -> list[int]:
