@@ -55,6 +55,12 @@ bad=$("$VENV/bin/python" -m pip list 2>/dev/null | grep -i nvidia | grep -vi '^n
 if [[ -n "$bad" ]]; then
   echo "setup_env: CUDA packages were pulled into the CPU venv:" >&2; echo "$bad" >&2; exit 1
 fi
+# 6. bytecode for every installed module: uv (unlike pip) writes none, and where PYTHONDONTWRITEBYTECODE is set (it is
+#    on this workplace's machines) Python never does either, so every process would compile torch, megatron-core,
+#    transformers and vLLM from source at import: twice the start-up of every test process (docs/testing.md).
+#    compileall skips what is already compiled.
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  justrl_megatron >/dev/null || true
 "$VENV/bin/python" -c "import justrl_megatron, megatron.core, vllm, transformers, datasets, hydra, wandb, pynvml, trl"
 echo "$want" > "$stamp"
 echo "setup_env: venv ready at $VENV"
