@@ -32,3 +32,23 @@ def test_no_cuda_wheels():
     import torch
 
     assert torch.__version__.startswith("2.13.0") and not torch.version.cuda
+
+
+def test_the_stack_is_compiled_to_bytecode():
+    """Every process of the suite imports torch, megatron-core, transformers and vLLM: without their bytecode (uv
+    installs none; PYTHONDONTWRITEBYTECODE stops Python from writing it) each start compiles them from source, which
+    doubles a test process's start-up (tools/setup_env.sh, step 6)."""
+    import importlib.util
+    from pathlib import Path
+
+    missing = {}
+    for package in ("torch", "megatron", "transformers", "vllm"):
+        spec = importlib.util.find_spec(package)
+        if spec is None:
+            continue  # vLLM is absent from a GPU image without it (test_stack_imports says so)
+        root = Path(next(iter(spec.submodule_search_locations)))
+        sources = list(root.rglob("*.py"))
+        compiled = [p for p in sources if Path(importlib.util.cache_from_source(str(p))).exists()]
+        if len(compiled) < 0.95 * len(sources):
+            missing[package] = f"{len(sources) - len(compiled)} of {len(sources)} modules without bytecode"
+    assert not missing, f"{missing}: run tools/setup_env.sh (it compiles them)"
