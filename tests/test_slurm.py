@@ -270,7 +270,11 @@ def test_local_train_sh_stops_all_ranks_together_and_resumes(tmp_path):
     # (held by every process of the launch) is free again for the next launch
     killed = subprocess.Popen([*cmd[:-2], "step_seconds=60"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
-    assert [killed.stdout.readline() for _ in range(2)][-1].startswith("rank "), "the ranks did not start"
+    started = ""  # both ranks' first lines (two ranks writing one pipe may interleave them: count, not lines)
+    while started.count("rank ") < 2:
+        line = killed.stdout.readline()
+        assert line, f"the ranks did not start: {started!r}"
+        started += line
     ranks = [int(p) for p in Path(f"/proc/{killed.pid}/task/{killed.pid}/children").read_text().split()]
     assert len(ranks) == 2
     killed.kill()
