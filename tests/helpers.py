@@ -35,7 +35,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE"
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 # justrl-train overrides for a two-step run on a tiny model (the full loop in seconds). Eager vLLM: compiling the
-# model costs a split placement's engine process 10-20 s of start-up (test_split's sync run keeps the compiled mode).
+# model costs a split placement's engine process 10-30 s of start-up.
 SHORT_TRAIN = ["trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.mini_batch_size=2",
                "rollout.max_response_length=8", "trainer.eval_samples=2", "data.num_generated=16",
                "trainer.save_every=1", "logging.progress=false", "rollout.enforce_eager=true"]

@@ -37,7 +37,7 @@ def metrics(run_dir):
 @pytest.mark.vllm
 def test_split_sync_trains_with_the_trainers_weights(tmp_path, tiny_llama):
     run_dir = tmp_path / "sync"
-    train(run_dir, tiny_llama, "rollout.enforce_eager=false")  # vLLM's compiled mode in the engine process
+    train(run_dir, tiny_llama)
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert [r["rollout/weight_version"] for r in records] == [0, 1]  # the sync after step 1 reached the engine
