@@ -47,13 +47,13 @@ def tiny_llama(request, tmp_path_factory):
 # prints them). Only the order matters: the 2 xdist workers take whole modules slowest first (longest-processing-
 # time-first), so that no long module starts last and runs alone at the end. A module missing here runs after them.
 MODULE_SECONDS = {
-    "test_train": 650, "test_split": 500, "test_convert": 503, "test_step": 350, "test_slurm": 288,
-    "test_rollout": 285, "test_context_parallel": 219, "test_bench": 191, "test_moe": 174, "test_algo_extras": 164,
-    "test_checkpoint": 160, "test_lora": 148, "test_models": 102, "test_validation": 93, "test_compat": 74,
-    "test_run_safety": 57, "test_launch": 49, "test_loop": 45, "test_tools": 39, "test_shared_prompt": 38,
-    "test_eval": 35, "test_gpu_check": 31, "test_streaming": 30, "test_sandbox": 25, "test_config": 20,
-    "test_model": 17, "test_upcycle": 10, "test_rewards": 10, "test_install": 9, "test_memory": 9,
-    "test_preflight": 7, "test_vllm_api": 4,
+    "test_train": 534, "test_convert": 367, "test_split": 352, "test_slurm": 284, "test_bench": 181,
+    "test_rollout": 168, "test_algo_extras": 163, "test_step": 154, "test_moe": 145, "test_lora": 118,
+    "test_models": 90, "test_validation": 89, "test_context_parallel": 71, "test_checkpoint": 68, "test_launch": 51,
+    "test_loop": 44, "test_tools": 42, "test_compat": 41, "test_run_safety": 38, "test_shared_prompt": 36,
+    "test_eval": 32, "test_gpu_check": 30, "test_sandbox": 25, "test_config": 21, "test_streaming": 21,
+    "test_model": 15, "test_install": 10, "test_console": 9, "test_memory": 8, "test_preflight": 8, "test_upcycle": 8,
+    "test_rewards": 7, "test_dockerfile": 6, "test_assets": 5, "test_data": 5, "test_vllm_api": 4,
 }
 
 
