@@ -38,7 +38,6 @@ def test_the_stack_is_compiled_to_bytecode():
     """Every process of the suite imports torch, megatron-core, transformers and vLLM: without their bytecode (uv
     installs none; PYTHONDONTWRITEBYTECODE stops Python from writing it) each start compiles them from source, which
     doubles a test process's start-up (tools/setup_env.sh, step 6)."""
-    import importlib.util
     from pathlib import Path
 
     missing = {}

@@ -45,26 +45,32 @@ def test_every_vllm_name_the_package_imports_exists():
     assert not missing, "names the installed vLLM lacks:\n" + "\n".join(missing)
 
 
+def attributes_looked_up_on(tree: ast.AST, owner: str, *, on_self: bool = False) -> set[str]:
+    """The names `x` of every `<...>.owner.x` in the tree (with on_self: of `self.owner.x` only)."""
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Attribute) and n.value.attr == owner
+            and (not on_self or isinstance(n.value.value, ast.Name) and n.value.value.id == "self")}
+
+
+def absent_from(cls, names: set[str]) -> list[str]:
+    """The names neither the class nor its __init__ (`self.name = ...`) defines."""
+    init_source = inspect.getsource(cls.__init__)
+    return sorted(a for a in names if not hasattr(cls, a) and f"self.{a} =" not in init_source)
+
+
 def test_the_llm_methods_the_engine_calls_exist():
     from vllm import LLM
-
-    source = (PACKAGE / "rollout" / "vllm_engine.py").read_text()
-    called = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
-              and isinstance(n.value, ast.Attribute) and n.value.attr == "llm"
-              and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
-    assert {"enqueue", "init_weight_transfer_engine", "start_weight_update", "update_weights",
-            "finish_weight_update", "sleep", "wake_up"} <= called
-    init_source = inspect.getsource(LLM.__init__)
-    absent = sorted(a for a in called if not hasattr(LLM, a) and f"self.{a} =" not in init_source)
-    assert not absent, f"vllm.LLM has no {absent}"
-    # the engine loop generate and the streaming path step themselves (rollout/vllm_engine.py): vLLM's LLMEngine
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    engine_calls = {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)
-                    and isinstance(n.value, ast.Attribute) and n.value.attr == "llm_engine"}
+    tree = ast.parse((PACKAGE / "rollout" / "vllm_engine.py").read_text())
+    called = attributes_looked_up_on(tree, "llm", on_self=True)
+    assert {"enqueue", "init_weight_transfer_engine", "start_weight_update", "update_weights",
+            "finish_weight_update", "sleep", "wake_up"} <= called
+    assert not absent_from(LLM, called), f"vllm.LLM has no {absent_from(LLM, called)}"
+    # the engine loop generate and the streaming path step themselves (rollout/vllm_engine.py): vLLM's LLMEngine
+    engine_calls = attributes_looked_up_on(tree, "llm_engine")
     assert {"add_request", "step", "abort_request", "has_unfinished_requests"} <= engine_calls, engine_calls
-    engine_init = inspect.getsource(LLMEngine.__init__)
-    assert not [a for a in engine_calls if not hasattr(LLMEngine, a) and f"self.{a} =" not in engine_init], engine_calls
+    assert not absent_from(LLMEngine, engine_calls), engine_calls
 
 
 def test_the_nccl_sender_opens_its_group_with_the_installed_signature(monkeypatch):

@@ -505,7 +505,6 @@ class VLLMEngine:
             pass
 
 
-
 def generate_shares(engine, prompt_token_ids: Sequence[Sequence[int]], generate, stop=None) -> Rollouts:
     """Colocated SPMD generation: each engine samples its share (prompts engine_index, engine_index + num_engines,
     ...) with `generate(prompts, request_indices, stop)`, and every rank gets the whole batch back in prompt order —
