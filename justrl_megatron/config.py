@@ -125,6 +125,9 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_staleness: int = 0  # 0: on-policy; 1: one-step-off async; with streaming: the bound eta on every token
     streaming: bool = False  # split only: engines stay full from a prompt stream, weights load mid-generation
+    # the batch source (rollout/source.py SOURCES): null = streaming with rollout.streaming, else rounds (synchronous,
+    # or one-step-off with max_staleness >= 1); a name registered there picks another one
+    source: Optional[str] = None
     weight_sync_bucket_mb: int = 512
     weight_sync_backend: str = "auto"  # auto | nccl | ipc | cpu
     # tool use (rollout/multi_turn.py): [python] lets the model run ```python blocks in the OS sandbox mid-response;
@@ -280,7 +283,10 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     problems: list[str] = [*also, *unknown_keys(cfg), *value_problems(cfg, world_size)]
     par, ro, tr, algo = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algo
     tp, pp, cp = par.tensor, par.pipeline, par.context
-    train_world = world_size - (ro.num_rollout_ranks if ro.placement == "split" else 0)
+    from .rollout import problems as rollout_problems  # placement, batch source, tools, sampling: each its own
+    from .rollout.placement import trainer_world_size
+
+    train_world = trainer_world_size(cfg, world_size)
     trainers = "world size" if train_world == world_size else "trainer ranks (world - rollout.num_rollout_ranks)"
     if tp < 1 or pp < 1 or cp < 1:
         problems.append(f"parallel.tensor ({tp}), parallel.pipeline ({pp}) and parallel.context ({cp}) must be >= 1")
@@ -296,9 +302,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
 
     problems += moe.problems(cfg, shape)
     problems += _transformer_engine_problems(cfg)
-    from .rollout.limits import problems as sampling_problems  # what vLLM's SamplingParams would refuse
-
-    problems += sampling_problems(cfg)
+    problems += rollout_problems(cfg, world_size)
     if isinstance(tr.seed, int) and tr.seed + max(world_size, 1) - 1 > SEED_MAX:  # engine i seeds numpy with seed + i
         problems.append(f"trainer.seed={tr.seed}: numpy and vLLM take 32-bit seeds (one per engine: seed + its "
                         f"index); use a seed <= {SEED_MAX - max(world_size, 1) + 1}")
@@ -307,10 +311,6 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
     elif train_world > 0 and pp >= 1 and train_world % (par.expert * pp):  # megatron's expert grid: EP x PP
         problems.append(f"{trainers} {train_world} is not divisible by parallel.expert x parallel.pipeline = "
                         f"{par.expert}x{pp}")
-    from .train.placement import PLACEMENTS  # the registry of placements (train/placement.py)
-
-    if ro.placement not in PLACEMENTS:
-        problems.append(f"rollout.placement must be one of {', '.join(PLACEMENTS)}, got {ro.placement!r}")
     if ro.n < 1:
         problems.append(f"rollout.n must be >= 1, got {ro.n}")
     if tr.resume not in ("auto", "strict"):
@@ -578,7 +578,7 @@ def _runs_te(transformer_impl: str) -> bool:
 
 
 def value_problems(cfg, world_size: int) -> list[str]:
-    """Finiteness, ranges, names, the reward and its options, and the placement's rank split."""
+    """Finiteness, ranges, names, the reward and its options, the data formats."""
     problems = nonfinite_problems(cfg)
     for key, (test, rule) in RANGES.items():
         value = OmegaConf.select(cfg, key)
@@ -590,44 +590,7 @@ def value_problems(cfg, world_size: int) -> list[str]:
         value = OmegaConf.select(cfg, key)
         if value not in names:
             problems.append(f"{key} must be one of {', '.join(names)}; got {value!r}")
-    ro = cfg.rollout
-    backend = {"cpu": "local"}.get(ro.weight_sync_backend, ro.weight_sync_backend)
-    if ro.placement == "colocated" and backend in ("gloo", "nccl", "ipc"):
-        problems.append(f"rollout.weight_sync_backend={ro.weight_sync_backend} is for rollout.placement=split; a "
-                        f"colocated engine takes the weights by reference (auto or local)")
-    if ro.placement == "split" and not 1 <= ro.num_rollout_ranks < world_size:
-        problems.append(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size {world_size} "
-                        f"(the last N ranks host vLLM engines, the others train), got {ro.num_rollout_ranks}")
-    if ro.placement == "split" and backend == "local":
-        problems.append("rollout.weight_sync_backend=local needs rollout.placement=colocated (the engine in the "
-                        "trainer's process); use auto")
-    return problems + _split_problems(cfg) + reward_problems(cfg.algo) + data_name_problems(cfg.data)
-
-
-def _split_problems(cfg) -> list[str]:
-    """Split placement's rollout ranks and one-step-off training (rollout.max_staleness)."""
-    ro, problems = cfg.rollout, []
-    tp = ro.tensor_parallel
-    if ro.placement == "split" and ro.num_rollout_ranks >= 1 and tp >= 1:
-        if ro.num_rollout_ranks % tp:
-            problems.append(f"rollout.num_rollout_ranks={ro.num_rollout_ranks} is not divisible by "
-                            f"rollout.tensor_parallel={tp}: every engine needs {tp} whole ranks")
-        elif tp > 1:
-            problems.append(f"rollout.placement=split runs one engine per rollout rank (vLLM in a child process): "
-                            f"rollout.tensor_parallel must be 1 there, got {tp}; add rollout ranks instead")
-    if ro.max_staleness >= 1 and ro.placement != "split":
-        problems.append(f"rollout.max_staleness={ro.max_staleness} (asynchronous rollouts) needs "
-                        f"rollout.placement=split with rollout.num_rollout_ranks >= 1: a colocated engine shares the "
-                        f"trainer's devices, so nothing overlaps; use max_staleness=0")
-    from .rollout.streaming import problems as streaming_problems  # streaming's refusals live next to it
-    from .rollout.tools import problems as tool_problems  # rollout.tools' refusals live next to it
-
-    problems += streaming_problems(cfg) + tool_problems(cfg)
-    if ro.max_staleness > 1 and cfg.algo.rollout_correction == "none":
-        problems.append(f"rollout.max_staleness={ro.max_staleness} trains on samples up to {ro.max_staleness} "
-                        f"updates old; set algo.rollout_correction (tis, mis, seq-tis or seq-mis) to correct for it, "
-                        f"or use max_staleness=1 (one-step-off)")
-    return problems
+    return problems + reward_problems(cfg.algo) + data_name_problems(cfg.data)
 
 
 def loss_family_problems(algo, ro) -> list[str]:

@@ -53,7 +53,7 @@ class SplitRoles:
     world: int
     train_world: int
     control: "ObjectChannel | None"  # None on trainer ranks other than 0
-    store: object = None  # the job's rendezvous store (more channels: split_rollout's streaming results)
+    store: object = None  # the job's rendezvous store (more channels: rollout/split.py's streaming results)
     timeout: datetime.timedelta | None = None
 
     @property

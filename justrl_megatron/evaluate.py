@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
     from .rewards import BatchScorer, get_reward_fn
     from .rollout import SamplingConfig, VLLMEngine
-    from .train.sampler import load_training_rows, tokenize_prompts
+    from .data.sampler import load_training_rows, tokenize_prompts
     from .train.validation import avg_pass_at_n
 
     args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -159,7 +159,7 @@ def data_problems(cfg) -> list[str]:
     """data.train (and data.eval) read as the loop will read them, a few rows each, through the chat template: a
     missing file, a missing column, an empty or unreadable source become one line each."""
     from .data import build_messages
-    from .train.sampler import load_training_rows
+    from .data.sampler import load_training_rows
 
     problems = []
     for split, key in (("train", "data.train"), ("eval", "data.eval")):
@@ -213,7 +213,7 @@ def prompt_length_problems(cfg, model_dir) -> list[str]:
     only when none of those fits."""
     from transformers import AutoTokenizer
 
-    from .train.sampler import load_training_rows, tokenize_prompts
+    from .data.sampler import load_training_rows, tokenize_prompts
     from .train.validation import length_problems
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
@@ -256,7 +256,7 @@ def apply_memory_plan(cfg, shape):
     plan is printed in one line (rank 0); on the CPU auto becomes none and the budget stays. Raises MemoryPlanError
     (a ValueError) when a manual setting cannot fit."""
     from .model.memory import resolve_recompute
-    from .train.placement import trainer_world_size
+    from .rollout.placement import trainer_world_size
 
     plan = resolve_recompute(cfg, shape, trainer_world_size(cfg, _world_size()))
     if plan is not None and _is_rank0():

@@ -21,7 +21,7 @@ from justrl_megatron.algo.rollout_correction import MODES, correction_metrics, c
 from justrl_megatron.config import ConfigError, compose, validate
 from justrl_megatron.rollout.base import Rollouts
 from justrl_megatron.train.batching import Sample
-from justrl_megatron.train.sampler import Prompt, PromptSampler
+from justrl_megatron.data.sampler import Prompt, PromptSampler
 from justrl_megatron.train.step import loss_denominator
 from justrl_megatron.train.validation import VAL_SEED_BASE, val_seed
 

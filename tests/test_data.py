@@ -76,7 +76,7 @@ def test_dedup_false_keeps_every_row_and_tokenizes_each_prompt_once(dapo_parquet
     from transformers import AutoTokenizer
 
     from justrl_megatron import assets
-    from justrl_megatron.train.sampler import tokenize_prompts
+    from justrl_megatron.data.sampler import tokenize_prompts
 
     path, problems = dapo_parquet
     rows = load_rows(path, "dapo", dedup=False, verbose=False).rows
@@ -245,7 +245,7 @@ def test_hub_names_go_through_datasets(monkeypatch):
 def test_builtin_champ_loads_offline_with_numeric_answers():
     import re
 
-    from justrl_megatron.train.sampler import load_training_rows
+    from justrl_megatron.data.sampler import load_training_rows
 
     full = load_rows("builtin:champ", "generic", verbose=False).rows
     numeric = load_rows("builtin:champ-numeric", "aime", verbose=False).rows

@@ -76,6 +76,25 @@ def test_a_stop_during_a_rollout_saves_the_step_before_with_its_prompts_put_back
     assert [c[0] for c in log["calls"]][-3:] == ["wake_up", "generate", "shutdown"]  # no update after it
 
 
+def test_a_registered_source_of_its_own_trains_through_the_unchanged_loop(tmp_path, tiny_llama):
+    """rollout.source names a BatchSource the test registered (tests/mp/custom_source.py: one class, one registry
+    line): the loop takes its batches, trains on its rewards and checkpoints its state."""
+    run_dir, out = tmp_path / "run", tmp_path / "calls.json"
+    run_ok([sys.executable, MP / "custom_source.py", out, f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}",
+            *SHORT_TRAIN, "trainer.eval_samples=0", "rollout.source=alternating", "logging.wandb_mode=disabled",
+            "trainer.async_save=false"], timeout=600)
+    log = json.loads(out.read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert log["last_step"] == 2 and [r["step"] for r in records] == [1, 2]
+    assert [r["reward/mean"] for r in records] == [0.5, 0.5]  # the source's own rewards: odd samples score 1
+    assert all(r["actor/grad_norm"] > 0 for r in records)  # every group has reward variance: a policy gradient
+    assert [c[0] for c in log["calls"]].count("generate") == 2  # one batch per step, from the placement
+    import torch
+
+    state = torch.load(run_dir / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    assert state["extra"]["inflight"] == {"alternating_steps": [1, 2]}  # the source's state() went into it
+
+
 @pytest.mark.parametrize("steps", [[0, 1], [3, 2], [1]])
 def test_profile_steps_validated(steps):
     cfg = compose([f"trainer.profile_steps=[{','.join(map(str, steps))}]"])

@@ -106,7 +106,7 @@ def safety(tmp_path_factory):
 
 
 def test_a_second_ctrl_c_aborts_at_once_without_a_half_checkpoint(safety):
-    from justrl_megatron.train.interrupt import INTERRUPTED
+    from justrl_megatron.interrupt import INTERRUPTED
 
     assert any(name.endswith(".distcp") for name in safety["was_staged"])  # the shards were being written
     assert safety["alive_after_first"]  # the first Ctrl-C (sent twice at once) only asks to stop after the step
@@ -200,7 +200,7 @@ def test_the_last_line_of_a_stop_says_what_was_kept():
     import signal as sig
 
     from justrl_megatron.slurm import requeue_message
-    from justrl_megatron.train.interrupt import NOTHING_SAVED, Interruptible
+    from justrl_megatron.interrupt import NOTHING_SAVED, Interruptible
 
     stop = Interruptible()
     stop.received = sig.SIGTERM

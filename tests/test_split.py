@@ -202,7 +202,7 @@ def test_split_groups_channel_and_an_incomplete_sync(tmp_path):
 
 def test_engine_parts_merge_in_prompt_order():
     from justrl_megatron.rollout import Rollouts
-    from justrl_megatron.train.split_rollout import merge_parts
+    from justrl_megatron.rollout.split import merge_parts
 
     # engine 0 sampled prompts 0 and 2, engine 1 prompt 1; 2 samples each, engine 1 one version behind
     a = Rollouts(prompt_index=[0, 0, 1, 1], token_ids=[[1], [2], [5], [6]], logprobs=[[-1.0]] * 4,
@@ -225,7 +225,7 @@ def test_a_rollout_rank_that_aborted_its_part_stops_the_trainer_and_the_channel_
     from types import SimpleNamespace
 
     from justrl_megatron.rollout import RolloutInterrupted, Rollouts
-    from justrl_megatron.train.split_rollout import SplitPlacement, _Request
+    from justrl_megatron.rollout.split import SplitPlacement, _Request
 
     def part(tokens):
         return Rollouts(prompt_index=[0], token_ids=[tokens], logprobs=[[-1.0] * len(tokens)],
@@ -234,7 +234,7 @@ def test_a_rollout_rank_that_aborted_its_part_stops_the_trainer_and_the_channel_
     answers = {1: deque([([0], part([1]), {"generate_s": 1.0}), ([0], part([3]), {"generate_s": 1.0})]),
                2: deque([([1], None, {"generate_s": 0.5}), ([1], part([4]), {"generate_s": 2.0})])}
     placement = object.__new__(SplitPlacement)
-    placement.leader, placement.buffer, placement._lock = True, None, threading.Lock()
+    placement.leader, placement._buffer, placement._lock = True, None, threading.Lock()
     placement.roles = SimpleNamespace(num_rollout_ranks=2)
     placement._channel = SimpleNamespace(recv_object=lambda src: answers[src].popleft())
     first, second = _Request(2), _Request(2)

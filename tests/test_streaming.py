@@ -15,7 +15,7 @@ from helpers import run_mp
 
 from justrl_megatron.config import ConfigError, compose, validate
 from justrl_megatron.rollout import Rollouts, SamplingConfig
-from justrl_megatron.rollout.streaming import BufferError, GroupBuffer
+from justrl_megatron.rollout.stream_source import BufferError, GroupBuffer
 
 ETA_SPLIT = ["rollout.placement=split", "rollout.num_rollout_ranks=1"]
 
@@ -132,6 +132,7 @@ class ScriptedEngines:
                 return super().take(pick, stop)
 
         self.n, self.buffer = n, Buffer(capacity)
+        return self.buffer
 
     def _finish(self, gid, start):
         toks = [[gid, k] for k in range(self.n)]
@@ -178,14 +179,14 @@ class Timer:
 
 
 def _pipeline(engines, sampler, eta, groups=2, last_step=None):
-    from justrl_megatron.train.async_rollout import StreamingPipeline
+    from justrl_megatron.rollout.stream_source import StreamSource
 
-    return StreamingPipeline(engines, sampler, Scorer(), Tokenizer(), n=2, sampling=SamplingConfig(max_tokens=4),
-                             leader=True, max_staleness=eta, num_groups=groups, last_step=last_step)
+    return StreamSource(engines, sampler, Scorer(), Tokenizer(), n=2, sampling=SamplingConfig(max_tokens=4),
+                        leader=True, max_staleness=eta, num_groups=groups, last_step=last_step)
 
 
 def _sampler():
-    from justrl_megatron.train.sampler import Prompt, PromptSampler
+    from justrl_megatron.data.sampler import Prompt, PromptSampler
 
     return PromptSampler([Prompt(ids=[i + 1], answer=i, data_source="t", id=str(i)) for i in range(100)], 2, seed=0,
                          shuffle=False)
@@ -193,7 +194,7 @@ def _sampler():
 
 @pytest.fixture
 def single_trainer(monkeypatch):
-    import justrl_megatron.train.async_rollout as ar
+    import justrl_megatron.rollout.stream_source as ar
 
     monkeypatch.setattr(ar, "trainer_broadcast", lambda obj: obj)  # one trainer rank
 
@@ -238,7 +239,7 @@ def test_a_stop_while_the_step_waits_for_groups_ends_the_step_and_keeps_every_pr
     the group it had already taken goes back among the admitted prompts that a checkpoint saves."""
     import time
 
-    import justrl_megatron.train.async_rollout as ar
+    import justrl_megatron.rollout.stream_source as ar
 
     engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others run for 3 versions
     engines.frozen = True

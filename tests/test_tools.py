@@ -181,7 +181,7 @@ def test_a_stop_aborts_every_request_and_leaves_running_calls_behind(tokenizer):
 
 
 def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokenizer):
-    from justrl_megatron.train.placement import ColocatedPlacement
+    from justrl_megatron.rollout.placement import ColocatedPlacement
 
     cfg = compose(["rollout.tools=[python]", "rollout.max_turns=1", f"model.tokenizer={tokenizer.name_or_path}"])
     engine = ScriptedEngine(tokenizer, TURNS)

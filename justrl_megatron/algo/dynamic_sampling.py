@@ -4,7 +4,7 @@ A group whose rewards are all equal (every sample right, or every sample wrong) 
 (`grpo.group_advantages`): it costs a rollout and a forward/backward for no policy gradient. With
 `algo.dynamic_sampling` the loop calls `collect_groups` once per step with two callables:
 
-    draw_batch()                          -> the next batch of prompts (train/sampler.PromptSampler.next_batch)
+    draw_batch()                          -> the next batch of prompts (data/sampler.PromptSampler.next_batch)
     generate_and_score(prompts, round)    -> a ScoredBatch: rollouts + rewards of those prompts, sampled with the
                                              seed `round_seed(trainer.seed, step, round)`
 

@@ -76,7 +76,7 @@ def sample_lengths(model: str | None, prompts: int = 16, n: int = 4, seed: int =
     from ..config import compose
     from ..rollout import SamplingConfig
     from ..rollout.vllm_engine import VLLMEngine
-    from ..train.sampler import load_training_rows, tokenize_prompts
+    from ..data.sampler import load_training_rows, tokenize_prompts
 
     cfg = compose([w for w in WORKLOAD if not w.startswith("rollout.placement") and "num_rollout" not in w])
     model = model or str(assets.smollm2_135m_instruct())

@@ -46,7 +46,7 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
     from ..assets import resolve_model_path
     from ..config import compose
     from ..dtypes import dtype_name
-    from ..train.sampler import PromptSampler, load_training_rows, tokenize_prompts
+    from ..data.sampler import PromptSampler, load_training_rows, tokenize_prompts
 
     cfg = compose(overrides)
     model_dir = resolve_model_path(cfg.model.path)

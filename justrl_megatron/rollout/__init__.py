@@ -1,4 +1,6 @@
-"""Rollout engines (vLLM) and weight sync from the trainer. The trainer imports only `base` names from here."""
+"""Everything that produces a trained batch: batch sources (source.py: rounds, streaming), placements (placement.py:
+colocated, split.py: split), the engines (vLLM) and their loops, tools, weight sync from the trainer. The trainer
+asks a source for batches and a placement for the devices; it never imports vLLM."""
 
 from .base import (FINISH_REASONS, RolloutEngine, RolloutInterrupted, Rollouts, SamplingConfig, StaleRolloutError,
                    check_staleness, logprob_gap)
@@ -15,8 +17,16 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def problems(cfg, world_size: int) -> list[str]:
+    """Every rollout feature's refusals, each from its own module: the placement and the batch source the config
+    names (through their registries), the tools, and what vLLM's sampling would refuse (config validation)."""
+    from . import limits, placement, source, tools
+
+    return [*placement.problems(cfg, world_size), *source.problems(cfg), *tools.problems(cfg), *limits.problems(cfg)]
+
+
 def make_engine(cfg, model_dir, *, seed: int = 0, in_process: bool = True):
-    """The engine a config asks for, built on every rank that hosts one (the placement says where: train/placement.py).
+    """The engine a config asks for, built on every rank that hosts one (the placement says where: placement.py).
 
     ``in_process`` (colocated): EVERY rank must call this (vLLM's external_launcher builds its groups over all of
     torch.distributed's WORLD), then `engine.generate_all(...)` on every rank. ``in_process=False`` (split): the

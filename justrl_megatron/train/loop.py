@@ -7,10 +7,11 @@
     -> checkpoint
 
 Every trainer rank runs this same program (SPMD). Where the rollout engines run is the placement's business
-(train/placement.py: colocated, the default, or split); the loop asks it for batches, for the devices and to publish
-weights. Phases 1-3 (every sampling round of a step, and one-step-off's batch in flight) are the rollout pipeline's
-(train/async_rollout.py); the reward pool lives on rank 0 and its results are broadcast, so all trainer ranks see the
-same batch and split it by data parallelism themselves. The loss settings travel as one algo.LossConfig.
+(rollout/placement.py: colocated, the default, or split); the loop asks it for the devices and to publish weights.
+Phases 1-3 (prompts -> scored groups: every sampling round of a step, one-step-off's batch in flight, streaming) are
+the batch source's (rollout/source.py); the reward pool lives on rank 0 and its results are broadcast, so all trainer
+ranks see the same batch and split it by data parallelism themselves. The loss settings travel as one
+algo.LossConfig.
 """
 
 from __future__ import annotations
@@ -31,23 +32,23 @@ from ..checkpoint import CheckpointError, Checkpointer, latest_step, load_latest
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
+from ..data.sampler import PromptSampler, load_training_rows, tokenize_prompts
 from ..distributed import init_distributed, trainer_broadcast
+from ..interrupt import Interruptible
 from ..metrics import MetricsLogger, plot_curves, step_metrics
 from ..model.lora import has_lora
 from ..model.policy import Policy
 from ..rewards import make_scorer
 from ..rollout import RolloutEngine, RolloutInterrupted, SamplingConfig, logprob_gap
+from ..rollout.placement import make_placement
+from ..rollout.scoring import generate_and_score
+from ..rollout.source import make_source
 from ..rollout.tools import tool_penalties
 from ..slurm import current_job, describe
-from .async_rollout import RolloutPipeline
 from .batching import Sample
 from .hf_snapshots import HFSnapshots
-from .interrupt import Interruptible
-from .placement import make_placement
 from .profiling import PhaseTimer, StepProfiler
 from .reference import Reference
-from .sampler import PromptSampler, load_training_rows, tokenize_prompts
-from .scoring import generate_and_score
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
 from .validation import Validation
 
@@ -56,15 +57,15 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     """Train; returns the last completed step. `engine` replaces the vLLM engine the config asks for (tests)."""
     tr, ro, algo = cfg.trainer, cfg.rollout, cfg.algo
     quiet_console(verbose=cfg.logging.verbose)
-    rollout = make_placement(cfg, model_dir, engine=engine)
-    if not rollout.join():  # a rollout-only rank: it generated and took weights until the trainer said stop
+    placement = make_placement(cfg, model_dir, engine=engine)
+    if not placement.join():  # a rollout-only rank: it generated and took weights until the trainer said stop
         return 0
     rank, _ = init_distributed()
     is_leader, run_dir = rank == 0, Path(tr.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = Interruptible().install()  # SIGTERM / SIGUSR1 / Ctrl-C: finish the step, checkpoint, exit 0
 
-    # --- set-up: prompts, policy, rollout engine, verifier ----------------------------------------------------------
+    # --- set-up: prompts, policy, rollout engines, verifier, the batch source -------------------------------------
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
     prompts, too_long = tokenize_prompts(load_training_rows(cfg.data, seed=tr.seed), tokenizer, cfg.data)
     sampler = PromptSampler(prompts, tr.prompts_per_step, seed=tr.seed, shuffle=cfg.data.shuffle)
@@ -73,61 +74,50 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     policy = Policy.from_config(cfg, shape)
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
     reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None  # for the KL penalty
-    rollout.start(_weight_stream(policy, shape))
+    placement.start(_weight_stream(policy, shape))
     hf_snapshots = HFSnapshots(run_dir, tr.hf_every, tr.keep_last, tr.total_steps, policy.chunks, shape, model_dir)
     checkpoints = Checkpointer(run_dir, async_save=tr.async_save, keep_last=tr.keep_last, shape=shape,
                                hf_source=model_dir)
     scorer = make_scorer(algo, enabled=is_leader)
     loss = LossConfig.from_algo(algo)
-    pipeline = RolloutPipeline.for_config(cfg, rollout, sampler, scorer, tokenizer, leader=is_leader)
-    pipeline.restore(inflight_state)  # a batch that was in flight at the checkpoint (one-step-off)
+    source = make_source(cfg, placement, sampler, scorer, tokenizer, leader=is_leader)
+    source.restore(inflight_state)  # the work that was in flight at the checkpoint
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
     _announce(logger, cfg, run_dir, start_step, too_long, validation)
     profiler = StepProfiler(tr.profile_steps, run_dir, rank)
 
-    version = start_step
-    rollout.publish(version)
-    start_accuracy = _evaluate(rollout, heldout, scorer, tokenizer, ro) if start_step == 0 else None
+    step, version, diverged = start_step, start_step, None
+    placement.publish(version, source.min_version(version))
+    start_accuracy = _evaluate(placement, heldout, scorer, tokenizer, ro) if start_step == 0 else None
     if start_step == 0 and validation.due(0):
-        logger.log(0, validation.run(rollout, 0))
+        logger.log(0, validation.run(placement, 0))
 
-    step, diverged = start_step, None
     while step < tr.total_steps:
         step += 1
         profiler.step_started(step)
         timer = PhaseTimer()
 
         # 1-3. sample prompts -> rollout (weights of `version` updates) -> rewards, in as many rounds as the step needs
-        scored = pipeline.next_batch(step, version, timer)
+        scored = source.next_batch(step, version, timer)
         if scored is None:  # a stop cut the rollout short: the run ends on the last completed step, saved
-            step = _checkpoint_for_stop(step - 1, checkpoints, policy, sampler, pipeline, run_dir)
+            step = _checkpoint_for_stop(step - 1, checkpoints, policy, sampler, source, run_dir)
             logger.print(stop.message(step))
             break
         checkpoints.poll()  # a checkpoint written in the background since the last step is committed once it is done
-        batch, rollouts = scored.batch.prompts, scored.batch.rollouts
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
             logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
 
-        # 4. reward shaping (algo.overlong_buffer: on the whole budget, tool outputs included; algo.tool_*_penalty)
-        #    and advantages (algo.advantage; per sampled token); reward/mean stays the verifier's
-        lengths = [len(t) for t in rollouts.token_ids]
-        shaped, shaping_metrics = shape_rewards(scored.batch.rewards, lengths, rollouts.truncated,
-                                                max_length=ro.max_response_length, buffer=algo.overlong_buffer,
-                                                factor=algo.overlong_penalty_factor, mask_truncated=loss.mask_truncated)
-        shaped, penalty_metrics = tool_penalties(shaped, rollouts.tool_stats, error_penalty=algo.tool_error_penalty,
-                                                 timeout_penalty=algo.tool_timeout_penalty)
-        shaping_metrics |= penalty_metrics
-        advantages = compute_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n, estimator=loss.advantage,
-                                        norm_by_std=loss.norm_adv_by_std, response_lengths=rollouts.sampled_lengths())
-        samples = _samples(batch, rollouts, advantages, ro.n)
+        # 4. reward shaping (algo.overlong_buffer, algo.tool_*_penalty) and group advantages (algo.advantage)
+        advantages, shaping_metrics = _advantages(scored.batch, cfg, loss)
+        samples = _samples(scored.batch.prompts, scored.batch.rollouts, advantages, ro.n)
 
         # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step needs no
         #      separate old-logprob pass: the update's forward gives them (the proximal policy is the weights before
         #      the step, also for stale samples, whose behaviour logprobs the rollout correction uses as they are).
         budget = tr.max_tokens_per_micro_batch
         one_step = tr.mini_batch_size >= tr.prompts_per_step
-        with rollout.training():
+        with placement.training():
             ref = _reference_logprobs(reference, samples, budget, timer)  # for the KL penalty (algo.kl_coef)
             if one_step and tr.old_logprobs == "auto":
                 with timer("update"):
@@ -143,12 +133,12 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         # 7. weight sync into the rollout engine, which is ready to generate the next step after it
         with timer("sync"):
             version = step
-            rollout.publish(version)
+            placement.publish(version, source.min_version(version))
 
         # 8. metrics, and when due the validation of the new weights (avg@n on data.val) in the same record
         metrics = _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics)
         if validation.due(step):
-            metrics |= validation.run(rollout, step)
+            metrics |= validation.run(placement, step)
         logger.log(step, metrics)
 
         # 9. checkpoint (periodic, at the end, or when asked to stop; or after too many skipped optimizer steps: the
@@ -157,7 +147,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         stopping = stop.agreed() or diverged is not None
         #    An async save is written while the next steps run; stopping, or the last step, waits for it.
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
-            _checkpoint(checkpoints, step, policy, sampler, pipeline)
+            _checkpoint(checkpoints, step, policy, sampler, source)
         if stopping or step == tr.total_steps:
             checkpoints.wait()
         hf_snapshots.maybe_save(step)  # trainer.hf_every: run_dir/hf/step_N, an HF folder of the live weights
@@ -168,14 +158,29 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             break
 
     if step == tr.total_steps:  # held-out accuracy at the end (and at the start: heldout_accuracy.json), curves
-        _report_end(logger, run_dir, heldout, start_accuracy, _evaluate(rollout, heldout, scorer, tokenizer, ro))
-    _close(logger, validation, scorer, rollout)
+        _report_end(logger, run_dir, heldout, start_accuracy, _evaluate(placement, heldout, scorer, tokenizer, ro))
+    _close(logger, validation, scorer, placement)
     if diverged is not None:  # a failed run, not a requeue: exit non-zero (the message was printed above)
         raise SystemExit(1)
     return step
 
 
 # --- helpers (each small; the loop above is the algorithm) ------------------------------------------------------------
+
+def _advantages(batch, cfg, loss: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-sample advantages (algo.advantage; per sampled token) of the shaped rewards: algo.overlong_buffer on the
+    whole budget, tool outputs included, and algo.tool_*_penalty. reward/mean stays the verifier's."""
+    ro, algo, rollouts = cfg.rollout, cfg.algo, batch.rollouts
+    lengths = [len(t) for t in rollouts.token_ids]
+    shaped, metrics = shape_rewards(batch.rewards, lengths, rollouts.truncated, max_length=ro.max_response_length,
+                                    buffer=algo.overlong_buffer, factor=algo.overlong_penalty_factor,
+                                    mask_truncated=loss.mask_truncated)
+    shaped, penalty_metrics = tool_penalties(shaped, rollouts.tool_stats, error_penalty=algo.tool_error_penalty,
+                                             timeout_penalty=algo.tool_timeout_penalty)
+    advantages = compute_advantages(torch.tensor(shaped, dtype=torch.float32), ro.n, estimator=loss.advantage,
+                                    norm_by_std=loss.norm_adv_by_std, response_lengths=rollouts.sampled_lengths())
+    return advantages, metrics | penalty_metrics
+
 
 def _samples(prompts, rollouts, advantages, n: int) -> list[Sample]:
     """The update's samples: sample i answers prompt i // n (its group) and carries its advantage."""
@@ -198,19 +203,19 @@ def _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics) 
     return metrics | {"rollout/staleness": scored.staleness}
 
 
-def _checkpoint(checkpoints, step: int, policy, sampler, pipeline) -> None:
-    """Save `step`: weights, optimizer, LR schedule, the data position and a batch in flight (one-step-off)."""
-    inflight = pipeline.state()  # first: a batch that a stop cut short goes back into the sampler
+def _checkpoint(checkpoints, step: int, policy, sampler, source) -> None:
+    """Save `step`: weights, optimizer, LR schedule, the data position and the batch source's work in flight."""
+    inflight = source.state()  # first: a batch that a stop cut short goes back into the sampler
     checkpoints.save(step, policy.chunks, policy.optimizer, policy.scheduler,
                      {"step": step, "sampler": sampler.state_dict(), "inflight": inflight})
 
 
-def _checkpoint_for_stop(step: int, checkpoints, policy, sampler, pipeline, run_dir) -> int:
+def _checkpoint_for_stop(step: int, checkpoints, policy, sampler, source, run_dir) -> int:
     """A stop during step + 1's rollout: save `step` (the state after it, the sampler before step + 1's draw) unless
     the newest checkpoint holds it already (saved at its end, or the one this run resumed from), or it is step 0 (the
     initial state: a rerun starts the same way); returns `step`."""
     if trainer_broadcast(step not in (0, checkpoints.pending_step, latest_step(run_dir))):  # rank 0 decides for all
-        _checkpoint(checkpoints, step, policy, sampler, pipeline)
+        _checkpoint(checkpoints, step, policy, sampler, source)
     checkpoints.wait()
     return step
 
@@ -229,12 +234,12 @@ def _reference_logprobs(reference, samples, budget: int, timer):
         return reference.logprobs(samples, max_tokens_per_micro_batch=budget)
 
 
-def _close(logger, validation, scorer, rollout) -> None:
+def _close(logger, validation, scorer, placement) -> None:
     logger.close()
     validation.close()
     if scorer is not None:
         scorer.close()
-    rollout.shutdown()
+    placement.shutdown()
 
 
 def _announce(logger, cfg, run_dir, start_step: int, too_long: int, validation) -> None:
@@ -304,13 +309,13 @@ def _heldout_prompts(cfg, tokenizer):
     return tokenize_prompts(rows, tokenizer, cfg.data)[0]
 
 
-def _evaluate(rollout, prompts, scorer, tokenizer, ro) -> float | None:
+def _evaluate(placement, prompts, scorer, tokenizer, ro) -> float | None:
     """Greedy accuracy on the held-out prompts (every rank generates its share; rank 0 scores)."""
     if not prompts:
         return None
     greedy = SamplingConfig(temperature=0.0, max_tokens=ro.max_response_length)
     try:
-        got = generate_and_score(rollout, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
+        got = generate_and_score(placement, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
     except RolloutInterrupted:  # a stop: no accuracy; the run stops at its next step boundary
         return None
     return None if scorer is None else sum(got.correct) / len(prompts)

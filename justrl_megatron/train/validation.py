@@ -162,7 +162,7 @@ def load_set(cfg, entry, tokenizer):
     """(prompts, how many were too long) of one data.val set: the set as data.eval of a copy of data (same template,
     prompt length, dedup); a generated set is the held-out draw of its task (trainer.seed +
     sampler.HELDOUT_SEED_OFFSET), never training prompts."""
-    from .sampler import load_training_rows, tokenize_prompts
+    from ..data.sampler import load_training_rows, tokenize_prompts
 
     data = OmegaConf.to_container(cfg.data, resolve=True)
     set_cfg = OmegaConf.create({**data, "val": [], "eval": entry.path, "eval_format": entry.format,
@@ -245,7 +245,7 @@ class Validation:
         A stop during it (RolloutInterrupted, on every rank) ends it with no metrics: the run then stops after
         this step."""
         from ..rollout import RolloutInterrupted
-        from .scoring import generate_and_score
+        from ..rollout.scoring import generate_and_score
 
         start, metrics = time.perf_counter(), {}
         with preserved_rng():

@@ -81,7 +81,7 @@ def main(hf_dir, out):
                    "prompt_index": s.prompt_index, "versions": [g.weight_version, s.weight_version]}, 1, control)
 
     # issue 42: a SIGTERM to the rollout rank during a big batch; its engine (a child process) aborts it, keeps no
-    # request, and then samples the last seeded batch again (what serve does: train/split_rollout.py)
+    # request, and then samples the last seeded batch again (what serve does: rollout/split.py)
     if not trainer:
         import signal
         import threading

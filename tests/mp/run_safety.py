@@ -28,7 +28,7 @@ from megatron.core import dist_checkpointing  # noqa: E402
 from justrl_megatron import checkpoint as ckpt
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.model.policy import Policy
-from justrl_megatron.train.interrupt import Interruptible
+from justrl_megatron.interrupt import Interruptible
 
 SHAPE = ModelShape(family="qwen2", num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2,
                    num_query_groups=1, head_dim=32, vocab_size=512, max_position_embeddings=64, rope_theta=1e4,

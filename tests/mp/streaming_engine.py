@@ -28,7 +28,7 @@ def main(model_dir, out):
     from transformers import AutoModelForCausalLM
 
     from justrl_megatron.rollout import SamplingConfig
-    from justrl_megatron.rollout.streaming import EngineLoop
+    from justrl_megatron.rollout.engine_loop import EngineLoop
     from justrl_megatron.rollout.vllm_engine import VLLMEngine
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
 """Split placement (rollout.placement=split): the last `rollout.num_rollout_ranks` ranks only roll out.
 
-Trainer side, `SplitPlacement` (the train/placement.py seam; `overlaps`: a submitted batch generates on the rollout
+Trainer side, `SplitPlacement` (the rollout/placement.py seam; `overlaps`: a submitted batch generates on the rollout
 ranks while the trainer works). Rollout side, `serve`: the loop a rollout rank runs (inside `join`) instead of the
 training loop. The two talk over the control channel (distributed.init_split: trainer rank 0 + every rollout rank),
 one conversation at a time:
@@ -15,7 +15,8 @@ one conversation at a time:
 A rollout rank does one thing at a time, so a weight sync sent while it generates lands right after that batch:
 generation never stops for longer than the copy.
 
-Streaming (rollout.streaming=true) turns a rollout rank into an engine loop (rollout/streaming.EngineLoop):
+Streaming (the streaming source, rollout/stream_source.py) turns a rollout rank into an engine loop
+(rollout/engine_loop.EngineLoop):
 
     ("stream", (n, sampling, max seqs))        ->    the loop starts; a result channel per engine opens
     ("admit", [(gid, prompt ids), ...])        ->    engine gid % R queues its prompts, started as slots free up
@@ -42,7 +43,7 @@ from collections import deque
 from typing import Sequence
 
 from ..distributed import backend, free_port, init_split, trainer_broadcast
-from ..rollout import RolloutInterrupted, Rollouts, SamplingConfig
+from .base import RolloutInterrupted, Rollouts, SamplingConfig
 
 
 class _Request:
@@ -69,12 +70,32 @@ class SplitPlacement:
         self._lock = threading.Lock()  # the channel carries one conversation at a time (a receiver thread, publish)
         self._pending: deque[_Request] = deque()
         self.roles = self.sender = None
-        self.buffer = None  # streaming: trainer rank 0's finished groups
+        self._buffer = None  # streaming: trainer rank 0's finished groups
         self._receivers: list[threading.Thread] = []
 
     @staticmethod
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
         return world_size - rollout_cfg.num_rollout_ranks
+
+    @staticmethod
+    def problems(cfg, world_size: int) -> list[str]:
+        """The rollout ranks: at least one, fewer than the world, one whole engine each; weights cross processes."""
+        ro, out = cfg.rollout, []
+        if not 1 <= ro.num_rollout_ranks < world_size:
+            out.append(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size {world_size} "
+                       f"(the last N ranks host vLLM engines, the others train), got {ro.num_rollout_ranks}")
+        if {"cpu": "local"}.get(ro.weight_sync_backend, ro.weight_sync_backend) == "local":
+            out.append("rollout.weight_sync_backend=local needs rollout.placement=colocated (the engine in the "
+                       "trainer's process); use auto")
+        tp = ro.tensor_parallel
+        if ro.num_rollout_ranks >= 1 and tp >= 1:
+            if ro.num_rollout_ranks % tp:
+                out.append(f"rollout.num_rollout_ranks={ro.num_rollout_ranks} is not divisible by "
+                           f"rollout.tensor_parallel={tp}: every engine needs {tp} whole ranks")
+            elif tp > 1:
+                out.append(f"rollout.placement=split runs one engine per rollout rank (vLLM in a child process): "
+                           f"rollout.tensor_parallel must be 1 there, got {tp}; add rollout ranks instead")
+        return out
 
     def join(self) -> bool:
         self.roles = init_split(self.cfg.rollout.num_rollout_ranks)
@@ -127,8 +148,8 @@ class SplitPlacement:
 
     def _receive_next(self) -> None:
         head = self._pending.popleft()
-        if self.buffer is not None:  # streaming: the parts come back on the result channels
-            parts = [self.buffer.take_batch() for _ in range(self.roles.num_rollout_ranks)]
+        if self._buffer is not None:  # streaming: the parts come back on the result channels
+            parts = [self._buffer.take_batch() for _ in range(self.roles.num_rollout_ranks)]
             parts.sort(key=lambda part: part[2]["engine"])
         else:
             parts = [self._channel.recv_object(src=1 + e) for e in range(self.roles.num_rollout_ranks)]
@@ -154,24 +175,26 @@ class SplitPlacement:
 
     # -- streaming ------------------------------------------------------------------------------------------------------
 
-    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int) -> None:
+    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int):
         """Turn every engine into a streaming loop; trainer rank 0 collects finished groups (at most `capacity`:
-        what the admission lets be outstanding) in `self.buffer`. Every trainer rank calls it."""
+        what the admission lets be outstanding) in the buffer it returns (None elsewhere). Every trainer rank calls
+        it."""
         if not self.leader:
-            return
-        from ..rollout.streaming import GroupBuffer
+            return None
+        from .stream_source import GroupBuffer
 
         engines = self.roles.num_rollout_ranks
         with self._lock:
             # an engine's share of what the admission lets be outstanding: its occupancy is measured against it
             self._channel.broadcast_object(("stream", (n, sampling, -(-capacity // engines) * n)), 0)
-        self.buffer = GroupBuffer(capacity, producers=engines)
+        self._buffer = GroupBuffer(capacity, producers=engines)
         for e in range(engines):
             channel = result_channel(self.roles, e)
-            thread = threading.Thread(target=_receive_groups, args=(channel, self.buffer), daemon=True,
+            thread = threading.Thread(target=_receive_groups, args=(channel, self._buffer), daemon=True,
                                       name=f"stream-results-{e}")
             thread.start()
             self._receivers.append(thread)
+        return self._buffer
 
     def stream_admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
         """(trainer rank 0) Prompts the engines may start now, each with its place in the stream (gid)."""
@@ -186,17 +209,16 @@ class SplitPlacement:
         """The engines run on their own devices: nothing to free."""
         yield
 
-    def publish(self, version: int) -> dict:
+    def publish(self, version: int, min_version: int | None = None) -> dict:
         """Stream the policy's weights to every engine as `version` (every trainer rank iterates the export). The
-        engines take it after the batch they are generating, whose rollouts are received first."""
+        engines take it after the batch they are generating, whose rollouts are received first; streaming engines
+        take it mid-generation and drop the groups admitted before `min_version`."""
         from ..rollout.weight_transfer import send_weights
 
         if self.leader:
             with self._lock:
                 while self._pending:
                     self._receive_next()
-                # streaming: groups started before version - max_staleness could not be trained any more
-                min_version = version - self.cfg.rollout.max_staleness if self.buffer is not None else None
                 self._channel.broadcast_object(("weights", min_version), 0)
                 return send_weights(self.sender, self._export_weights(self._bucket_bytes), version, self._channel,
                                     tied=self._tied, bucket_bytes=self._bucket_bytes, expected_names=self._expected)
@@ -259,7 +281,7 @@ def serve_stream(engine, channel, results, e: int, engines: int, n: int, samplin
     sequences the admission lets this engine hold (its occupancy's denominator, with the engine's own maximum)."""
     import queue
 
-    from ..rollout.streaming import EngineLoop
+    from .engine_loop import EngineLoop
 
     loop = EngineLoop(engine, n, sampling, max_running_seqs=min(max_seqs, engine.max_num_seqs))
     batches: list[tuple[int, list[int], float]] = []  # side batches in progress: (batch id, prompt indices, start)
@@ -329,9 +351,9 @@ def serve_stream(engine, channel, results, e: int, engines: int, n: int, samplin
 
 def serve(cfg, model_dir, roles) -> None:
     """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
-    from ..rollout import make_engine
+    from ..interrupt import Interruptible
     from ..slurm import stop_requested
-    from .interrupt import Interruptible
+    from . import make_engine
 
     # SIGUSR1 / SIGTERM / a first Ctrl-C: the trainer checkpoints and sends stop; this rank must not die first (a
     # second Ctrl-C aborts it with the rest, as it does the trainer)

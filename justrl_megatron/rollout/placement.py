@@ -1,13 +1,15 @@
-"""Where the rollout engine runs relative to the trainer: one seam, chosen by `rollout.placement`.
+"""Where the rollout engines run relative to the trainer: one seam, chosen by `rollout.placement`.
 
-The loop asks a placement six things: "does this rank train?" (`join`; a rank that does not serves the engine until
-the trainer says stop), "build or reach the engine" (`start`), "generate this batch" (`generate`; where rollout
-overlaps training, `submit` now and `receive` later), "the trainer needs the devices now" (`training`), "publish
-weights version v" (`publish`) and `shutdown`. Nothing outside this seam asks which placement it is (config.py
-validates the names and the rank split).
+The loop and the batch sources (rollout/source.py) ask a placement everything through this protocol: "does this rank
+train?" (`join`; a rank that does not serves the engine until the trainer says stop), "build or reach the engine"
+(`start`), "generate this batch" (`generate`; where rollout overlaps training, `submit` now and `receive` later),
+"stream groups" (`stream_open`, `stream_admit`: where it overlaps), "the trainer needs the devices now"
+(`training`), "publish weights version v, keeping in-flight work from min_version on" (`publish`) and `shutdown`.
+Nothing outside this seam asks which placement it is.
 
 Adding a placement: one class that implements `Placement`, in its own module, and one line in `PLACEMENTS` (the
-registry names a class by import path, so that a placement's module may import this one), plus its tests.
+registry names a class by import path, so that a placement's module may import this one), plus its tests. Its
+`problems(cfg, world_size)` says what it cannot run with; config validation asks it through the registry.
 
 Colocated (rollout.placement=colocated, the default): every rank hosts an engine on the trainer's own device. On GPU
 vLLM holds `rollout.gpu_memory_utilization` of it (~47 GiB of an 80 GB H100 at 0.6), which a 16K-token update cannot
@@ -17,7 +19,7 @@ spare, so one step's cycle is
              -> sync (the engine wakes its weights buffers, then loads the new weights) -> wake (KV cache) -> generate
 
 On CPU vLLM's sleep mode does not exist and these calls are no-ops; the order is the same (tests record it).
-Split (rollout.placement=split): train/split_rollout.py.
+Split (rollout.placement=split): rollout/split.py.
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ from typing import Callable, ContextManager, Protocol, Sequence
 
 from .. import compat
 from ..distributed import init_distributed
-from ..rollout import RolloutEngine, Rollouts, SamplingConfig
-from ..rollout.base import WeightStream
 from ..slurm import stop_requested
+from .base import RolloutEngine, Rollouts, SamplingConfig, WeightStream
 
 # rollout.placement -> "module:Class"
 PLACEMENTS = {
     "colocated": f"{__name__}:ColocatedPlacement",
-    "split": "justrl_megatron.train.split_rollout:SplitPlacement",
+    "split": "justrl_megatron.rollout.split:SplitPlacement",
 }
 
 ExportWeights = Callable[[int], WeightStream]  # bucket bytes -> the policy's full HF-named tensors (every rank)
@@ -47,6 +48,10 @@ class Placement(Protocol):
     @staticmethod
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
         """How many of `world_size` ranks train (the rest only roll out)."""
+
+    @staticmethod
+    def problems(cfg, world_size: int) -> list[str]:
+        """What this placement cannot run with (one line each, said before any model loads)."""
 
     def join(self) -> bool:
         """Set up this rank's process groups; True on a trainer rank. A rollout-only rank serves its engine here
@@ -65,11 +70,20 @@ class Placement(Protocol):
     def receive(self, request) -> tuple[Rollouts, dict] | None:
         """(overlaps only) trainer rank 0: the request's rollouts and the engines' timings; None elsewhere."""
 
+    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int):
+        """(overlaps only) Turn the engines into streaming loops; returns the buffer that finished groups arrive in
+        (rollout/stream_source.GroupBuffer) on trainer rank 0, None elsewhere. Every trainer rank calls it."""
+
+    def stream_admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """(overlaps only; trainer rank 0) Prompts the engines may start now, each with its place in the stream."""
+
     def training(self) -> ContextManager:
         """The trainer's turn on the devices."""
 
-    def publish(self, version: int) -> dict:
-        """The policy's current weights into the engine(s) as `version`; the engine is ready to generate after."""
+    def publish(self, version: int, min_version: int | None = None) -> dict:
+        """The policy's current weights into the engine(s) as `version`; the engine is ready to generate after.
+        `min_version` (the batch source's staleness bound): in-flight work admitted with older weights is dropped;
+        None: nothing generates across the update."""
 
     def shutdown(self) -> None: ...
 
@@ -81,12 +95,27 @@ def placement_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
+def overlaps(name: str) -> bool:
+    """Whether placement `name` generates while the trainer trains (an unknown name: the registry says so)."""
+    return PLACEMENTS.get(name) is None or placement_class(name).overlaps
+
+
+def problems(cfg, world_size: int) -> list[str]:
+    """rollout.placement's name and the refusals of the placement it names (config validation)."""
+    name = cfg.rollout.placement
+    if name not in PLACEMENTS:
+        return [f"rollout.placement must be one of {', '.join(PLACEMENTS)}, got {name!r}"]
+    return placement_class(name).problems(cfg, world_size)
+
+
 def make_placement(cfg, model_dir, *, engine: RolloutEngine | None = None) -> Placement:
     """The placement `cfg.rollout.placement` names. `engine`: a ready engine in place of vLLM (tests; colocated)."""
     return placement_class(cfg.rollout.placement)(cfg, model_dir, engine=engine)
 
 
 def trainer_world_size(cfg, world_size: int) -> int:
+    if cfg.rollout.placement not in PLACEMENTS:  # said by `problems`
+        return world_size
     return placement_class(cfg.rollout.placement).trainer_world_size(cfg.rollout, world_size)
 
 
@@ -105,15 +134,22 @@ class ColocatedPlacement:
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
         return world_size
 
+    @staticmethod
+    def problems(cfg, world_size: int) -> list[str]:
+        backend = {"cpu": "local"}.get(cfg.rollout.weight_sync_backend, cfg.rollout.weight_sync_backend)
+        if backend in ("gloo", "nccl", "ipc"):
+            return [f"rollout.weight_sync_backend={cfg.rollout.weight_sync_backend} is for rollout.placement=split; "
+                    f"a colocated engine takes the weights by reference (auto or local)"]
+        return []
+
     def join(self) -> bool:
         init_distributed()
         return True
 
     def start(self, export_weights: ExportWeights) -> None:
         """Every rank builds its engine (vLLM's external_launcher spans the whole world)."""
-        from ..rollout import make_engine
-
-        from ..rollout.multi_turn import ToolRollout
+        from . import make_engine
+        from .multi_turn import ToolRollout
 
         self._export_weights = export_weights
         if self.engine is None:
@@ -124,7 +160,7 @@ class ColocatedPlacement:
                  seed: int | None = None) -> Rollouts:
         """Each engine samples its share; every rank gets the whole batch (multi-turn with rollout.tools). A stop
         signal (SIGTERM / SIGUSR1 / Ctrl-C) during it aborts the batch on every rank together: RolloutInterrupted."""
-        from ..rollout.multi_turn import generate_batch
+        from .multi_turn import generate_batch
 
         return generate_batch(self.engine, prompt_ids, n, sampling, seed=seed, tools=self.tools, stop=stop_requested)
 
@@ -134,7 +170,13 @@ class ColocatedPlacement:
         self.engine.sleep()
         yield
 
-    def publish(self, version: int) -> dict:
+    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int):
+        raise NotImplementedError("colocated engines take turns with the trainer: nothing streams beside it")
+
+    def stream_admit(self, prompts) -> None:
+        raise NotImplementedError("colocated engines take turns with the trainer: nothing streams beside it")
+
+    def publish(self, version: int, min_version: int | None = None) -> dict:
         compat.release_cached_memory()
         stats = self.engine.update_weights(self._export_weights(self._bucket_bytes), version)
         self.engine.wake_up()

@@ -4,7 +4,7 @@
   saved and the run exits 0. One line says so at once (a step can take minutes). A rollout in progress does not
   finish: the engines poll the flag between their steps (slurm.stop_requested, agreed by every rank:
   rollout/stopping.py), abort it within about a second, and the run saves the step before it (its prompts back in
-  the sampler: train/async_rollout.py), so that the resumed run draws them again.
+  the sampler: rollout/batch_source.py), so that the resumed run draws them again.
 - A second SIGINT aborts at once: helper processes are killed, the staging folder of a save in progress is removed
   (run_lock.py; `latest` still points to the last complete checkpoint) and the process exits 130, without a traceback.
 A SIGINT within REPEAT_S of the first counts as the same press: torchrun forwards the terminal's Ctrl-C to its
@@ -23,8 +23,8 @@ import os
 import signal
 import time
 
-from .. import run_lock
-from ..slurm import STOP_SIGNALS, StopSignal, requeue_message
+from . import run_lock
+from .slurm import STOP_SIGNALS, StopSignal, requeue_message
 
 INTERRUPTED = ("justrl-train: interrupted: finishing this step (a rollout stops at once), then saving a checkpoint "
                "and exiting (Ctrl-C again aborts without saving)")

@@ -27,7 +27,7 @@ def load_training_rows(data_cfg, *, seed: int, split: str = "train", limit: int 
     """Rows {problem, answer, data_source, id} of data.train (split="train") or of the held-out set (split="eval":
     data.eval, or for a generated task the same task under another seed). 'generated:<task>' draws from
     reasoning-gym."""
-    from ..data import generate_rows, load_rows
+    from . import generate_rows, load_rows
 
     spec = data_cfg.train if split == "train" else (data_cfg.eval or data_cfg.train)
     if spec.startswith("generated:"):
@@ -43,7 +43,7 @@ def load_training_rows(data_cfg, *, seed: int, split: str = "train", limit: int 
 
 def tokenize_prompts(rows: list[dict], tokenizer, data_cfg) -> tuple[list[Prompt], int]:
     """Chat-template and tokenize; prompts longer than data.max_prompt_length are dropped (and counted)."""
-    from ..data import render_prompt, row_messages
+    from . import render_prompt, row_messages
 
     # DAPO-Math-17k with data.dedup=false repeats each prompt ~100 times: tokenize each distinct prompt once
     prompts, too_long, cache = [], 0, {}

@@ -3,7 +3,7 @@ accuracy, validation sets).
 
 Every trainer rank generates (the placement gives each the whole batch); the rank that holds the scorer (rank 0)
 decodes and verifies. `generate_and_score` returns what that rank knows: elsewhere the rewards are None, and the
-training rounds broadcast them (train/async_rollout.py) while evaluation keeps them on rank 0.
+training sources broadcast them (rollout/batch_source.py) while evaluation keeps them on rank 0.
 """
 
 from __future__ import annotations

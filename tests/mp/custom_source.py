@@ -1,0 +1,62 @@
+"""A batch source of the test's own, registered in rollout/source.SOURCES and picked by rollout.source: the loop
+trains with it unchanged (docs/architecture.md, "A rollout mode").
+
+usage: python custom_source.py OUT.json [hydra overrides...] (with rollout.source=alternating)
+"""
+
+import json
+import sys
+
+import justrl_megatron.compat  # noqa: F401  (first: CPU redirections for megatron-core)
+
+from loop_recording import RecordingEngine
+
+from justrl_megatron.algo.dynamic_sampling import ScoredBatch
+from justrl_megatron.config import compose
+from justrl_megatron.rollout import SamplingConfig, source
+from justrl_megatron.train.loop import run
+from justrl_megatron.train_entry import apply_memory_plan, check_config
+
+
+class AlternatingSource:
+    """Each step: the sampler's next prompts, sampled by the placement; within each group the odd samples score 1."""
+
+    def __init__(self, placement, sampler, n, sampling):
+        self.placement, self.sampler, self.n, self.sampling, self.steps = placement, sampler, n, sampling, []
+
+    @classmethod
+    def from_config(cls, cfg, placement, sampler, scorer, tokenizer, *, leader):
+        return cls(placement, sampler, cfg.rollout.n, SamplingConfig.from_rollout_config(cfg.rollout))
+
+    @staticmethod
+    def problems(cfg):
+        return [] if cfg.rollout.n >= 2 else ["rollout.source=alternating needs rollout.n >= 2"]
+
+    def next_batch(self, step, version, timer):
+        prompts = self.sampler.next_batch()
+        rollouts = self.placement.generate([p.ids for p in prompts], self.n, self.sampling, seed=step)
+        rewards = [float(i % 2) for i in range(len(rollouts))]
+        self.steps.append(step)
+        return source.ScoredStep(ScoredBatch(prompts, rollouts, rewards, [r > 0 for r in rewards], {}), None,
+                                 version - rollouts.weight_version)
+
+    def min_version(self, version):
+        return None
+
+    def state(self):
+        return {"alternating_steps": list(self.steps)}
+
+    def restore(self, state):
+        self.steps = list((state or {}).get("alternating_steps", []))
+
+
+if __name__ == "__main__":
+    source.SOURCES["alternating"] = f"{__name__}:AlternatingSource"  # the one registry line a new mode needs
+    out, overrides = sys.argv[1], sys.argv[2:]
+    cfg = compose(overrides)
+    model_dir, shape = check_config(cfg)
+    apply_memory_plan(cfg, shape)
+    engine = RecordingEngine(shape.vocab_size)
+    last = run(cfg, model_dir, shape, engine=engine)
+    with open(out, "w") as f:
+        json.dump({"last_step": last, "calls": engine.calls}, f)
