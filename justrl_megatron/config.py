@@ -262,21 +262,6 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         return hydra_compose(config_name=config_name, overrides=list(overrides or []))
 
 
-def _transformer_engine_problems(cfg) -> list[str]:
-    """TE-only settings where TransformerEngine or a GPU is missing: one line each, before any model is built."""
-    fixes = {}  # the setting asked for -> what to use instead
-    if cfg.model.transformer_impl == "te":
-        fixes["model.transformer_impl=te"] = "model.transformer_impl=auto or local"
-    if cfg.model.moe_permute_fusion:
-        fixes["model.moe_permute_fusion=true"] = "model.moe_permute_fusion=null or false"
-    if not fixes:
-        return []
-    from .model.spec import te_available
-
-    return [] if te_available() else [f"{asked} needs transformer-engine and a CUDA device (none here); use {fix}"
-                                      for asked, fix in fixes.items()]
-
-
 def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> None:
     """Check what the schema cannot. `shape` (a model.hf_config.ModelShape) enables the model-dependent checks;
     `also`: problems the caller found elsewhere (model, data, resume), reported in the same message."""
@@ -297,11 +282,9 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"{trainers} {train_world} is not divisible by {names} = {sizes}; "
             f"launch a multiple of {tp * pp * cp} processes or change the parallel sizes"
         )
-    problems += context_parallel_problems(cfg)
-    from .model import moe  # torch-only module; config.py stays import-light
+    from .model import problems as model_problems  # each model feature's own refusals (torch-only modules)
 
-    problems += moe.problems(cfg, shape)
-    problems += _transformer_engine_problems(cfg)
+    problems += model_problems(cfg, shape=shape)
     problems += rollout_problems(cfg, world_size)
     if isinstance(tr.seed, int) and tr.seed + max(world_size, 1) - 1 > SEED_MAX:  # engine i seeds numpy with seed + i
         problems.append(f"trainer.seed={tr.seed}: numpy and vLLM take 32-bit seeds (one per engine: seed + its "
@@ -335,21 +318,10 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append(f"model.transformer_impl must be auto, te or local, got {cfg.model.transformer_impl!r}")
     if cfg.trainer.old_logprobs not in ("auto", "recompute"):
         problems.append(f"trainer.old_logprobs must be auto or recompute, got {cfg.trainer.old_logprobs!r}")
-    from .train.batching import shared_prompt_problems  # torch-only module; config.py stays import-light
-
-    problems += shared_prompt_problems(tr.shared_prompt, cfg.model.transformer_impl, cp,
-                                       algo.routing_replay != "off" and (shape is None or bool(shape.num_experts)))
     if cfg.model.dtype not in ("auto", "bf16", "fp32"):
         problems.append(f"model.dtype must be auto, bf16 or fp32, got {cfg.model.dtype!r}")
     if cfg.model.recompute not in ("auto", "none", "selective", "full"):
         problems.append(f"model.recompute must be auto, none, selective or full, got {cfg.model.recompute!r}")
-    lora = cfg.model.lora
-    if lora.enabled:
-        from .model.lora import lora_problems  # torch-only module; config.py stays import-light
-
-        problems += lora_problems(lora.rank, lora.alpha, lora.dropout, list(lora.targets),
-                                  sequence_parallel=par.sequence_parallel,
-                                  transformer_impl=cfg.model.transformer_impl)
     from .algo.grpo import AGG_MODES  # torch-only module; config.py stays import-light
 
     if algo.loss_agg not in AGG_MODES:
@@ -370,19 +342,6 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"trainer.max_tokens_per_micro_batch ({tr.max_tokens_per_micro_batch}) must hold one full sample: "
             f"data.max_prompt_length + rollout.max_response_length = {total_len}"
         )
-    if shape is not None:
-        from .model.hf_config import check_parallel_layout  # torch-only module; config.py stays import-light
-
-        problems += check_parallel_layout(shape, tp, pp, par.virtual_pipeline, max(par.expert, 1))
-        context = cfg.model.max_context or shape.max_position_embeddings
-        if cfg.model.max_context and cfg.model.max_context > shape.max_position_embeddings:
-            problems.append(f"model.max_context={cfg.model.max_context} exceeds the model's positions "
-                            f"(max_position_embeddings {shape.max_position_embeddings}); lower it or leave it null")
-        if total_len > context:
-            problems.append(
-                f"data.max_prompt_length + rollout.max_response_length = {total_len} exceeds the model context "
-                f"{context}; shorten them (or raise model.max_context if the model supports it)"
-            )
     from .train.validation import config_problems  # data.val and trainer.eval_every
 
     problems += config_problems(cfg)
@@ -545,36 +504,6 @@ def _schema_default(key: str):
             return None
         node = getattr(node, part)
     return node
-
-
-def context_parallel_problems(cfg) -> list[str]:
-    """What parallel.context > 1 cannot run with (one message each, before any model is built)."""
-    if cfg.parallel.context <= 1:
-        return []
-    from .train.batching import CP_LOSS_AGGS  # torch-only module; config.py stays import-light
-    problems = []  # trainer.shared_prompt=on: train/batching.shared_prompt_problems
-    if cfg.algo.loss_agg not in CP_LOSS_AGGS:
-        problems.append(f"algo.loss_agg={cfg.algo.loss_agg} does not work with parallel.context > 1 (it divides by "
-                        f"a per-sequence or per-micro-batch token count that no context-parallel rank holds); use "
-                        f"{' or '.join(CP_LOSS_AGGS)}")
-    if cfg.algo.policy_loss == "gspo":
-        problems.append("algo.policy_loss=gspo does not work with parallel.context > 1 (its sequence ratio is a mean "
-                        "over every token of a response, spread over the context-parallel ranks); use ppo or cispo")
-    if cfg.model.lora.enabled:
-        problems.append("model.lora does not work with parallel.context > 1 yet; set parallel.context=1")
-    if cfg.model.dtype == "fp32" and _runs_te(cfg.model.transformer_impl):
-        problems.append("parallel.context > 1 with the TE spec has no fp32 attention (TE's fused and flash attention "
-                        "take bf16/fp16, its unfused one has no context parallelism); set model.dtype=bf16, or "
-                        "model.transformer_impl=local")
-    return problems
-
-
-def _runs_te(transformer_impl: str) -> bool:
-    if transformer_impl in ("te", "auto"):
-        from .model.spec import te_available
-
-        return transformer_impl == "te" or te_available()
-    return False
 
 
 def value_problems(cfg, world_size: int) -> list[str]:

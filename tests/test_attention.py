@@ -122,10 +122,10 @@ def _shape():
 
 @pytest.mark.skipif(compat.cuda_available(), reason="checks the CPU choice; tests/gpu checks the CUDA one")
 def test_local_spec_fusions_stay_off_on_cpu():
-    from justrl_megatron.model.policy import _gpu_fusions
+    from justrl_megatron.model.spec import gpu_fusions
 
-    assert _gpu_fusions("local") == {}  # CPU: plain ops, bitwise as the CPU tests expect
-    assert _gpu_fusions("te") == dict(apply_rope_fusion=True, bias_activation_fusion=True)
+    assert gpu_fusions("local") == {}  # CPU: plain ops, bitwise as the CPU tests expect
+    assert gpu_fusions("te") == dict(apply_rope_fusion=True, bias_activation_fusion=True)
 
 
 def test_the_fusion_flags_exist_in_this_megatron():
@@ -146,6 +146,6 @@ def test_fused_rope_needs_transformer_engine():
 @pytest.mark.slow
 def test_fused_swiglu_check_compiles_and_agrees_on_cpu():
     """The same check that gates bias_activation_fusion on CUDA, run on the CPU (inductor's C++ backend)."""
-    from justrl_megatron.model.policy import fused_swiglu_check
+    from justrl_megatron.model.spec import fused_swiglu_check
 
     assert fused_swiglu_check("cpu") is None

@@ -40,7 +40,7 @@ def test_context_parallel_refuses_shared_prompt_on_and_non_additive_loss_aggrega
     assert "trainer.shared_prompt=on does not work with parallel.context > 1" in msg
     assert "algo.loss_agg=seq-mean-token-mean does not work with parallel.context > 1" in msg
     # auto (the default) is simply off under CP
-    from justrl_megatron.model.policy import resolve_shared_prompt
+    from justrl_megatron.model.attention import resolve_shared_prompt
     assert resolve_shared_prompt("auto", "local", 1) and not resolve_shared_prompt("auto", "local", 2)
     with pytest.raises(ValueError, match="does not work with parallel.context > 1"):
         resolve_shared_prompt("on", "local", 2)

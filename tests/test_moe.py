@@ -467,7 +467,7 @@ def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
     and on a dense model, negative loss weights, TE-only options without TransformerEngine (this machine), LoRA on
     an MoE model (attention only, TP1)."""
     from justrl_megatron.config import compose, validate
-    from justrl_megatron.rollout.base import ROUTED_EXPERTS_ON_CPU
+    from justrl_megatron.model.moe import ROUTED_EXPERTS_ON_CPU
 
     moe = model_shape(_config(tmp_path, MIXTRAL_8X7B))
     dense = dataclasses.replace(moe, family="mistral", num_experts=0, moe_top_k=0, moe_ffn_hidden_size=0)
@@ -482,7 +482,7 @@ def test_routing_replay_router_losses_and_te_options_are_validated(tmp_path):
     # replay with shared_prompt=auto (auto resolves off) and under sequence parallelism (TP2) is fine
     validate(compose(["recipe=justrl_deepseek_1p5b", "algo.routing_replay=old", "parallel.tensor=2",
                       "parallel.sequence_parallel=true"]), world_size=2, shape=moe)
-    from justrl_megatron.model.policy import resolve_shared_prompt
+    from justrl_megatron.model.attention import resolve_shared_prompt
 
     assert resolve_shared_prompt("auto", "local") and not resolve_shared_prompt("auto", "local", routing_replay=True)
     lora = _config_problems(["model.lora.enabled=true", "parallel.tensor=2"], 2, moe)  # default targets: every linear

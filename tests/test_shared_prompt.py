@@ -114,7 +114,7 @@ def test_attention_over_shared_rows_equals_each_sample_alone(dtype, tol):
 
 
 def test_the_config_knob():
-    from justrl_megatron.model.policy import resolve_shared_prompt
+    from justrl_megatron.model.attention import resolve_shared_prompt
 
     assert resolve_shared_prompt("auto", "local") and not resolve_shared_prompt("auto", "te")
     assert resolve_shared_prompt(True, "local") and not resolve_shared_prompt("off", "local")

@@ -20,6 +20,9 @@ import torch
 from .loss_config import LossConfig
 
 AGG_MODES = ("token-mean", "verl04-dynbsz", "seq-mean-token-mean", "seq-mean-token-sum")
+# loss aggregations whose micro-batch losses stay partial sums when a sequence's tokens are spread over CP ranks;
+# seq-mean-token-mean and verl04-dynbsz divide by a per-sequence / per-micro-batch token count no CP rank holds
+CP_LOSS_AGGS = ("token-mean", "seq-mean-token-sum")
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 KL_ESTIMATORS = ("k1", "k2", "k3")

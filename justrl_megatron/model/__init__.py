@@ -10,4 +10,29 @@ policy.py     Policy: chunks in megatron DDP + (distributed) Adam + warmup/const
 moe.py        MoE training glue: router losses' weights per mini-batch and logged values, router load, routing replay
 lora.py       LoRA adapters on the TP-parallel linears (frozen base), adapters on/off, merged weights
 reference.py  reference-policy logprobs for the KL penalty: adapters off (LoRA) or a frozen copy of the weights
+
+`problems(cfg, ...)` collects every model feature's config refusals (each feature module owns its own).
 """
+
+# (module, function(cfg, shape) -> list[str]): each model feature's refusals, in the order they are reported.
+# Imported only when asked, so `import justrl_megatron.model` stays cheap.
+PROBLEMS = (
+    ("attention", "context_parallel_problems"),
+    ("moe", "problems"),
+    ("spec", "transformer_engine_problems"),
+    ("attention", "shared_prompt_config_problems"),
+    ("lora", "problems"),
+    ("hf_config", "shape_problems"),
+)
+
+
+def problems(cfg, *, shape=None) -> list[str]:
+    """What the model settings of `cfg` cannot run with, one line each, before any model is built. `shape` (a
+    hf_config.ModelShape) enables the checks that need the model."""
+    from . import attention, hf_config, lora, moe, spec  # plain imports: the module graph shows them
+
+    modules = dict(attention=attention, hf_config=hf_config, lora=lora, moe=moe, spec=spec)
+    out: list[str] = []
+    for module, name in PROBLEMS:
+        out += getattr(modules[module], name)(cfg, shape)
+    return out

@@ -31,6 +31,74 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 
+# --- what trainer.shared_prompt and parallel.context cannot run with (config validation, the policy) ------------
+
+SHARED_PROMPT_CHOICES = ("auto", "on", "off")
+
+
+def shared_prompt_problems(choice, transformer_impl: str = "auto", cp: int = 1, routing_replay: bool = False
+                           ) -> list[str]:
+    """What trainer.shared_prompt cannot be (config validation and `resolve_shared_prompt` share it):
+    a known choice; `on` only where a unit's rows can be attended (our SDPA attention: not TransformerEngine's), cut
+    into context-parallel chunks (not at parallel.context > 1) and replayed per sample (not with MoE routing
+    replay). `auto` turns itself off in those cases."""
+    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
+    if choice not in SHARED_PROMPT_CHOICES:
+        return [f"trainer.shared_prompt must be auto, on or off, got {choice!r}"]
+    if choice != "on":
+        return []
+    problems = []
+    if transformer_impl == "te":
+        problems.append("trainer.shared_prompt=on needs model.transformer_impl=local or auto (TransformerEngine's "
+                        "attention and fused RoPE take only plain packed sequences); set trainer.shared_prompt=auto")
+    if cp > 1:
+        problems.append("trainer.shared_prompt=on does not work with parallel.context > 1 (a shared prompt's rows "
+                        "cannot be split into context-parallel chunks); set trainer.shared_prompt=auto or off")
+    if routing_replay:
+        problems.append("trainer.shared_prompt=on does not work with algo.routing_replay (experts are kept per "
+                        "sample); set trainer.shared_prompt=auto or off")
+    return problems
+
+
+def resolve_shared_prompt(choice, impl: str, cp: int = 1, routing_replay: bool = False) -> bool:
+    """trainer.shared_prompt -> on or off. A group's responses can share one prompt copy only through our own core
+    attention (the local spec's SDPAttention, below) and megatron's unfused RoPE; TransformerEngine's
+    attention and fused RoPE know only plain packed segments. auto: on with the local spec; off with TE, with
+    context parallelism (a unit's rows cannot be cut into CP chunks) and with MoE routing replay (experts are kept
+    per sample). What `on` cannot run with is refused by `shared_prompt_problems`."""
+    problems = shared_prompt_problems(choice, impl, cp, routing_replay)
+    if problems:
+        raise ValueError(problems[0])
+    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
+    return choice == "on" or (choice == "auto" and impl != "te" and cp == 1 and not routing_replay)
+
+
+def shared_prompt_config_problems(cfg, shape=None) -> list[str]:
+    """`shared_prompt_problems` of the config (routing replay counts only on an MoE model, or an unknown one)."""
+    return shared_prompt_problems(cfg.trainer.shared_prompt, cfg.model.transformer_impl, cfg.parallel.context,
+                                  cfg.algo.routing_replay != "off" and (shape is None or bool(shape.num_experts)))
+
+
+def context_parallel_problems(cfg, shape=None) -> list[str]:
+    """What parallel.context > 1 cannot run with (one message each, before any model is built); trainer.shared_prompt
+    is `shared_prompt_problems`' and the TE spec's fp32 attention spec.transformer_engine_problems'."""
+    if cfg.parallel.context <= 1:
+        return []
+    from ..algo.grpo import CP_LOSS_AGGS
+
+    problems = []
+    if cfg.algo.loss_agg not in CP_LOSS_AGGS:
+        problems.append(f"algo.loss_agg={cfg.algo.loss_agg} does not work with parallel.context > 1 (it divides by "
+                        f"a per-sequence or per-micro-batch token count that no context-parallel rank holds); use "
+                        f"{' or '.join(CP_LOSS_AGGS)}")
+    if cfg.algo.policy_loss == "gspo":
+        problems.append("algo.policy_loss=gspo does not work with parallel.context > 1 (its sequence ratio is a mean "
+                        "over every token of a response, spread over the context-parallel ranks); use ppo or cispo")
+    if cfg.model.lora.enabled:
+        problems.append("model.lora does not work with parallel.context > 1 yet; set parallel.context=1")
+    return problems
+
+
 # --- varlen flash attention: chosen by probing the call, never by reading its signature ---------------------------
 # torch's `varlen_attn` changed form between releases (read from the wheels' torch/nn/attention/varlen.py):
 #   2.10: varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None)   (no scale, no GQA flag)

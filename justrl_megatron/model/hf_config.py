@@ -362,6 +362,26 @@ def require_parallel_layout(shape: ModelShape, tp: int, pp: int = 1, vpp: int | 
         raise ValueError("; ".join(problems))
 
 
+def shape_problems(cfg, shape: ModelShape | None = None) -> list[str]:
+    """What the config asks of this model that its shape cannot give: the parallel layout (`check_parallel_layout`)
+    and the context (model.max_context, the longest sample). Nothing without a shape."""
+    if shape is None:
+        return []
+    par = cfg.parallel
+    problems = check_parallel_layout(shape, par.tensor, par.pipeline, par.virtual_pipeline, max(par.expert, 1))
+    total_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    context = cfg.model.max_context or shape.max_position_embeddings
+    if cfg.model.max_context and cfg.model.max_context > shape.max_position_embeddings:
+        problems.append(f"model.max_context={cfg.model.max_context} exceeds the model's positions "
+                        f"(max_position_embeddings {shape.max_position_embeddings}); lower it or leave it null")
+    if total_len > context:
+        problems.append(
+            f"data.max_prompt_length + rollout.max_response_length = {total_len} exceeds the model context "
+            f"{context}; shorten them (or raise model.max_context if the model supports it)"
+        )
+    return problems
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron pads the vocabulary so that each TP rank holds an equal, aligned slice."""
     multiple = divisible_by * tp

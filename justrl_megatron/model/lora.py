@@ -68,6 +68,15 @@ def lora_problems(rank, alpha, dropout, targets, *, sequence_parallel=False, tra
     return problems
 
 
+def problems(cfg, shape=None) -> list[str]:
+    """model.lora's settings in the config (`lora_problems`); nothing when LoRA is off."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return []
+    return lora_problems(lora.rank, lora.alpha, lora.dropout, list(lora.targets),
+                         sequence_parallel=cfg.parallel.sequence_parallel, transformer_impl=cfg.model.transformer_impl)
+
+
 class Adapter(torch.nn.Module):
     """The A, B pair of one TP-parallel linear (this rank's shards)."""
 

@@ -411,15 +411,15 @@ def memory_plan_for(cfg, shape: ModelShape, world_size: int, *, device_bytes: in
 
 def gpu_kernels(impl: str) -> Kernels:
     """The kernels the policy runs on this GPU: CUDA_KERNELS, or the plain SwiGLU when the local spec's fused one
-    does not compile here (policy._gpu_fusions decides that for the model too). Without CUDA the plan is for a GPU
+    does not compile here (spec.gpu_fusions decides that for the model too). Without CUDA the plan is for a GPU
     image, which has the fused SwiGLU."""
     from .. import compat
 
     if impl == "te" or not compat.cuda_available():
         return CUDA_KERNELS
-    from .policy import _gpu_fusions
+    from .spec import gpu_fusions
 
-    return CUDA_KERNELS if _gpu_fusions(impl).get("bias_activation_fusion") else Kernels(swiglu="plain")
+    return CUDA_KERNELS if gpu_fusions(impl).get("bias_activation_fusion") else Kernels(swiglu="plain")
 
 
 def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: int | None = None,

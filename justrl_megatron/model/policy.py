@@ -18,7 +18,6 @@ rescale by its own token count.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -35,13 +34,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .. import compat
 from ..distributed import init_distributed, init_model_parallel
 from ..dtypes import resolve_dtype
-from ..train.batching import shared_prompt_problems
+from .attention import resolve_shared_prompt
 from .build import build_model_chunks
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
 from .moe import RoutingReplay, install_route_slots, prepare_routers
-from .spec import resolve_impl
+from .spec import gpu_fusions, resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """megatron's finalize_model_grads (DP reduce, SP norm reduce, tied-embedding reduce) without the 1/num_tokens
@@ -61,34 +60,10 @@ def _pipeline_options(pp: int, vpp: int | None) -> dict:
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=None)
-def fused_swiglu_check(device: str) -> str | None:
-    """None when megatron's fused SwiGLU runs and is right on `device`, else why not. It needs neither TE nor apex
-    (megatron.core.fusions.fused_bias_swiglu: a torch.compile'd forward, a hand-written backward that keeps only the
-    fc1 output for backward), but torch.compile needs triton and a C compiler, which a bare GPU image may lack: one
-    tiny compiled forward/backward here, compared with the plain op, decides before any model is built."""
-    try:
-        import torch.nn.functional as F
-        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-
-        g = torch.Generator().manual_seed(0)
-        y, w = (torch.randn(6, 1, 64, generator=g).to(device) for _ in range(2))
-        fused_in, plain_in = y.clone().requires_grad_(), y.clone().requires_grad_()
-        fused = bias_swiglu_impl(fused_in, None)
-        gate, up = plain_in.chunk(2, -1)
-        plain = F.silu(gate) * up
-        (fused * w[..., :32]).sum().backward()
-        (plain * w[..., :32]).sum().backward()
-        err = max(float((fused - plain).detach().abs().max()), float((fused_in.grad - plain_in.grad).abs().max()))
-    except Exception as exc:  # noqa: BLE001  (any failure keeps the plain op)
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-    return None if err <= 1e-4 else f"fused SwiGLU differs from F.silu(gate) * up by {err:.3g}"
-
-
 def _moe_options(shape: ModelShape, impl: str, z_loss_coef: float | None, permute_fusion: bool | None) -> dict:
     """MoE TransformerConfig fields beyond the HF config's: the router z-loss (model/moe.py scales it like the aux
     loss) and TE's fused token permutation (null: on with the TE spec; on without TE is refused by validation,
-    config._transformer_engine_problems)."""
+    spec.transformer_engine_problems)."""
     if not shape.num_experts:
         return {}
     fuse = impl == "te" if permute_fusion is None else bool(permute_fusion)
@@ -99,32 +74,6 @@ def moe_needs_sequence_parallel(shape: ModelShape, tp: int) -> bool:
     """megatron's MoE layer trains at TP > 1 only with sequence parallelism (moe_layer.py raises otherwise): the
     policy turns it on for an MoE model at parallel.tensor > 1 (config validation says so, model/moe.problems)."""
     return bool(shape.num_experts) and tp > 1
-
-
-def _gpu_fusions(impl: str) -> dict:
-    """TransformerConfig fusion flags for this spec on this device (hf_config.transformer_config turns all off).
-
-    TE spec: megatron's GPU recipe (TE's fused RoPE, also for packed THD rows, and the fused SwiGLU).
-    Local spec on CUDA, only what megatron-core has without TE/apex (checked in 0.16.1 and 0.19.2):
-      * bias_activation_fusion: the fused SwiGLU (see fused_swiglu_check), on when it compiles and checks out;
-      * apply_rope_fusion stays off: megatron's fused RoPE (fused_apply_rotary_pos_emb[_thd]) comes only from
-        megatron.core.extensions.transformer_engine; without TE TransformerConfig refuses the flag;
-      * gradient_accumulation_fusion stays off: it needs apex's fused_weight_gradient_mlp_cuda;
-      * bias_dropout_fusion stays off: with no linear bias and dropout 0 the op is one residual add (F.dropout with
-        p=0 returns its input): nothing to fuse, only a torch.compile graph per shape to pay for;
-      * masked_softmax_fusion / persist_layer_norm do not apply (SDPA attention, our RMSNorm).
-    The local spec's other GPU kernels choose themselves: varlen flash attention (attention.py), fused rms_norm
-    (norm.py). On the CPU nothing changes: the plain ops, bitwise as the CPU tests expect.
-    """
-    if impl == "te":
-        return dict(apply_rope_fusion=True, bias_activation_fusion=True)
-    if not compat.cuda_available():
-        return {}
-    why_not = fused_swiglu_check(str(compat.default_device()))
-    if why_not is not None:
-        logger.warning("fused SwiGLU unavailable (%s): the local spec keeps the plain activation", why_not)
-        return {}
-    return dict(bias_activation_fusion=True)
 
 
 def _context_parallel_options(cp: int, impl: str) -> dict:
@@ -141,19 +90,6 @@ def _aux_loss(shape: ModelShape, coef: float | None) -> dict:
     if coef is None or not shape.num_experts:
         return {}
     return dict(moe_aux_loss_coeff=float(coef), moe_router_load_balancing_type="aux_loss" if coef else "none")
-
-
-def resolve_shared_prompt(choice, impl: str, cp: int = 1, routing_replay: bool = False) -> bool:
-    """trainer.shared_prompt -> on or off. A group's responses can share one prompt copy only through our own core
-    attention (the local spec's SDPAttention, model/attention.py) and megatron's unfused RoPE; TransformerEngine's
-    attention and fused RoPE know only plain packed segments. auto: on with the local spec; off with TE, with
-    context parallelism (a unit's rows cannot be cut into CP chunks) and with MoE routing replay (experts are kept
-    per sample). What `on` cannot run with is refused by `shared_prompt_problems`."""
-    problems = shared_prompt_problems(choice, impl, cp, routing_replay)
-    if problems:
-        raise ValueError(problems[0])
-    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
-    return choice == "on" or (choice == "auto" and impl != "te" and cp == 1 and not routing_replay)
 
 
 class ConfigScheduler(OptimizerParamScheduler):
@@ -237,7 +173,7 @@ class Policy:
         config = transformer_config(
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
             recompute=None if recompute == "none" else recompute, calculate_per_token_loss=True,
-            **_pipeline_options(pp, vpp), **_gpu_fusions(impl), **_context_parallel_options(cp, impl),
+            **_pipeline_options(pp, vpp), **gpu_fusions(impl), **_context_parallel_options(cp, impl),
             **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         device = compat.default_device()

@@ -5,16 +5,21 @@ an RMSNorm that works with sequence parallelism (`norm.py`; also Qwen3's q/k nor
 a torch-SDPA core attention that never materialises the S x S scores and understands packed (THD) rows
 (`attention.py`). MoE models (Mixtral, Qwen3-MoE) get megatron's MoE layer in place of the MLP, on both specs. Both
 pick their fused CUDA kernels themselves
-(varlen flash attention, fused rms_norm); the fusions that are TransformerConfig flags are set in `policy._gpu_fusions`.
+(varlen flash attention, fused rms_norm); the fusions that are TransformerConfig flags are set in `gpu_fusions`.
+What needs TransformerEngine where it is missing is refused here too (`transformer_engine_problems`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 
 from .. import compat
 from .attention import SDPAttention
 from .norm import RMSNorm
+
+logger = logging.getLogger(__name__)
 
 
 def te_available() -> bool:
@@ -33,6 +38,82 @@ def resolve_impl(transformer_impl: str = "auto") -> str:
     if transformer_impl == "te" and not te_available():
         raise RuntimeError("model.transformer_impl=te needs transformer-engine and a CUDA device; use auto or local")
     return transformer_impl
+
+
+def _runs_te(transformer_impl: str) -> bool:
+    if transformer_impl in ("te", "auto"):
+        return transformer_impl == "te" or te_available()
+    return False
+
+
+def transformer_engine_problems(cfg, shape=None) -> list[str]:
+    """TE-only settings where TransformerEngine or a GPU is missing, and what the TE spec cannot run: one line each,
+    before any model is built."""
+    problems = []
+    if cfg.parallel.context > 1 and cfg.model.dtype == "fp32" and _runs_te(cfg.model.transformer_impl):
+        problems.append("parallel.context > 1 with the TE spec has no fp32 attention (TE's fused and flash attention "
+                        "take bf16/fp16, its unfused one has no context parallelism); set model.dtype=bf16, or "
+                        "model.transformer_impl=local")
+    fixes = {}  # the setting asked for -> what to use instead
+    if cfg.model.transformer_impl == "te":
+        fixes["model.transformer_impl=te"] = "model.transformer_impl=auto or local"
+    if cfg.model.moe_permute_fusion:
+        fixes["model.moe_permute_fusion=true"] = "model.moe_permute_fusion=null or false"
+    if fixes and not te_available():
+        problems += [f"{asked} needs transformer-engine and a CUDA device (none here); use {fix}"
+                     for asked, fix in fixes.items()]
+    return problems
+
+
+@functools.lru_cache(maxsize=None)
+def fused_swiglu_check(device: str) -> str | None:
+    """None when megatron's fused SwiGLU runs and is right on `device`, else why not. It needs neither TE nor apex
+    (megatron.core.fusions.fused_bias_swiglu: a torch.compile'd forward, a hand-written backward that keeps only the
+    fc1 output for backward), but torch.compile needs triton and a C compiler, which a bare GPU image may lack: one
+    tiny compiled forward/backward here, compared with the plain op, decides before any model is built."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+        g = torch.Generator().manual_seed(0)
+        y, w = (torch.randn(6, 1, 64, generator=g).to(device) for _ in range(2))
+        fused_in, plain_in = y.clone().requires_grad_(), y.clone().requires_grad_()
+        fused = bias_swiglu_impl(fused_in, None)
+        gate, up = plain_in.chunk(2, -1)
+        plain = F.silu(gate) * up
+        (fused * w[..., :32]).sum().backward()
+        (plain * w[..., :32]).sum().backward()
+        err = max(float((fused - plain).detach().abs().max()), float((fused_in.grad - plain_in.grad).abs().max()))
+    except Exception as exc:  # noqa: BLE001  (any failure keeps the plain op)
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return None if err <= 1e-4 else f"fused SwiGLU differs from F.silu(gate) * up by {err:.3g}"
+
+
+def gpu_fusions(impl: str) -> dict:
+    """TransformerConfig fusion flags for this spec on this device (hf_config.transformer_config turns all off).
+
+    TE spec: megatron's GPU recipe (TE's fused RoPE, also for packed THD rows, and the fused SwiGLU).
+    Local spec on CUDA, only what megatron-core has without TE/apex (checked in 0.16.1 and 0.19.2):
+      * bias_activation_fusion: the fused SwiGLU (see fused_swiglu_check), on when it compiles and checks out;
+      * apply_rope_fusion stays off: megatron's fused RoPE (fused_apply_rotary_pos_emb[_thd]) comes only from
+        megatron.core.extensions.transformer_engine; without TE TransformerConfig refuses the flag;
+      * gradient_accumulation_fusion stays off: it needs apex's fused_weight_gradient_mlp_cuda;
+      * bias_dropout_fusion stays off: with no linear bias and dropout 0 the op is one residual add (F.dropout with
+        p=0 returns its input): nothing to fuse, only a torch.compile graph per shape to pay for;
+      * masked_softmax_fusion / persist_layer_norm do not apply (SDPA attention, our RMSNorm).
+    The local spec's other GPU kernels choose themselves: varlen flash attention (attention.py), fused rms_norm
+    (norm.py). On the CPU nothing changes: the plain ops, bitwise as the CPU tests expect.
+    """
+    if impl == "te":
+        return dict(apply_rope_fusion=True, bias_activation_fusion=True)
+    if not compat.cuda_available():
+        return {}
+    why_not = fused_swiglu_check(str(compat.default_device()))
+    if why_not is not None:
+        logger.warning("fused SwiGLU unavailable (%s): the local spec keeps the plain activation", why_not)
+        return {}
+    return dict(bias_activation_fusion=True)
 
 
 def _moe_router_without_te() -> None:

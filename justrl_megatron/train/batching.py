@@ -207,11 +207,6 @@ def sampled_targets(samples: Sequence[Sample], mb: MicroBatch) -> torch.Tensor |
 
 # --- context parallel --------------------------------------------------------------------------------------------
 
-# loss aggregations whose micro-batch losses stay partial sums when a sequence's tokens are spread over CP ranks;
-# seq-mean-token-mean and verl04-dynbsz divide by a per-sequence / per-micro-batch token count no CP rank holds
-CP_LOSS_AGGS = ("token-mean", "seq-mean-token-sum")
-
-
 def split_for_context_parallel(mb: MicroBatch, cp_size: int, cp_rank: int, *, multiple_of: int = 1,
                                pad_token_id: int = 0) -> MicroBatch:
     """This context-parallel rank's part of a packed micro-batch (megatron's and TransformerEngine's THD layout).
@@ -278,33 +273,6 @@ class SharedPrompt:
     def to(self, device) -> "SharedPrompt":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return SharedPrompt(move(self.gather), move(self.row_cu), self.row_max, move(self.pick))
-
-
-SHARED_PROMPT_CHOICES = ("auto", "on", "off")
-
-
-def shared_prompt_problems(choice, transformer_impl: str = "auto", cp: int = 1, routing_replay: bool = False
-                           ) -> list[str]:
-    """What trainer.shared_prompt cannot be (config validation and model/policy.resolve_shared_prompt share it):
-    a known choice; `on` only where a unit's rows can be attended (our SDPA attention: not TransformerEngine's), cut
-    into context-parallel chunks (not at parallel.context > 1) and replayed per sample (not with MoE routing
-    replay). `auto` turns itself off in those cases."""
-    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
-    if choice not in SHARED_PROMPT_CHOICES:
-        return [f"trainer.shared_prompt must be auto, on or off, got {choice!r}"]
-    if choice != "on":
-        return []
-    problems = []
-    if transformer_impl == "te":
-        problems.append("trainer.shared_prompt=on needs model.transformer_impl=local or auto (TransformerEngine's "
-                        "attention and fused RoPE take only plain packed sequences); set trainer.shared_prompt=auto")
-    if cp > 1:
-        problems.append("trainer.shared_prompt=on does not work with parallel.context > 1 (a shared prompt's rows "
-                        "cannot be split into context-parallel chunks); set trainer.shared_prompt=auto or off")
-    if routing_replay:
-        problems.append("trainer.shared_prompt=on does not work with algo.routing_replay (experts are kept per "
-                        "sample); set trainer.shared_prompt=auto or off")
-    return problems
 
 
 def prompt_units(samples: Sequence[Sample], ids: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -31,14 +31,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from ..algo.grpo import AGG_MODES, policy_loss
+from ..algo.grpo import AGG_MODES, CP_LOSS_AGGS, policy_loss
 from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.rope import rope_at_positions
-from .batching import CP_LOSS_AGGS, MicroBatch, Sample, check_samples_fit, gather_per_target, \
+from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, \
     make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, sampled_targets, \
     split_for_context_parallel, split_over_dp, unit_length
 
