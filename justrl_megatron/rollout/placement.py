@@ -148,7 +148,7 @@ class ColocatedPlacement:
 
     def start(self, export_weights: ExportWeights) -> None:
         """Every rank builds its engine (vLLM's external_launcher spans the whole world)."""
-        from . import make_engine
+        from .vllm_engine import make_engine
         from .multi_turn import ToolRollout
 
         self._export_weights = export_weights

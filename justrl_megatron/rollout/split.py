@@ -353,7 +353,7 @@ def serve(cfg, model_dir, roles) -> None:
     """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
     from ..interrupt import Interruptible
     from ..slurm import stop_requested
-    from . import make_engine
+    from .vllm_engine import make_engine
 
     # SIGUSR1 / SIGTERM / a first Ctrl-C: the trainer checkpoints and sends stop; this rank must not die first (a
     # second Ctrl-C aborts it with the rest, as it does the trainer)
