@@ -284,6 +284,27 @@ def test_streaming_refusals_say_what_to_fix_in_one_line(overrides, message):
     assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
 
 
+def test_routing_replay_rollout_with_streaming_is_refused_before_the_model_loads():
+    cfg = compose([*ETA_SPLIT, "rollout.streaming=true", "rollout.max_staleness=1", "algo.routing_replay=rollout",
+                   "trainer.shared_prompt=off"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=2)
+    assert "algo.routing_replay=rollout does not work with rollout.streaming=true" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.source=nonesuch"], "rollout.source must be one of rounds, streaming (or null"),
+    ([*ETA_SPLIT, "rollout.streaming=true", "rollout.max_staleness=1", "rollout.source=rounds"],
+     "rollout.source=rounds and rollout.streaming=true name two sources"),
+    ([*ETA_SPLIT, "rollout.max_staleness=1", "rollout.source=streaming"],
+     "rollout.source=streaming: set rollout.streaming=true instead"),
+])
+def test_the_source_registry_refuses_unknown_or_conflicting_names_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides), world_size=2)
+    assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
 def test_rollout_correction_defaults_to_tis_once_samples_may_be_stale():
     assert compose([]).algo.rollout_correction == "none"
     cfg = compose([*ETA_SPLIT, "rollout.streaming=true", "rollout.max_staleness=1"])

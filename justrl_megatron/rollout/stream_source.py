@@ -86,6 +86,9 @@ class StreamSource:
         elif ro.max_staleness < 1:
             out.append(f"rollout.streaming=true needs rollout.max_staleness >= 1 (a response may span weight versions "
                        f"and waits in the buffer while the trainer updates), got {ro.max_staleness}")
+        if cfg.algo.routing_replay == "rollout":
+            out.append("algo.routing_replay=rollout does not work with rollout.streaming=true (the engine loop returns "
+                       "no routed experts, and a response may span weight versions); use algo.routing_replay=old")
         return out + correction_problems(cfg)
 
     def min_version(self, version: int) -> int | None:
