@@ -20,10 +20,21 @@ A killed trainer cannot clean up, so the helpers must notice by themselves:
   recognised by its command line). A launcher killed with SIGKILL (a lost Slurm step, `kill -9`) leaves no rank
   training headless, holding the run dir's lock.
 A helper stuck in C code that holds the GIL is killed when it lets go of it.
+
+Stop signals are the ranks' business (`leave_stop_signals_to_the_trainer`, every helper at its start: the package's
+import in a spawned one, the at-fork hook in a forked one). A terminal's Ctrl-C, `timeout`, `kill -- -PGID` signal the
+whole process group, and Slurm (proctrack) every process of the step; vLLM's engine core and workers take SIGINT /
+SIGTERM for "shut down now" (handlers installed in vllm/v1/engine/core.py `run_engine_core` and
+v1/executor/multiproc_executor.py `worker_main`), so a rank that should finish its step lost its engine under it. A
+helper blocks SIGINT / SIGTERM / SIGUSR1 (a mask survives the handlers a library installs later, and exec, so it
+covers the helper's own children too); a thread takes them and passes on only those its parent sent: vLLM and
+multiprocessing stop their processes with terminate(), which must keep working.
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import multiprocessing
 import os
 import select
@@ -109,9 +120,67 @@ def _trainer_pid() -> int | None:
     return pid if pid > 0 and pid != os.getpid() else None
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+_WAKE = signal.SIGUSR2  # to the main thread, to break a blocking call once a parent's stop signal is due there
+_shielded = False
+_rearm_at_fork = False
+
+
+def _shield_forked_child() -> None:
+    global _shielded
+    _shielded = False  # the parent's relay thread did not survive the fork; the mask did
+    leave_stop_signals_to_the_trainer()
+
+
+def leave_stop_signals_to_the_trainer() -> None:
+    """In a helper process, in its main thread, before it starts threads or children: SIGINT / SIGTERM / SIGUSR1
+    reach it only from its parent (its manager's terminate()); sent by anyone else (the terminal, Slurm, a group
+    kill) they are dropped. SIGKILL, and so the lifelines above, are untouched."""
+    global _shielded, _rearm_at_fork
+    if _shielded:
+        return
+    _shielded = True
+    if not _rearm_at_fork:  # a child it forks (vLLM's workers may be forked) is a helper too
+        os.register_at_fork(after_in_child=_shield_forked_child)
+        _rearm_at_fork = True
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited by threads started from now on
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(_WAKE, lambda signum, frame: None)  # a handler: the signal interrupts a blocking call
+
+    def relay():
+        while True:
+            info = signal.sigwaitinfo(STOP_SIGNALS)
+            if info.si_pid != os.getppid():
+                continue
+            handler = signal.getsignal(info.si_signo)
+            if handler == signal.SIG_IGN:
+                continue
+            if callable(handler):  # Python runs it in the main thread; the wake breaks a wait there (a lock, a poll)
+                _thread.interrupt_main(info.si_signo)
+                signal.pthread_kill(threading.main_thread().ident, _WAKE)
+                continue
+            # the default action (terminate): this thread alone takes the signal
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [info.si_signo])
+            signal.pthread_kill(threading.get_ident(), info.si_signo)
+
+    threading.Thread(target=relay, daemon=True, name="justrl-stop-signal-relay").start()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Around starting a program (subprocess.Popen, exec): it starts with SIGINT / SIGTERM / SIGUSR1 blocked, so only
+    SIGKILL, which its starter uses, ends it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _after_fork_in_child() -> None:
     pid = _trainer_pid()
     if pid is not None:
+        leave_stop_signals_to_the_trainer()
         _die_with(pid)
 
 
@@ -131,6 +200,7 @@ def watch_from_env() -> bool:
     pid = _trainer_pid()
     if pid is None:
         return False
+    leave_stop_signals_to_the_trainer()
     _die_with(pid)
     return True
 

@@ -184,6 +184,54 @@ def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(stre
     assert after[0]["rollout/staleness_max"] <= 1
 
 
+def _signal_the_group(tmp_path, model, sig, *args):
+    """Launch justrl-train in a session of its own, and once step 2 is logged send `sig` to its whole process group
+    (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too). Returns the
+    run dir, the launch's output, its exit code and the processes of the session left 15 s after its exit."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", "--nproc-per-node=2", f"model.path={model}",
+           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
+            time.sleep(0.1)
+        os.killpg(launcher.pid, sig)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    give_up = time.monotonic() + 15
+    while _processes_in_session(launcher.pid) and time.monotonic() < give_up:
+        time.sleep(0.5)
+    return run_dir, out, launcher.returncode, _processes_in_session(launcher.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sigterm_to_the_whole_group_mid_stream_saves_and_exits_0(tmp_path, tiny_llama):
+    """SIGTERM to every process of the run (vLLM's engine core and worker included), streaming: the engine's
+    processes leave it to the ranks, so the run saves the step, says so in one line and exits 0."""
+    import signal
+
+    run_dir, out, code, left = _signal_the_group(tmp_path, tiny_llama, signal.SIGTERM, *STREAM)
+    assert code == 0, out[-5000:]
+    stopped = len(metrics(run_dir))
+    assert f"checkpoint saved at step {stopped}; exiting for requeue" in out, out[-3000:]
+    for bad in ("EngineDeadError", "Traceback", "died unexpectedly"):
+        assert bad not in out, out[-5000:]
+    from justrl_megatron.checkpoint.folders import checkpoint_root, latest_step
+
+    assert latest_step(run_dir) == stopped  # `latest` names the step saved, complete
+    assert (checkpoint_root(run_dir) / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert not left  # no rank, engine or worker outlives the stop
+
+
 # --- groups and channel (no vLLM, no megatron) --------------------------------------------------------------------
 
 @pytest.mark.slow  # ~40 s on the shared cores: three processes import vLLM's weight-transfer module

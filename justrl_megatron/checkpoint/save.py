@@ -30,7 +30,7 @@ import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before meg
 
 from megatron.core import dist_checkpointing
 
-from .. import run_lock
+from .. import lifeline, run_lock
 from ..model import lora
 from ..model.build import nonfinite_parameters
 from ..model.hf_config import ModelShape, model_shape
@@ -253,10 +253,7 @@ _STOP_SIGNALS_IGNORED = False  # set while megatron forks its checkpoint writers
 
 def _ignore_stop_signals_in_child() -> None:
     if _STOP_SIGNALS_IGNORED:
-        import signal
-
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_IGN)
+        lifeline.leave_stop_signals_to_the_trainer()
 
 
 os.register_at_fork(after_in_child=_ignore_stop_signals_in_child)

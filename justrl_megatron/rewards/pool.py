@@ -39,7 +39,7 @@ import time
 from collections import Counter, deque
 from multiprocessing.connection import wait
 
-from ..lifeline import exit_with_starter
+from ..lifeline import exit_with_starter, leave_stop_signals_to_the_trainer
 from .base import VerifierTimeout, check_answers, evaluate_with, reward_range
 
 MAX_CHUNK = 512
@@ -63,7 +63,7 @@ def _evaluate_one(fn, response, answer) -> tuple[float, float]:
 def _worker_main(conn, fn, progress, started, rewards, correct):
     """Score chunks until told to stop. Item i of a chunk: set progress/started, then write rewards[i] (NaN: it
     raised) and correct[i]."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    leave_stop_signals_to_the_trainer()
     exit_with_starter()  # a busy worker must not outlive a killed trainer (an idle one leaves on the pipe's EOF)
     conn.send("ready")  # fn is unpickled (its module imported): item timeouts may start counting
     while True:

@@ -31,6 +31,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..lifeline import stop_signals_blocked
+
 HOW_TO = ("install bubblewrap (`apt-get install -y bubblewrap`, or tools/setup_env.sh as root), or allow "
           "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0); "
           "in a container, also allow namespaces (docker run --cap-add SYS_ADMIN --security-opt seccomp=unconfined "
@@ -192,8 +194,9 @@ def _launch(backend: str, program: str, stdin: bytes, *, deadline_s: float, tmpf
         info_r, info_w = os.pipe()
         argv[1:1] = ["--info-fd", str(info_w)]
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                env=env, close_fds=True, pass_fds=() if info_w is None else (info_w,))
+        with stop_signals_blocked():  # a stop signal to every process (Slurm, a group kill) is the rank's to act on
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    env=env, close_fds=True, pass_fds=() if info_w is None else (info_w,))
     finally:
         if info_w is not None:
             os.close(info_w)
