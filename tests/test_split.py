@@ -98,21 +98,16 @@ STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_st
           "trainer.keep_last=3", *LEARN]
 
 
-@pytest.fixture(scope="module")
-def streaming(tmp_path_factory, tiny_llama):
-    """12 streaming steps (eta 1, tis by default) in two launches of justrl-train's own launcher: the first gets a
-    Ctrl-C (SIGINT, forwarded to both ranks) once step 2 is logged (groups admitted, in flight and buffered): it
-    finishes or ends its step, saves and exits 0 (the rollout rank must not die of KeyboardInterrupt first);
-    the second resumes from that checkpoint. Returns (run dir, the first launch's output, the step it stopped at,
-    the trainer state it saved, the second launch's output)."""
+def _signal_the_group(tmp_path, model, sig, *args):
+    """Launch justrl-train in a session of its own, and once step 2 is logged send `sig` to its whole process group
+    (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too). Returns the
+    run dir, the launch's output, its exit code and the processes of the session left 15 s after its exit."""
     import signal
     import time
 
-    import torch
-
-    run_dir = tmp_path_factory.mktemp("streaming") / "run"
-    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", "--nproc-per-node=2", f"model.path={tiny_llama}",
-           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *STREAM]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", "--nproc-per-node=2", f"model.path={model}",
+           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                                 start_new_session=True)
     try:
@@ -120,17 +115,34 @@ def streaming(tmp_path_factory, tiny_llama):
         while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
             time.sleep(0.1)
-        launcher.send_signal(signal.SIGINT)  # tiny steps take 0.3 s on a quiet machine: it lands a few steps on
+        os.killpg(launcher.pid, sig)
         out, _ = launcher.communicate(timeout=600)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    assert launcher.returncode == 0, out[-5000:]
-    stopped = len(metrics(run_dir))
-    give_up = time.monotonic() + 15  # the engines' children follow their rank through lifeline.py: seconds
+    give_up = time.monotonic() + 15
     while _processes_in_session(launcher.pid) and time.monotonic() < give_up:
         time.sleep(0.5)
-    assert not _processes_in_session(launcher.pid)  # no rank, engine or receiver outlives the stop
+    return run_dir, out, launcher.returncode, _processes_in_session(launcher.pid)
+
+
+@pytest.fixture(scope="module")
+def streaming(tmp_path_factory, tiny_llama):
+    """12 streaming steps (eta 1, tis by default) in two launches of justrl-train's own launcher: the first gets a
+    terminal's Ctrl-C (SIGINT to its whole process group: both ranks, the launcher, vLLM's engine core and workers)
+    once step 2 is logged (groups admitted, in flight and buffered): it finishes or ends its step, saves and exits 0
+    (neither the rollout rank nor its engine may die of it first); the second resumes from that checkpoint. Returns
+    (run dir, the first launch's output, the step it stopped at, the trainer state it saved, the second launch's
+    output)."""
+    import signal
+
+    import torch
+
+    run_dir, out, code, left = _signal_the_group(tmp_path_factory.mktemp("streaming"), tiny_llama, signal.SIGINT,
+                                                 *STREAM)
+    assert code == 0, out[-5000:]
+    assert not left  # no rank, engine or receiver outlives the stop
+    stopped = len(metrics(run_dir))
     state = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "trainer_state.pt", weights_only=False)
     resumed = train(run_dir, tiny_llama, *STREAM)
     return run_dir, out, stopped, state["extra"]["inflight"], resumed.stdout + resumed.stderr
@@ -184,42 +196,16 @@ def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(stre
     assert after[0]["rollout/staleness_max"] <= 1
 
 
-def _signal_the_group(tmp_path, model, sig, *args):
-    """Launch justrl-train in a session of its own, and once step 2 is logged send `sig` to its whole process group
-    (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too). Returns the
-    run dir, the launch's output, its exit code and the processes of the session left 15 s after its exit."""
-    import signal
-    import time
-
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", "--nproc-per-node=2", f"model.path={model}",
-           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 900
-        while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
-            time.sleep(0.1)
-        os.killpg(launcher.pid, sig)
-        out, _ = launcher.communicate(timeout=600)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    give_up = time.monotonic() + 15
-    while _processes_in_session(launcher.pid) and time.monotonic() < give_up:
-        time.sleep(0.5)
-    return run_dir, out, launcher.returncode, _processes_in_session(launcher.pid)
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_sigterm_to_the_whole_group_mid_stream_saves_and_exits_0(tmp_path, tiny_llama):
-    """SIGTERM to every process of the run (vLLM's engine core and worker included), streaming: the engine's
-    processes leave it to the ranks, so the run saves the step, says so in one line and exits 0."""
+def test_sigterm_to_the_whole_group_one_step_off_saves_and_exits_0(tmp_path, tiny_llama):
+    """SIGTERM to every process of a one-step-off run (what Slurm sends at the time limit; vLLM's engine core and
+    worker included): the engine's processes leave it to the ranks, so the run saves the step, says so in one line
+    and exits 0 (before: the engine core died, rank 1 waited in start_weight_update or exited 1)."""
     import signal
 
-    run_dir, out, code, left = _signal_the_group(tmp_path, tiny_llama, signal.SIGTERM, *STREAM)
+    run_dir, out, code, left = _signal_the_group(tmp_path, tiny_llama, signal.SIGTERM, "rollout.max_staleness=1",
+                                                 "trainer.total_steps=12", "trainer.save_every=1000", *LEARN)
     assert code == 0, out[-5000:]
     stopped = len(metrics(run_dir))
     assert f"checkpoint saved at step {stopped}; exiting for requeue" in out, out[-3000:]
