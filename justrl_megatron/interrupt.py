@@ -10,9 +10,11 @@
 A SIGINT within REPEAT_S of the first counts as the same press: torchrun forwards the terminal's Ctrl-C to its
 ranks, which the terminal already sent it to (torchrun then kills the ranks after its shutdown timeout, 30 s).
 A checkpoint still being written in the background (trainer.async_save) is waited for before the exit: the stop
-saves this step, which first commits the pending one, and waits for its own write. The writer processes ignore these
-signals (checkpoint/save.py), so a Ctrl-C sent to the terminal's whole process group does not cut a write short; the second
-Ctrl-C kills them with the rest and removes the staging folder.
+saves this step, which first commits the pending one, and waits for its own write. Every helper process (checkpoint
+writers, reward workers, sandbox runners, vLLM's engine core and workers) leaves these signals to the ranks
+(lifeline.leave_stop_signals_to_the_trainer), so a Ctrl-C to the terminal's whole process group, or Slurm's SIGTERM to
+every process of the step, neither cuts a write short nor kills an engine under a rank that is finishing its step;
+the second Ctrl-C kills them with the rest and removes the staging folder.
 Both act when Python next runs the main thread (between bytecodes: a long C call finishes first); `kill -9` always works
 and leaves no helpers behind either (lifeline.py).
 """
