@@ -178,11 +178,11 @@ class Timer:
         self.seconds = {}
 
 
-def _pipeline(engines, sampler, eta, groups=2, last_step=None):
+def _pipeline(engines, sampler, eta, groups=2, last_step=None, scorer=None, **kwargs):
     from justrl_megatron.rollout.stream_source import StreamSource
 
-    return StreamSource(engines, sampler, Scorer(), Tokenizer(), n=2, sampling=SamplingConfig(max_tokens=4),
-                        leader=True, max_staleness=eta, num_groups=groups, last_step=last_step)
+    return StreamSource(engines, sampler, scorer or Scorer(), Tokenizer(), n=2, sampling=SamplingConfig(max_tokens=4),
+                        leader=True, max_staleness=eta, num_groups=groups, last_step=last_step, **kwargs)
 
 
 def _sampler():
@@ -220,6 +220,31 @@ def test_admission_keeps_every_trained_sample_within_the_bound(single_trainer, e
     assert "1" in trained and dropped == 0 and engines.waits == [1]  # waited for once, when it expired
     assert trained.index("1") == 2 * eta + 1  # overtaken by the eta steps' other groups, trained at the last moment
     assert len(trained) == len(set(trained)) == 12  # each prompt trained once
+
+
+def test_dynamic_sampling_keeps_only_groups_with_reward_variance_and_admits_more_within_the_bound(single_trainer):
+    """Streaming x algo.dynamic_sampling: a group whose rewards are all equal is not trained; fresh prompts take its
+    admission room, and every step still trains prompts_per_step groups, none older than eta."""
+    class EvenGroupsAllWrong(Scorer):
+        def evaluate(self, texts, answers):  # a group's texts are "[gid, k]": even groups get no reward variance
+            if int(texts[0].strip("[]").split(",")[0]) % 2 == 0:
+                return [0.0] * len(texts), [False] * len(texts)
+            return super().evaluate(texts, answers)
+
+    engines = ScriptedEngines({}, 1)
+    pipeline = _pipeline(engines, _sampler(), 1, scorer=EvenGroupsAllWrong(), dynamic_sampling=True, max_rounds=3)
+    trained = []
+    for step in range(1, 5):
+        version = step - 1
+        engines.publish(version)
+        scored = pipeline.next_batch(step, version, Timer())
+        figures = scored.sampling_stats.metrics()
+        rewards = scored.batch.rewards
+        assert all(rewards[i] != rewards[i + 1] for i in range(0, len(rewards), 2))  # every group has variance
+        assert figures["batch/kept_groups"] == 2 and figures["batch/zero_variance_groups"] >= 1
+        assert scored.staleness <= 1 and len(pipeline._admitted) <= 2 * 2
+        trained += [p.id for p in scored.batch.prompts]
+    assert all(int(i) % 2 == 1 for i in trained) and len(set(trained)) == 8  # only odd prompts, each once
 
 
 def test_a_step_takes_drop_notices_and_expiring_groups_first_and_waits_only_for_expiring_ones():
