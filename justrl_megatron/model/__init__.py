@@ -14,25 +14,12 @@ reference.py  reference-policy logprobs for the KL penalty: adapters off (LoRA) 
 `problems(cfg, ...)` collects every model feature's config refusals (each feature module owns its own).
 """
 
-# (module, function(cfg, shape) -> list[str]): each model feature's refusals, in the order they are reported.
-# Imported only when asked, so `import justrl_megatron.model` stays cheap.
-PROBLEMS = (
-    ("attention", "context_parallel_problems"),
-    ("moe", "problems"),
-    ("spec", "transformer_engine_problems"),
-    ("attention", "shared_prompt_config_problems"),
-    ("lora", "problems"),
-    ("hf_config", "shape_problems"),
-)
-
-
 def problems(cfg, *, shape=None) -> list[str]:
     """What the model settings of `cfg` cannot run with, one line each, before any model is built. `shape` (a
-    hf_config.ModelShape) enables the checks that need the model."""
-    from . import attention, hf_config, lora, moe, spec  # plain imports: the module graph shows them
+    hf_config.ModelShape) enables the checks that need the model. Each feature's check (cfg, shape) -> lines lives in
+    its module, imported only when asked, so `import justrl_megatron.model` stays cheap."""
+    from . import attention, hf_config, lora, moe, spec
 
-    modules = dict(attention=attention, hf_config=hf_config, lora=lora, moe=moe, spec=spec)
-    out: list[str] = []
-    for module, name in PROBLEMS:
-        out += getattr(modules[module], name)(cfg, shape)
-    return out
+    checks = (attention.context_parallel_problems, moe.problems, spec.transformer_engine_problems,
+              attention.shared_prompt_config_problems, lora.problems, hf_config.shape_problems)
+    return [line for check in checks for line in check(cfg, shape)]

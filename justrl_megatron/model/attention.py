@@ -36,13 +36,17 @@ logger = logging.getLogger(__name__)
 SHARED_PROMPT_CHOICES = ("auto", "on", "off")
 
 
+def _shared_prompt_choice(choice) -> str:
+    return {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
+
+
 def shared_prompt_problems(choice, transformer_impl: str = "auto", cp: int = 1, routing_replay: bool = False
                            ) -> list[str]:
     """What trainer.shared_prompt cannot be (config validation and `resolve_shared_prompt` share it):
     a known choice; `on` only where a unit's rows can be attended (our SDPA attention: not TransformerEngine's), cut
     into context-parallel chunks (not at parallel.context > 1) and replayed per sample (not with MoE routing
     replay). `auto` turns itself off in those cases."""
-    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
+    choice = _shared_prompt_choice(choice)
     if choice not in SHARED_PROMPT_CHOICES:
         return [f"trainer.shared_prompt must be auto, on or off, got {choice!r}"]
     if choice != "on":
@@ -69,7 +73,7 @@ def resolve_shared_prompt(choice, impl: str, cp: int = 1, routing_replay: bool =
     problems = shared_prompt_problems(choice, impl, cp, routing_replay)
     if problems:
         raise ValueError(problems[0])
-    choice = {"true": "on", "false": "off"}.get(str(choice).lower(), str(choice).lower())  # yaml / CLI booleans
+    choice = _shared_prompt_choice(choice)
     return choice == "on" or (choice == "auto" and impl != "te" and cp == 1 and not routing_replay)
 
 

@@ -13,6 +13,7 @@ processing), which is what the trainer recomputes: `logprob_gap` measures how fa
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
 
@@ -59,6 +60,17 @@ class SamplingConfig:
         """From config.RolloutConfig (rollout.max_response_length, temperature, top_p, top_k)."""
         return cls(max_tokens=rollout.max_response_length, temperature=rollout.temperature, top_p=rollout.top_p,
                    top_k=rollout.top_k, seed=seed)
+
+
+def weight_sync_backend(name: str) -> str:
+    """rollout.weight_sync_backend with its alias resolved ("cpu" is local)."""
+    return {"cpu": "local"}.get(name, name)
+
+
+def registered_class(path: str) -> type:
+    """The class a registry names by import path ("module:Class"): a registered module may import its registry."""
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 @dataclass

@@ -25,13 +25,12 @@ Split (rollout.placement=split): rollout/split.py.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Callable, ContextManager, Protocol, Sequence
 
 from .. import compat
 from ..distributed import init_distributed
 from ..slurm import stop_requested
-from .base import RolloutEngine, Rollouts, SamplingConfig, WeightStream
+from .base import RolloutEngine, Rollouts, SamplingConfig, WeightStream, registered_class, weight_sync_backend
 
 # rollout.placement -> "module:Class"
 PLACEMENTS = {
@@ -91,8 +90,7 @@ class Placement(Protocol):
 def placement_class(name: str) -> type:
     if name not in PLACEMENTS:
         raise ValueError(f"rollout.placement must be one of {', '.join(PLACEMENTS)}, got {name!r}")
-    module, cls = PLACEMENTS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return registered_class(PLACEMENTS[name])
 
 
 def overlaps(name: str) -> bool:
@@ -136,8 +134,7 @@ class ColocatedPlacement:
 
     @staticmethod
     def problems(cfg, world_size: int) -> list[str]:
-        backend = {"cpu": "local"}.get(cfg.rollout.weight_sync_backend, cfg.rollout.weight_sync_backend)
-        if backend in ("gloo", "nccl", "ipc"):
+        if weight_sync_backend(cfg.rollout.weight_sync_backend) in ("gloo", "nccl", "ipc"):
             return [f"rollout.weight_sync_backend={cfg.rollout.weight_sync_backend} is for rollout.placement=split; "
                     f"a colocated engine takes the weights by reference (auto or local)"]
         return []

@@ -21,11 +21,11 @@ model loads, what it cannot run with; config validation asks the source in use t
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..algo.dynamic_sampling import ScoredBatch
+from .base import registered_class
 
 # rollout.source -> "module:Class"
 SOURCES = {
@@ -77,8 +77,7 @@ def source_name(cfg) -> str:
 def source_class(name: str) -> type:
     if name not in SOURCES:
         raise ValueError(f"rollout.source must be one of {', '.join(SOURCES)} (or null), got {name!r}")
-    module, cls = SOURCES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return registered_class(SOURCES[name])
 
 
 def make_source(cfg, placement, sampler, scorer, tokenizer, *, leader: bool) -> BatchSource:

@@ -43,7 +43,7 @@ from collections import deque
 from typing import Sequence
 
 from ..distributed import backend, free_port, init_split, trainer_broadcast
-from .base import RolloutInterrupted, Rollouts, SamplingConfig
+from .base import RolloutInterrupted, Rollouts, SamplingConfig, weight_sync_backend
 
 
 class _Request:
@@ -84,7 +84,7 @@ class SplitPlacement:
         if not 1 <= ro.num_rollout_ranks < world_size:
             out.append(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < the world size {world_size} "
                        f"(the last N ranks host vLLM engines, the others train), got {ro.num_rollout_ranks}")
-        if {"cpu": "local"}.get(ro.weight_sync_backend, ro.weight_sync_backend) == "local":
+        if weight_sync_backend(ro.weight_sync_backend) == "local":
             out.append("rollout.weight_sync_backend=local needs rollout.placement=colocated (the engine in the "
                        "trainer's process); use auto")
         tp = ro.tensor_parallel

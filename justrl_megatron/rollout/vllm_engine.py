@@ -27,9 +27,9 @@ from typing import Callable, Sequence
 import torch
 
 from .. import compat
-from ..dtypes import DTYPES, torch_name
+from ..dtypes import DTYPES, resolve_dtype, torch_name
 from ..model.moe import ROUTED_EXPERTS_ON_CPU
-from .base import Rollouts, SamplingConfig, WeightStream
+from .base import Rollouts, SamplingConfig, WeightStream, weight_sync_backend
 from .stopping import StopCheck, agreement_group
 from .weight_transfer import (DEFAULT_BUCKET_BYTES, bucket_metadata, bucket_nbytes, broadcast_object,
                               checkpoint_tensors, iter_buckets, tie_lm_head, tied_embeddings)
@@ -181,7 +181,7 @@ class VLLMEngine:
         engine in a child process:       gloo (CPU) / nccl (GPU) broadcast from trainer rank 0 (split placement),
                                          or ipc (GPU): this rank feeds its own child-process engine on its GPU
         """
-        requested = {"cpu": "local"}.get(requested, requested)
+        requested = weight_sync_backend(requested)
         if requested not in ("auto", "local", "gloo", "nccl", "ipc"):
             raise ValueError(f"weight_sync_backend must be auto, local (cpu), gloo, nccl or ipc, got {requested!r}")
         broadcast = "nccl" if self.on_gpu else "gloo"
@@ -583,8 +583,6 @@ def make_engine(cfg, model_dir, *, seed: int = 0, in_process: bool = True):
     Reads rollout.tensor_parallel, gpu_memory_utilization, cpu_kvcache_gib, enforce_eager, weight_sync_backend,
     weight_sync_bucket_mb, model.dtype; the context is data.max_prompt_length + rollout.max_response_length.
     """
-    from ..dtypes import resolve_dtype, torch_name
-
     ro = cfg.rollout
     # the trainer's dtype, resolved the same way ("auto": bf16 on GPU, fp32 on CPU). vLLM's own "auto" would run a
     # float32 checkpoint in half precision and break trainer/rollout logprob parity.

@@ -4,18 +4,14 @@ trains with it unchanged (docs/architecture.md, "A rollout mode").
 usage: python custom_source.py OUT.json [hydra overrides...] (with rollout.source=alternating)
 """
 
-import json
 import sys
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections for megatron-core)
 
-from loop_recording import RecordingEngine
+from loop_recording import record
 
 from justrl_megatron.algo.dynamic_sampling import ScoredBatch
-from justrl_megatron.config import compose
 from justrl_megatron.rollout import SamplingConfig, source
-from justrl_megatron.train.loop import run
-from justrl_megatron.train_entry import apply_memory_plan, check_config
 
 
 class AlternatingSource:
@@ -52,11 +48,4 @@ class AlternatingSource:
 
 if __name__ == "__main__":
     source.SOURCES["alternating"] = f"{__name__}:AlternatingSource"  # the one registry line a new mode needs
-    out, overrides = sys.argv[1], sys.argv[2:]
-    cfg = compose(overrides)
-    model_dir, shape = check_config(cfg)
-    apply_memory_plan(cfg, shape)
-    engine = RecordingEngine(shape.vocab_size)
-    last = run(cfg, model_dir, shape, engine=engine)
-    with open(out, "w") as f:
-        json.dump({"last_step": last, "calls": engine.calls}, f)
+    record(sys.argv[1], sys.argv[2:])

@@ -80,8 +80,8 @@ class RecordingEngine:
         self.calls.append(["shutdown"])
 
 
-if __name__ == "__main__":
-    out, overrides = sys.argv[1], sys.argv[2:]
+def record(out: str, overrides: list[str]) -> None:
+    """`train.loop.run` on the composed config with a RecordingEngine; its call log and last step into `out`."""
     cfg = compose(overrides)
     model_dir, shape = check_config(cfg)
     apply_memory_plan(cfg, shape)  # as justrl-train does: model.recompute=auto becomes concrete
@@ -90,3 +90,7 @@ if __name__ == "__main__":
     last = run(cfg, model_dir, shape, engine=engine)
     with open(out, "w") as f:
         json.dump({"last_step": last, "calls": engine.calls}, f)
+
+
+if __name__ == "__main__":
+    record(sys.argv[1], sys.argv[2:])
