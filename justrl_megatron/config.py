@@ -251,6 +251,11 @@ def register() -> None:
 class ConfigError(ValueError):
     """A config that cannot run; the message says which key to change and how."""
 
+    @classmethod
+    def listing(cls, problems: Iterable[str]) -> "ConfigError":
+        """The one form every refusal takes: "invalid config:" and one line per problem."""
+        return cls("invalid config:\n  - " + "\n  - ".join(problems))
+
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> Any:
     """Compose the config as `justrl-train` would (for tests, tools and notebooks)."""
@@ -346,7 +351,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
 
     problems += config_problems(cfg)
     if problems:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        raise ConfigError.listing(problems)
 
 
 # --- unknown keys: hydra's `+key=value` appends even into a structured schema (it opens the struct flag to do so),
@@ -377,6 +382,49 @@ def key_problem(key: str) -> str | None:
         if kind == "free" or i == len(parts):
             return None
     return f"unknown key {key}{closest_key_hint(key)}"
+
+
+def _field_type(key: str):
+    """The schema's type of a dotted key (typing form, e.g. Optional[int]), or None for a free-form key."""
+    cls, kind = JustRLConfig, None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        kind = typing.get_type_hints(cls).get(part)
+        cls = kind
+    return kind
+
+
+_TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+
+
+def value_type_problem(key: str, value) -> str | None:
+    """Why `value` (a command-line override of the schema key `key`, as hydra's parser reads it) cannot be its value,
+    else None. hydra would refuse it in a multi-line merge error; a bool takes true or false only, where OmegaConf
+    would read 2 or "yes" as true. Interpolations are left to the composed config."""
+    kind = _field_type(key)
+    if kind is None or (isinstance(value, str) and "${" in value):
+        return None
+    optional = type(None) in typing.get_args(kind)
+    base = next((a for a in typing.get_args(kind) if a is not type(None)), kind) if optional else kind
+    items = typing.get_args(base)[0] if typing.get_origin(base) is list else None
+    words = _TYPE_WORDS.get(base) or ("a list, e.g. [a, b]" if items in _TYPE_WORDS else None)
+    wanted = f"{key} must be {words}{' (or null)' if optional else ''}, got {_written(value)}"
+    if base is bool and not isinstance(value, bool) and not (optional and value is None):
+        return wanted
+    probe = OmegaConf.structured(JustRLConfig)
+    try:
+        OmegaConf.update(probe, key, value, merge=True)
+    except Exception as exc:  # noqa: BLE001  (OmegaConf's ValidationError / ConfigKeyError: the value does not fit)
+        return wanted if words else f"{key}={_written(value)}: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _written(value) -> str:
+    """A command-line value as it was written: null, true, 'text', [1, 2]."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
 
 
 def closest_key_hint(key: str) -> str:
