@@ -82,6 +82,23 @@ def test_a_stop_aborts_a_big_generate_within_steps_and_leaves_the_engine_clean(e
     assert abort["left"] == 0 and abort["again_equal"], abort
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_stop_keeps_every_sampled_token_and_the_resume_continues_it_exactly(engine_run):
+    """Issue 47: harvest aborts every group and hands back its samples so far; resumed (prompt + those tokens
+    prefilled, new weights of the same values as version + 1), greedy responses equal the uninterrupted ones with
+    their logprobs, sampled heads are kept as they were, every logprob equals transformers' after the same context,
+    and each token keeps the version that sampled it."""
+    h = engine_run["harvest"]
+    print(h["heads"], f"greedy gap {h['greedy_lp_gap']:.2e}, sampled vs transformers {h['sampled_hf_gap']:.2e}")
+    assert h["left_after_harvest"] == 0 and h["left"] == 0
+    assert all(0 < n < 24 for n in h["heads"]["0"] + h["heads"]["1"]) and all(0 < n < 16 for n in h["heads"]["2"])
+    assert all(set(f) == {"abort"} for f in h["kept_finish"].values())
+    assert h["greedy_equal"] and h["greedy_lp_gap"] < 1e-4
+    assert h["heads_kept"] and h["sampled_lengths"] == [16, 16, 16] and h["sampled_hf_gap"] < 1e-4
+    assert all(set(f) == {"length"} for f in h["finish"].values()) and h["versions_ok"]
+
+
 # --- the buffer --------------------------------------------------------------------------------------------------------
 
 def test_buffer_blocks_until_a_group_is_in_and_refuses_to_grow_past_its_bound():
@@ -118,6 +135,7 @@ class ScriptedEngines:
     def __init__(self, lengths, eta):
         self.lengths, self.eta = lengths, eta
         self.buffer, self.version, self.inflight, self.admitted, self.waits = None, 0, {}, [], []
+        self.resumed = []
         self.frozen = False  # True: a trainer that would block does not let the engine run (a stop must end the wait)
 
     def stream_open(self, n, sampling, capacity):
@@ -148,6 +166,24 @@ class ScriptedEngines:
                 self._finish(gid, self.version)
             else:
                 self.inflight[gid] = self.version
+
+    def stream_resume(self, groups):
+        """A stop's groups go on: each finishes as the scripted engine finishes any, its kept head first."""
+        for gid, _, samples, admitted in groups:
+            self.resumed.append((gid, [len(t) for t in samples.token_ids], admitted))
+            self.admitted.append(gid)
+            if self.lengths.get(gid, 0) == 0:
+                self._finish(gid, admitted)
+            else:
+                self.inflight[gid] = admitted
+
+    def stream_harvest(self):
+        """Every group in flight with one sampled token per sample so far (version of its admission)."""
+        kept = {gid: Rollouts(prompt_index=[0] * self.n, token_ids=[[gid]] * self.n, logprobs=[[-1.0]] * self.n,
+                              finish_reasons=["abort"] * self.n, weight_version=start,
+                              token_versions=[[start]] * self.n) for gid, start in self.inflight.items()}
+        self.inflight.clear()
+        return kept
 
     def publish(self, version):
         self.version = version
@@ -295,6 +331,42 @@ def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first
     assert resumed_engines.admitted[:len(saved)] == list(range(len(saved)))
     assert [p.id for p in again.batch.prompts] == saved[:2]  # the saved prompts come first, generated anew
     assert again.sampling_stats.metrics()["rollout/discarded_at_resume"] == 2
+
+
+def test_a_stop_saves_every_group_with_its_samples_and_the_resume_continues_them_under_their_version(
+        single_trainer, monkeypatch):
+    """Issue 47: stop_state after a stop that cut a step short holds every admitted group: the ones the step had
+    taken (finished), those in flight (harvested: their samples so far) and those still in the buffer, under the
+    version they were admitted at; a resumed source hands them back to the engines first with those versions,
+    throws nothing away and counts them, and still trains nothing older than eta."""
+    import justrl_megatron.rollout.stream_source as ar
+
+    engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others run for 3 versions
+    engines.frozen = True
+    pipeline = _pipeline(engines, _sampler(), 1)
+    engines.publish(0)
+    monkeypatch.setattr(ar, "stop_requested", lambda: True)
+    assert pipeline.next_batch(1, 0, Timer()) is None  # took group 0, then a stop while waiting for the rest
+    state = json.loads(json.dumps(pipeline.stop_state()))  # as torch.save keeps it: plain data
+    groups = state["groups"]
+    assert [g["prompt"]["id"] for g in groups] == ["0", "1", "2", "3"] and all(g["version"] == 0 for g in groups)
+    assert groups[0]["samples"]["finish_reasons"] == ["stop", "stop"]  # taken by the stopped step: whole
+    assert all(g["samples"]["finish_reasons"] == ["abort", "abort"] for g in groups[1:])  # cut short: kept
+    monkeypatch.setattr(ar, "stop_requested", lambda: False)
+    resumed_engines = ScriptedEngines({}, 1)
+    resumed = _pipeline(resumed_engines, _sampler(), 1)
+    resumed.sampler.load_state_dict(pipeline.sampler.state_dict())
+    resumed.restore(state)
+    resumed_engines.publish(0)  # the stop cut step 1 short: the run resumes from step 0's checkpoint
+    first = resumed.next_batch(1, 0, Timer())
+    assert [(g, v) for g, _, v in resumed_engines.resumed] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # their versions
+    assert [p.id for p in first.batch.prompts] == ["0", "1"]  # in the order they were admitted
+    figures = first.sampling_stats.metrics()
+    assert figures["rollout/continued_at_resume"] == 4 and figures["rollout/discarded_at_resume"] == 0
+    resumed_engines.publish(1)
+    second = resumed.next_batch(2, 1, Timer())
+    assert [p.id for p in second.batch.prompts] == ["2", "3"]  # admitted at 0, trained at 1: within the bound
+    assert second.staleness == 1 and resumed_engines.admitted[:4] == [0, 1, 2, 3]
 
 
 # --- config ------------------------------------------------------------------------------------------------------------

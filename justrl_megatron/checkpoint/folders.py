@@ -6,6 +6,7 @@ Layout (all under `run_dir/checkpoints/`):
                            tokenizer, so `justrl-convert mcore-to-hf` needs nothing else), trainer_state.pt (step,
                            scheduler, caller's extra state), rng/rank00000.pt ... (every rank's RNG states),
                            manifest.json (written last: every file with its size, and a CRC32 of the small ones)
+                           at_stop.pt (a stop only, after the commit: the work in flight then, for the resume)
   latest                   "step_00000020": written last, by atomic replace
   .tmp_step_00000030.<pid>/  a save in progress (or one that died): never read; named by its writer, removed by the
                            next start or save of the run dir's lock holder (run_lock.py), or at once when the save
@@ -42,6 +43,11 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 MANIFEST = "manifest.json"  # written last into a complete checkpoint: its files, sizes and small files' CRC32
+
+
+# a stop's work in flight, written into the committed checkpoint of the step the run stopped at (save_stop_state);
+# outside the manifest: a resume reads it when it is there and intact, and resumes without it when not
+STOP_STATE = "at_stop.pt"
 
 
 CRC_MAX_BYTES = 16 << 20  # checksum files up to this size (metadata, common state, RNG); the big shards: size only

@@ -19,8 +19,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from megatron.core import dist_checkpointing
 
-from .folders import (CheckpointError, TRAINER_STATE, _agreed, _barrier, _error_text, _rank, checkpoint_problem,
-    checkpoint_root, newest_intact_step, resume_candidates, step_dir)
+from .folders import (CheckpointError, STOP_STATE, TRAINER_STATE, _agreed, _barrier, _error_text, _rank,
+    checkpoint_problem, checkpoint_root, newest_intact_step, resume_candidates, step_dir)
 from .save import remove_stale_staging
 from .state import (OPTIM_METADATA, _distopt_load_without_apex, _layout, _saved_content, _sharded_state_dict,
     layout_refusal, set_rng_state)
@@ -92,4 +92,18 @@ def _load(path: Path, chunks, optimizer, scheduler) -> dict:
         warnings.warn(f"{path}: saved at layout {saved['layout'] if saved else 'unknown'}, resumed at {_layout()}: "
                       f"weights and optimizer state are resharded, RNG states are not restored", stacklevel=3)
     _barrier()
-    return {**trainer["extra"], "step": trainer["step"]}
+    return {**trainer["extra"], "step": trainer["step"], "at_stop": _stop_state(path)}
+
+
+def _stop_state(path: Path) -> dict | None:
+    """What a stop left beside the checkpoint (save.save_stop_state), or None: none, or unreadable (said; the resume
+    then regenerates that work, as after a crash)."""
+    if not (path / STOP_STATE).is_file():
+        return None
+    try:
+        return torch.load(path / STOP_STATE, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any damage: the checkpoint itself is intact
+        if _rank() == 0:
+            warnings.warn(f"{path / STOP_STATE}: unreadable ({_error_text(exc)}); the work in flight at the stop is "
+                          f"generated anew", stacklevel=3)
+        return None

@@ -34,8 +34,8 @@ from .. import lifeline, run_lock
 from ..model import lora
 from ..model.build import nonfinite_parameters
 from ..model.hf_config import ModelShape, model_shape
-from .folders import (CheckpointError, CheckpointWriteError, LATEST, STEP_PREFIX, TMP_PREFIX, TRAINER_STATE, _agreed,
-    _barrier, _from_rank0, _rank, _save_durably, _write_text_atomically, checkpoint_problem, checkpoint_root,
+from .folders import (CheckpointError, CheckpointWriteError, LATEST, STEP_PREFIX, STOP_STATE, TMP_PREFIX, TRAINER_STATE,
+    _agreed, _barrier, _from_rank0, _rank, _save_durably, _write_text_atomically, checkpoint_problem, checkpoint_root,
     fsync_path, latest_step, step_dir, write_manifest)
 from .state import _content_metadata, _layout, _sharded_state_dict, rng_state
 from .weights import layout_meta, write_meta
@@ -378,3 +378,16 @@ def _disk_full(exc: BaseException, root: Path) -> bool:
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [e.__cause__, e.__context__]
     return False
+
+
+def save_stop_state(run_dir, step: int, state: dict) -> None:
+    """Rank 0, at a stop, once checkpoint `step` is committed: the work in flight then (`state`: the sampler's
+    position and the batch source's stop_state) beside it, atomically (a half-written file is never read). It goes
+    with its checkpoint (retention removes both); a resume from that checkpoint continues the work."""
+    if _rank() != 0:
+        return
+    folder = step_dir(run_dir, step)
+    tmp = folder / f"{TMP_PREFIX}{STOP_STATE}"
+    _save_durably(state, tmp)
+    os.replace(tmp, folder / STOP_STATE)
+    fsync_path(folder)

@@ -237,6 +237,10 @@ class RoundSource:
                 "rollouts": dataclasses.asdict(b.rollouts), "rewards": b.rewards, "correct": b.correct,
                 "reward_stats": b.reward_stats}
 
+    def stop_state(self) -> None:
+        """`state` holds the unit in flight whole (its rollouts, collected at the save): nothing more at a stop."""
+        return None
+
     def restore(self, state: dict | None) -> None:
         """Take back the saved unit; on-policy now (a run resumed with max_staleness=0), its prompts are generated
         again with the current weights."""

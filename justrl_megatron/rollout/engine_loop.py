@@ -12,10 +12,17 @@ request and its KV cache kept (vLLM's sleep level 0, mode "keep"), loads the new
 span versions, and vLLM labels each token with the version that sampled it (Rollouts.token_versions) beside its
 behaviour logprob. Nothing is restarted. The only requests aborted are those the trainer could no longer train
 (`min_version`: their first tokens are older than rollout.max_staleness allows), and they are counted.
+
+A stop keeps the work: `harvest()` aborts every group and returns what each sampled so far (tokens, behaviour
+logprobs, per-token versions); the resumed run hands it back with `resume([...])`, and each unfinished sample goes on
+as a request of its own whose prompt is the prompt plus its tokens so far (prefilled with the resumed weights, then
+sampled on). Its earlier tokens keep their logprobs and versions, and the group its admission version: the staleness
+bound counts from its first token, across the stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,6 +59,31 @@ class LoopStats:
                 "dropped": float(self.dropped)}
 
 
+@dataclass
+class _Continued:
+    """A group resumed from a stop: its samples so far, and the requests that continue the unfinished ones."""
+
+    gid: int
+    prompt_ids: list[int]
+    samples: Rollouts  # finish reason "abort": still to continue
+    admitted_version: int
+    requests: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> its sample
+
+    def extend(self, k: int, more: Rollouts) -> None:
+        """Sample k's continuation (one sample) after its earlier tokens."""
+        s = self.samples
+        s.token_ids[k] = s.token_ids[k] + more.token_ids[0]
+        s.logprobs[k] = s.logprobs[k] + more.logprobs[0]
+        s.token_versions[k] = s.token_versions[k] + more.versions_of(0)
+        s.finish_reasons[k] = more.finish_reasons[0]
+        s.truncated[k] = s.finish_reasons[k] == "length"
+
+    def finished(self) -> Rollouts:
+        s = self.samples
+        return dataclasses.replace(s, weight_version=min((v for vs in s.token_versions for v in vs),
+                                                         default=self.admitted_version))
+
+
 class EngineLoop:
     """Continuous batching over a `VLLMEngine` (add_request / step / pause / resume / abort)."""
 
@@ -59,8 +91,10 @@ class EngineLoop:
         self.engine, self.n, self.sampling = engine, n, sampling
         self.max_seqs = int(max_running_seqs or engine.max_num_seqs)
         self.capacity = max(1, self.max_seqs // n)  # groups in the engine at once
-        self.waiting: deque[tuple[int, list[int]]] = deque()
+        self.waiting: deque[tuple[int, list[int], _Continued | None]] = deque()
         self.running: dict[str, tuple[int, int]] = {}  # request id -> (gid, admitted version)
+        self.continued: dict[int, _Continued] = {}  # resumed groups in the engine, by gid
+        self._ready: list[Group] = []  # resumed groups with nothing left to sample
         self.side: dict[str, tuple[int, int]] = {}  # a side batch's request id -> (batch, prompt)
         self._side_batches: dict[int, dict] = {}
         self.stats = LoopStats()
@@ -69,7 +103,31 @@ class EngineLoop:
 
     def admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
         """Prompts that may start as soon as a slot is free (in this order)."""
-        self.waiting.extend((int(g), list(map(int, ids))) for g, ids in prompts)
+        self.waiting.extend((int(g), list(map(int, ids)), None) for g, ids in prompts)
+
+    def resume(self, groups: Sequence[tuple[int, Sequence[int], Rollouts, int]]) -> None:
+        """Groups a stop cut short, [(gid, prompt ids, their samples so far, admitted version)] as `harvest` gave
+        them: queued before any new prompt; their unfinished samples go on where they stopped."""
+        resumed = [(int(g), list(map(int, ids)), _Continued(int(g), list(map(int, ids)), _own(samples), int(v)))
+                   for g, ids, samples, v in groups]
+        self.waiting.extendleft(reversed(resumed))
+
+    def harvest(self) -> list[tuple[int, Rollouts]]:
+        """Stop, keeping the work: abort every group and return [(gid, its samples so far)] for those that sampled
+        anything (finish reason "abort" where a sample still ran). Waiting prompts are forgotten: the trainer
+        admitted them and admits them again."""
+        kept = self.engine.abort_keeping([*self.running, *(r for c in self.continued.values() for r in c.requests)])
+        out = [(gid, kept[rid]) for rid, (gid, _) in self.running.items() if rid in kept]
+        for c in [*self.continued.values(), *(c for _, _, c in self.waiting if c is not None)]:
+            for rid, k in c.requests.items():  # each still running: its part so far ends in "abort"
+                c.extend(k, kept[rid])
+            out.append((c.gid, c.samples))
+        out = [(gid, r) for gid, r in out if any(r.token_ids)]  # nothing sampled yet: admitted anew, as fresh
+        out += [(g.gid, g.rollouts) for g in self._ready]
+        if self.side:
+            self.engine.abort(list(self.side))
+        self.running.clear(), self.continued.clear(), self.side.clear(), self.waiting.clear(), self._ready.clear()
+        return out
 
     def update(self, load: Callable[[], dict], min_version: int | None = None) -> dict:
         """New weights mid-generation: pause (in-flight requests and their KV kept), `load()` them, resume, then drop
@@ -93,19 +151,22 @@ class EngineLoop:
         """Abort the in-flight groups admitted with weights older than `min_version` (counted as dropped): the
         trainer would refuse them, and their slots serve fresh prompts instead. Returns their (gid, version)."""
         old = [rid for rid, (_, v) in self.running.items() if v < min_version]
-        if old:
-            self.engine.abort(old)
-            self.stats.dropped += len(old)
-        return [self.running.pop(rid) for rid in old]
+        resumed = [c for c in self.continued.values() if c.admitted_version < min_version]
+        requests = old + [rid for c in resumed for rid in c.requests]
+        if requests:
+            self.engine.abort(requests)
+        self.stats.dropped += len(old) + len(resumed)
+        for c in resumed:
+            del self.continued[c.gid]
+        return [self.running.pop(rid) for rid in old] + [(c.gid, c.admitted_version) for c in resumed]
 
     def abort_all(self) -> list[int]:
         """Stop: abort every in-flight group; the gids of those (and of the waiting prompts) that never finished."""
-        gids = [g for g, _ in self.running.values()] + [g for g, _ in self.waiting]
-        if self.running or self.side:
-            self.engine.abort([*self.running, *self.side])
-        self.running.clear()
-        self.side.clear()
-        self.waiting.clear()
+        gids = [g for g, _ in self.running.values()] + [*self.continued] + [g for g, _, _ in self.waiting]
+        requests = [*self.running, *self.side, *(r for c in self.continued.values() for r in c.requests)]
+        if requests:
+            self.engine.abort(requests)
+        self.running.clear(), self.continued.clear(), self.side.clear(), self.waiting.clear(), self._ready.clear()
         return gids
 
     # -- the loop ------------------------------------------------------------------------------------------------------
@@ -113,17 +174,39 @@ class EngineLoop:
     def fill(self) -> int:
         """Start waiting prompts while the engine has room; returns how many started."""
         started = 0
-        while self.waiting and len(self.running) < self.capacity:
-            gid, ids = self.waiting.popleft()
+        while self.waiting and len(self.running) + len(self.continued) < self.capacity:
+            gid, ids, resumed = self.waiting.popleft()
+            started += 1
+            if resumed is not None:
+                self._continue(resumed)
+                continue
             rid = f"g{gid}"
             self.engine.add_request(rid, ids, self.n, self.sampling)
             self.running[rid] = (gid, self.engine.weight_version)
-            started += 1
         return started
+
+    def _continue(self, c: _Continued) -> None:
+        """A resumed group's unfinished samples, each a request of its own after its earlier tokens (unseeded, as
+        a seed's CPU generator cannot follow a chunked prefill; the earlier tokens decide nothing more)."""
+        for k, reason in enumerate(c.samples.finish_reasons):
+            left = self.sampling.max_tokens - len(c.samples.token_ids[k])
+            if reason != "abort":
+                continue
+            if left <= 0:  # it had used its whole budget when the stop came
+                c.samples.finish_reasons[k], c.samples.truncated[k] = "length", True
+                continue
+            rid = f"c{c.gid}_{k}"
+            self.engine.add_request(rid, c.prompt_ids + c.samples.token_ids[k], 1,
+                                    dataclasses.replace(self.sampling, max_tokens=left, seed=None))
+            c.requests[rid] = k
+        if c.requests:
+            self.continued[c.gid] = c
+        else:
+            self._ready.append(Group(c.gid, c.finished(), c.admitted_version))
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting or self.side)
+        return bool(self.running or self.waiting or self.side or self.continued or self._ready)
 
     def add_batch(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> int:
         """A whole batch beside the stream (held-out accuracy, validation): started at once, outside the admission;
@@ -156,18 +239,27 @@ class EngineLoop:
     def step(self) -> list[Group]:
         """Refill, one engine step, and the groups that finished in it."""
         self.fill()
-        if not self.running and not self.side:
-            return []
+        groups, self._ready = self._ready, []
+        if not self.running and not self.side and not self.continued:
+            self.stats.finished += len(groups)
+            return groups
         t = time.perf_counter()
         self.stats.occupancy_sum += min(1.0, self.engine.num_unfinished() / self.max_seqs)
         out = self.engine.step()
         self.stats.busy_s += time.perf_counter() - t
         self.stats.steps += 1
-        groups = []
+        resumed = {rid: c for c in self.continued.values() for rid in c.requests}
         for rid, rollouts in out:
             if rid in self.side:
                 bid, i = self.side.pop(rid)
                 self._side_batches[bid]["done"][i] = rollouts
+                continue
+            if rid in resumed:
+                c = resumed[rid]
+                c.extend(c.requests.pop(rid), rollouts)
+                if not c.requests:
+                    del self.continued[c.gid]
+                    groups.append(Group(c.gid, c.finished(), c.admitted_version))
                 continue
             if rid not in self.running:  # aborted meanwhile (its last output raced the abort)
                 continue
@@ -179,3 +271,12 @@ class EngineLoop:
     def take_stats(self) -> LoopStats:
         stats, self.stats = self.stats, LoopStats()
         return stats
+
+
+def _own(samples: Rollouts) -> Rollouts:
+    """A copy whose lists the loop may extend, with every token's version spelled out."""
+    n = len(samples)
+    return Rollouts(prompt_index=[0] * n, token_ids=[list(t) for t in samples.token_ids],
+                    logprobs=[list(x) for x in samples.logprobs], finish_reasons=list(samples.finish_reasons),
+                    weight_version=samples.weight_version,
+                    token_versions=[samples.versions_of(k) for k in range(n)])

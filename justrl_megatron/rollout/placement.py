@@ -76,6 +76,14 @@ class Placement(Protocol):
     def stream_admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
         """(overlaps only; trainer rank 0) Prompts the engines may start now, each with its place in the stream."""
 
+    def stream_resume(self, groups: Sequence[tuple[int, Sequence[int], Rollouts, int]]) -> None:
+        """(overlaps only; trainer rank 0) Groups a stop cut short, [(place, prompt, samples so far, admitted
+        version)]: the engines continue their unfinished samples first."""
+
+    def stream_harvest(self) -> dict[int, Rollouts]:
+        """(overlaps only; trainer rank 0, at a stop) The engines abort every group and hand back what it sampled so
+        far, {place: samples}; {} elsewhere."""
+
     def training(self) -> ContextManager:
         """The trainer's turn on the devices."""
 
@@ -167,11 +175,10 @@ class ColocatedPlacement:
         self.engine.sleep()
         yield
 
-    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int):
+    def stream_open(self, *args):
         raise NotImplementedError("colocated engines take turns with the trainer: nothing streams beside it")
 
-    def stream_admit(self, prompts) -> None:
-        raise NotImplementedError("colocated engines take turns with the trainer: nothing streams beside it")
+    stream_admit = stream_resume = stream_harvest = stream_open
 
     def publish(self, version: int, min_version: int | None = None) -> dict:
         compat.release_cached_memory()

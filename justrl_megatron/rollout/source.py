@@ -7,6 +7,7 @@ The loop asks a source for each step's scored groups and knows nothing of how th
     scored = source.next_batch(step, version, timer)   # the same ScoredStep on every trainer rank; None: a stop
     placement.publish(version, source.min_version(version))  # the staleness bound: the source's, computed once
     checkpoint {..., "inflight": source.state()}
+    at a stop, beside that checkpoint: source.stop_state()   # what the resume continues (streaming: partial samples)
 
 Sources (rollout.source, or the one rollout.streaming selects):
   rounds     rollout/batch_source.py   every sampling round of a step (dynamic sampling), synchronous or one-step-off
@@ -65,8 +66,13 @@ class BatchSource(Protocol):
         """The work in flight as plain data for the checkpoint (every trainer rank calls it, before the sampler's
         position is read)."""
 
+    def stop_state(self) -> dict | None:
+        """At a stop, once its checkpoint is committed: the work in flight that a resume should continue rather than
+        redo (kept beside that checkpoint and handed to `restore` instead of `state`'s), or None: `state` said it
+        all. The run generates nothing more after it."""
+
     def restore(self, state: dict | None) -> None:
-        """Take back what `state` saved."""
+        """Take back what `state` (or `stop_state`) saved."""
 
 
 def source_name(cfg) -> str:

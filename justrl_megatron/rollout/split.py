@@ -23,6 +23,9 @@ Streaming (the streaming source, rollout/stream_source.py) turns a rollout rank 
     recv finished groups (any time)            <-    ("groups", ([(gid, Rollouts, admitted version)], figures))
     ("weights", min_version); send_weights     ->    pause (requests kept), receive, drop groups admitted before
                                                      min_version (counted), resume
+    ("harvest",)                               ->    a stop: every group aborted, ("harvest", [(gid, its samples so
+                                                     far)]) back; the checkpoint keeps them
+    ("resume", [(gid, ids, samples, version)]) ->    a resumed run: those groups go on where they stopped
     ("stop",)                                  ->    in-flight groups aborted; ("end", their gids) back
 
 The rank listens to the control channel on a thread of its own while the main thread steps the engine; finished
@@ -202,6 +205,27 @@ class SplitPlacement:
             with self._lock:
                 self._channel.broadcast_object(("admit", [(int(g), list(map(int, p))) for g, p in prompts]), 0)
 
+    def stream_resume(self, groups) -> None:
+        """(trainer rank 0) Groups a stop cut short, [(gid, prompt ids, samples so far, admitted version)]: their
+        engines continue them before any newly admitted prompt."""
+        if self.leader and groups:
+            with self._lock:
+                self._channel.broadcast_object(("resume", [(int(g), list(map(int, p)), r, int(v))
+                                                           for g, p, r, v in groups]), 0)
+
+    def stream_harvest(self) -> dict:
+        """(trainer rank 0, at a stop) Every engine aborts its groups and hands back what they sampled so far:
+        {gid: samples}. A group that finished before is in the buffer already (each engine's results arrive in
+        order). {} elsewhere, or before streaming started."""
+        if not self.leader or self._buffer is None:
+            return {}
+        with self._lock:
+            self._channel.broadcast_object(("harvest", None), 0)
+        kept = {}
+        for _ in range(self.roles.num_rollout_ranks):
+            kept.update(self._buffer.take_batch("harvest"))
+        return kept
+
     # -- the trainer's turn, weights, the end -----------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -267,8 +291,8 @@ def _receive_groups(channel, buffer) -> None:
             if kind == "end":
                 buffer.end(payload)
                 return
-            if kind == "batch":
-                buffer.put_batch(payload)
+            if kind in ("batch", "harvest"):
+                buffer.put_batch(payload, kind)
                 continue
             groups, figures = payload
             buffer.put(groups, figures)
@@ -317,6 +341,10 @@ def serve_stream(engine, channel, results, e: int, engines: int, n: int, samplin
             kind, payload = message
             if kind == "admit":
                 loop.admit([(g, ids) for g, ids in payload if g % engines == e])
+            elif kind == "resume":
+                loop.resume([group for group in payload if group[0] % engines == e])
+            elif kind == "harvest":
+                results.send_object(("harvest", loop.harvest()), dst=0)
             elif kind == "weights":
                 try:
                     dropped = loop.update(lambda: engine.receive_weights(channel), min_version=payload)["dropped"]

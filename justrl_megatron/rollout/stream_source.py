@@ -13,9 +13,13 @@ the weight update that makes them so (`min_version`, handed to the placement's p
 finished meanwhile, both counted (rollout/dropped_*), and fresh prompts take their places. No trained token is ever
 more than eta versions behind the policy.
 
-Checkpoints: the groups buffered or in flight are not saved; their prompts are (`state`), and a resumed run admits
-them first and generates them anew with the resumed weights (rollout/discarded_at_resume counts the discarded
-work). Nothing is trained twice and no prompt is skipped.
+Checkpoints: a checkpoint saves the prompts not trained yet (`state`); a resumed run admits them first. A stop
+(SIGTERM, SIGUSR1, Ctrl-C) keeps the samples too: `stop_state`, read after the stop's checkpoint, has the engines
+abort every group and hand back what it sampled so far (tokens, behaviour logprobs, per-token versions), beside the
+finished groups not trained yet; the resumed run continues them where they stopped (rollout/continued_at_resume),
+each under its first admission's version, so the bound still counts from its first token. After a crash only the
+prompts are there: they are generated anew (rollout/discarded_at_resume counts the groups whose work was lost).
+Nothing is trained twice and no prompt is skipped.
 """
 
 from __future__ import annotations
@@ -65,7 +69,10 @@ class StreamSource:
         self._admitted: dict[int, tuple[Prompt, int]] = {}  # gid -> (prompt, the version it was admitted at)
         self._next_gid = 0
         self._buffer: GroupBuffer | None = None  # trainer rank 0: finished groups (the placement fills it)
-        self._counts = {"dropped_stale": 0, "dropped_in_engine": 0, "discarded_at_resume": 0}
+        self._finished: dict[int, Rollouts] = {}  # groups a stopped step had taken, not trained
+        self._resumed: deque[tuple[Prompt, int, Rollouts]] = deque()  # a stop's groups: (prompt, version, so far)
+        self._counts = {"dropped_stale": 0, "dropped_in_engine": 0, "discarded_at_resume": 0,
+                        "continued_at_resume": 0}
 
     @classmethod
     def from_config(cls, cfg, rollout, sampler, scorer, tokenizer, *, leader: bool) -> "StreamSource":
@@ -119,18 +126,30 @@ class StreamSource:
     # -- trainer rank 0 ------------------------------------------------------------------------------------------------
 
     def _admit(self, step: int, version: int) -> None:
-        """Top the outstanding groups up to the bound (no more than the remaining steps can take)."""
+        """Top the outstanding groups up to the bound (no more than the remaining steps can take): the groups a stop
+        cut short first (under their own admission's version, unless a smaller bound now makes them too old), then
+        fresh prompts."""
         room = self.capacity - len(self._admitted)
         if self.last_step is not None:
             room = min(room, (self.last_step - step + 1) * self.num_groups - len(self._admitted))
-        batch = []
+        resumed, batch = [], []
         for _ in range(max(room, 0)):
-            if not self._queue:
-                self._queue.extend(self.sampler.next_batch())
-            prompt, gid = self._queue.popleft(), self._next_gid
+            gid = self._next_gid
             self._next_gid += 1
+            if self._resumed:
+                prompt, admitted, samples = self._resumed.popleft()
+                if admitted >= version - self.eta:
+                    self._admitted[gid] = (prompt, admitted)
+                    resumed.append((gid, prompt.ids, samples, admitted))
+                    continue
+                self._counts["discarded_at_resume"] += 1
+            else:
+                if not self._queue:
+                    self._queue.extend(self.sampler.next_batch())
+                prompt = self._queue.popleft()
             self._admitted[gid] = (prompt, version)
             batch.append((gid, prompt.ids))
+        self.rollout.stream_resume(resumed)
         self.rollout.stream_admit(batch)
 
     def _pick(self, version: int, needed):
@@ -160,12 +179,14 @@ class StreamSource:
         wait = reward = 0.0
         pick = self._pick(version, lambda: self.num_groups - len(kept))
         taken_back: dict[int, tuple[Prompt, int]] = {}  # what a stop puts back: the groups this step took to train
+        taken_samples: dict[int, Rollouts] = {}
         while len(kept) < self.num_groups:
             t = time.perf_counter()
             try:
                 gid, rollouts, _ = buffer.take(pick, stop=stop_requested)
             except RolloutInterrupted:
                 self._admitted.update(taken_back)
+                self._finished.update(taken_samples)
                 raise
             wait += time.perf_counter() - t
             prompt, admitted = self._admitted.pop(gid)
@@ -181,7 +202,7 @@ class StreamSource:
             rewards, correct, reward_stats = score(self.scorer, self.tokenizer, [prompt], rollouts, self.n)
             reward += time.perf_counter() - t
             taken += 1
-            taken_back[gid] = (prompt, admitted)
+            taken_back[gid], taken_samples[gid] = (prompt, admitted), rollouts
             # dynamic sampling: a group without reward variance teaches nothing; after max_rounds batches' worth of
             # groups the step takes what comes (as the synchronous rounds do when they run out)
             if (self.dynamic_sampling and len(set(rewards)) == 1
@@ -192,7 +213,8 @@ class StreamSource:
             kept.append((prompt, rollouts, rewards, correct, reward_stats))
         for k, v in counts.items():
             self._counts[k] += v
-        counts["discarded_at_resume"], self._counts["discarded_at_resume"] = self._counts["discarded_at_resume"], 0
+        for k in ("discarded_at_resume", "continued_at_resume"):  # counted once, by the first step after a resume
+            counts[k], self._counts[k] = self._counts[k], 0
         order = [(r, k, g) for g, (_, r, *_) in enumerate(kept) for k in range(len(r))]
         versions = [r.versions_of(k) for r, k, _ in order]
         oldest = [min(v, default=version) for v in versions]
@@ -229,11 +251,34 @@ class StreamSource:
         return {"streaming": True, "prompts": trainer_broadcast(prompts),
                 "outstanding": trainer_broadcast(len(self._admitted) if self.leader else None)}
 
+    def stop_state(self) -> dict | None:
+        """At a stop, after its checkpoint (trainer rank 0; None elsewhere): every admitted group with what it
+        sampled so far (the engines abort them and hand it back; finished ones come from the buffer), then the
+        drawn prompts. The engines generate nothing more in this run."""
+        if not self.leader:
+            return None
+        samples = dict(self._finished)
+        if self._buffer is not None:
+            samples.update(self.rollout.stream_harvest())  # each engine's finished groups arrive before its answer
+            while len(self._buffer):
+                gid, rollouts, _ = self._buffer.take()
+                if rollouts is not None:  # (a drop notice: that group is admitted anew)
+                    samples[gid] = rollouts
+        groups = [{"prompt": dataclasses.asdict(p), "version": v,
+                   "samples": dataclasses.asdict(samples[gid]) if gid in samples else None}
+                  for gid, (p, v) in sorted(self._admitted.items())]
+        return {"streaming": True, "groups": groups, "prompts": [dataclasses.asdict(p) for p in self._queue]}
+
     def restore(self, state: dict | None) -> None:
         if not state:
             return
-        self._queue.extendleft(reversed([Prompt(**p) for p in state["prompts"]]))
-        self._counts["discarded_at_resume"] = int(state.get("outstanding", len(state["prompts"])))
+        fresh = [Prompt(**g["prompt"]) for g in state.get("groups", []) if g["samples"] is None]
+        for g in state.get("groups", []):  # saved at a stop: these go on where they stopped
+            if g["samples"] is not None:
+                self._resumed.append((Prompt(**g["prompt"]), int(g["version"]), Rollouts(**g["samples"])))
+        self._queue.extendleft(reversed(fresh + [Prompt(**p) for p in state["prompts"]]))
+        self._counts["continued_at_resume"] = len(self._resumed)
+        self._counts["discarded_at_resume"] = int(state.get("outstanding", 0))
 
 
 class BufferError(RuntimeError):
@@ -255,20 +300,22 @@ class GroupBuffer:
         self.max_depth = 0
         self.stats: dict[str, float] = {}
         self.ends: list = []
-        self._batches: deque = deque()  # side batches' parts (the split placement's generate while streaming)
+        # answers beside the groups, by kind: "batch" (a side batch's part: the split placement's generate while
+        # streaming), "harvest" (an engine's samples so far, at a stop)
+        self._answers: dict[str, deque] = {"batch": deque(), "harvest": deque()}
 
-    def put_batch(self, part) -> None:
+    def put_batch(self, part, kind: str = "batch") -> None:
         with self._cond:
-            self._batches.append(part)
+            self._answers[kind].append(part)
             self._cond.notify_all()
 
-    def take_batch(self):
+    def take_batch(self, kind: str = "batch"):
         with self._cond:
-            while not self._batches:
+            while not self._answers[kind]:
                 if self._error is not None:
                     raise self._error
                 self._cond.wait(timeout=1.0)
-            return self._batches.popleft()
+            return self._answers[kind].popleft()
 
     def put(self, items, stats: dict | None = None) -> None:
         with self._cond:

@@ -345,20 +345,43 @@ class VLLMEngine:
         of its n samples with per-token versions). Nothing while paused or idle."""
         if self._paused or not self.llm.llm_engine.has_unfinished_requests():
             return []
-        done = []
-        for out in self.llm.llm_engine.step():
-            if not out.finished:
-                continue
-            samples = sorted(out.outputs, key=lambda c: c.index)
-            toks = [list(c.token_ids) for c in samples]
-            versions = [span_versions(c.weight_versions, len(t), self._version) for c, t in zip(samples, toks)]
-            done.append((out.request_id, Rollouts(
-                prompt_index=[0] * len(samples), token_ids=toks,
-                logprobs=[[st[t].logprob for st, t in zip(c.logprobs or [], tk)] for c, tk in zip(samples, toks)],
-                finish_reasons=[c.finish_reason or "abort" for c in samples],
-                weight_version=min((v for vs in versions for v in vs), default=self._version),
-                token_versions=versions)))
-        return done
+        return [(out.request_id, self._group(out)) for out in self.llm.llm_engine.step() if out.finished]
+
+    def _group(self, out) -> Rollouts:
+        """A request's samples (a finished RequestOutput) with per-token versions."""
+        samples = sorted(out.outputs, key=lambda c: c.index)
+        toks = [list(c.token_ids) for c in samples]
+        versions = [span_versions(c.weight_versions, len(t), self._version) for c, t in zip(samples, toks)]
+        return Rollouts(
+            prompt_index=[0] * len(samples), token_ids=toks,
+            logprobs=[[st[t].logprob for st, t in zip(c.logprobs or [], tk)] for c, tk in zip(samples, toks)],
+            finish_reasons=[c.finish_reason or "abort" for c in samples],
+            weight_version=min((v for vs in versions for v in vs), default=self._version),
+            token_versions=versions)
+
+    def abort_keeping(self, request_ids: Sequence[str]) -> dict[str, Rollouts]:
+        """Abort requests added by `add_request` (not stream=True) and return what each sampled so far: its n samples
+        with their tokens, behaviour logprobs and per-token versions, finish reason "abort" for the samples that
+        were still running. A stop keeps this work for the resumed run to continue (rollout/engine_loop.py).
+
+        vLLM's offline engine hands a request's tokens out only when it finishes; its async server emits the same
+        final output for an aborted request (OutputProcessor.abort_requests with a queue). This does what that does,
+        for the LLMEngine the rollout ranks step themselves: a final output with finish reason ABORT from each
+        sample's request state, then the abort."""
+        from vllm.v1.engine import FinishReason
+
+        processor = self.llm.llm_engine.output_processor
+        kept = {}
+        for rid in request_ids:
+            final = None
+            for internal in list(processor.external_req_ids.get(rid, [])):  # the request, or its n samples
+                out = processor.request_states[internal].make_request_output(
+                    new_token_ids=[], pooling_output=None, finish_reason=FinishReason.ABORT, stop_reason=None)
+                final = out if out is not None and out.finished else final
+            if final is not None:
+                kept[rid] = self._group(final)
+        self.abort(list(request_ids))
+        return kept
 
     def num_unfinished(self) -> int:
         """Requests (groups) added and not yet handed back by `step`."""

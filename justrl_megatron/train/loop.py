@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from ..algo.grpo import compute_advantages
 from ..algo.loss_config import LossConfig
 from ..algo.overlong import shape_rewards
-from ..checkpoint import CheckpointError, Checkpointer, latest_step, load_latest_checkpoint
+from ..checkpoint import CheckpointError, Checkpointer, latest_step, load_latest_checkpoint, save_stop_state
 from ..console import quiet_console
 from ..convert.export import export_hf_stream
 from ..convert.load import load_hf_weights
@@ -149,7 +149,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if stopping or step % tr.save_every == 0 or step == tr.total_steps:
             _checkpoint(checkpoints, step, policy, sampler, source)
         if stopping or step == tr.total_steps:
-            checkpoints.wait()
+            _finish_saves(checkpoints, step, sampler, source, run_dir, stopping=stopping)
         hf_snapshots.maybe_save(step)  # trainer.hf_every: run_dir/hf/step_N, an HF folder of the live weights
         if (trace := profiler.step_finished(step, stopping)) is not None:
             logger.print(f"profile of steps {tr.profile_steps[0]}-{step}: {trace}")
@@ -216,8 +216,16 @@ def _checkpoint_for_stop(step: int, checkpoints, policy, sampler, source, run_di
     initial state: a rerun starts the same way); returns `step`."""
     if trainer_broadcast(step not in (0, checkpoints.pending_step, latest_step(run_dir))):  # rank 0 decides for all
         _checkpoint(checkpoints, step, policy, sampler, source)
-    checkpoints.wait()
+    _finish_saves(checkpoints, step, sampler, source, run_dir, stopping=True)
     return step
+
+
+def _finish_saves(checkpoints, step: int, sampler, source, run_dir, *, stopping: bool) -> None:
+    """Wait for the pending save; at a stop, keep the batch source's work in flight (streaming: every group's
+    samples so far) beside checkpoint `step`, with the sampler's position after it: a resume continues that work."""
+    checkpoints.wait()
+    if stopping and (work := source.stop_state()) is not None and latest_step(run_dir) == step:
+        save_stop_state(run_dir, step, {"sampler": sampler.state_dict(), "inflight": work})
 
 
 def _weight_stream(policy, shape):
@@ -286,8 +294,9 @@ def _restore(policy, sampler, run_dir, model_dir, *, progress: bool, mode: str =
             load_hf_weights(policy.chunks, model_dir, progress=progress)
         policy.optimizer.reload_model_params()  # mixed-precision optimizers keep their own fp32 copies
         return 0, None
-    sampler.load_state_dict(resumed["sampler"])
-    return int(resumed["step"]), resumed.get("inflight")
+    saved = resumed.get("at_stop") or resumed  # a stop's work in flight, kept beside the checkpoint, comes later
+    sampler.load_state_dict(saved["sampler"])
+    return int(resumed["step"]), saved.get("inflight")
 
 
 def _write_heldout(run_dir, start, end) -> None:

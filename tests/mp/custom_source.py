@@ -42,6 +42,9 @@ class AlternatingSource:
     def state(self):
         return {"alternating_steps": list(self.steps)}
 
+    def stop_state(self):
+        return None
+
     def restore(self, state):
         self.steps = list((state or {}).get("alternating_steps", []))
 

@@ -90,6 +90,7 @@ def main(model_dir, out):
                 rec["equals_hf_greedy"] = toks == hf_ref[g.gid]
         v["groups"].append(rec)
     v["abort"] = abort_checks(engine)
+    v["harvest"] = harvest_checks(engine, hf)
     engine.shutdown()
     with open(os.path.join(out, "verdict.json"), "w") as f:
         json.dump(v, f)
@@ -138,6 +139,53 @@ def abort_checks(engine):
     return {"parity": [new.token_ids, new.logprobs, new.finish_reasons] == [*ref],
             "samples": len(new.token_ids), "raised": raised, "seconds": seconds, "polls": len(polls), "left": left,
             "again_equal": [again.token_ids, again.logprobs] == [new.token_ids, new.logprobs]}
+
+
+def harvest_checks(engine, hf):
+    """A stop keeps the work: harvest mid-generation, take new weights (the same values, version 3), resume. Greedy,
+    the continued responses are the uninterrupted ones token for token, with their logprobs; sampled (n=3), every
+    kept head is unchanged and every token's logprob is transformers' after the same context; the versions say
+    which weights sampled which part."""
+    from justrl_megatron.rollout import SamplingConfig
+    from justrl_megatron.rollout.engine_loop import EngineLoop
+
+    greedy = SamplingConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    sampled = SamplingConfig(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    straight = EngineLoop(engine, 1, greedy)
+    straight.admit([(0, PROMPTS[0]), (1, PROMPTS[1])])
+    whole = {}
+    while straight.busy:
+        whole |= {g.gid: g.rollouts for g in straight.step()}
+    before = engine.weight_version
+    cut, cut_sampled = EngineLoop(engine, 1, greedy), EngineLoop(engine, 3, sampled)
+    cut.admit([(0, PROMPTS[0]), (1, PROMPTS[1])])
+    cut_sampled.admit([(2, PROMPTS[2])])
+    for _ in range(6):
+        cut.step()
+        cut_sampled.step()
+    kept = dict(cut.harvest() + cut_sampled.harvest())
+    left = engine.num_unfinished()
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    engine.update_weights(list(state.items()), before + 1)  # what a resumed run does first: the checkpoint's weights
+    again, again_sampled = EngineLoop(engine, 1, greedy), EngineLoop(engine, 3, sampled)
+    again.resume([(g, PROMPTS[g], kept[g], before) for g in (0, 1)])
+    again_sampled.resume([(2, PROMPTS[2], kept[2], before)])
+    done = {}
+    while again.busy or again_sampled.busy:
+        done |= {g.gid: g.rollouts for g in again.step() + again_sampled.step()}
+    heads = {g: [len(t) for t in kept[g].token_ids] for g in kept}
+    lp_gap = max(abs(a - b) for g in (0, 1) for a, b in zip(done[g].logprobs[0], whole[g].logprobs[0]))
+    hf_gap = max(abs(a - b) for toks, lps in zip(done[2].token_ids, done[2].logprobs)
+                 for a, b in zip(lps, hf_logprobs(hf, PROMPTS[2], toks)))
+    versions_ok = all(done[g].token_versions[k] == [before] * h + [before + 1] * (len(done[g].token_ids[k]) - h)
+                      for g in kept for k, h in enumerate(heads[g]))
+    return {"heads": heads, "left_after_harvest": left, "kept_finish": {g: kept[g].finish_reasons for g in kept},
+            "greedy_equal": all(done[g].token_ids == whole[g].token_ids for g in (0, 1)), "greedy_lp_gap": lp_gap,
+            "heads_kept": all(done[2].token_ids[k][:h] == kept[2].token_ids[k] and
+                              done[2].logprobs[k][:h] == kept[2].logprobs[k] for k, h in enumerate(heads[2])),
+            "sampled_lengths": [len(t) for t in done[2].token_ids], "sampled_hf_gap": hf_gap,
+            "finish": {g: done[g].finish_reasons for g in done}, "versions_ok": versions_ok,
+            "left": engine.num_unfinished()}
 
 
 if __name__ == "__main__":
