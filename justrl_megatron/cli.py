@@ -20,13 +20,28 @@ def _interrupted_before_training(signum, frame) -> None:
     os._exit(130)
 
 
+VALIDATE_ONLY = "--validate-only"
+
+
 def train_main() -> None:
-    """justrl-train [--nproc-per-node=N] [hydra overrides...]: GRPO training (default: the embedded CPU demo); with
-    --nproc-per-node, N ranks on this machine under justrl's launcher (launch.py)."""
+    """justrl-train [--nproc-per-node=N] [--validate-only] [hydra overrides...]: GRPO training (default: the embedded
+    CPU demo); with --nproc-per-node, N ranks on this machine under justrl's launcher (launch.py); with
+    --validate-only, the launch's checks alone (train_entry.validate_only; N: the world size checked)."""
     signal.signal(signal.SIGINT, _interrupted_before_training)
     from .launch import split_nproc
 
     nproc, sys.argv[1:] = split_nproc(sys.argv[1:])
+    if VALIDATE_ONLY in sys.argv[1:]:
+        if nproc is not None:
+            os.environ["WORLD_SIZE"] = str(nproc)
+        from .console import quiet_console
+
+        quiet_console()
+        import justrl_megatron.compat  # noqa: F401
+
+        from .train_entry import validate_only
+
+        sys.exit(validate_only([a for a in sys.argv[1:] if a != VALIDATE_ONLY]))
     if nproc is not None:
         from .launch import main as launch_main
 

@@ -13,7 +13,8 @@ traceback after waiting up to 30 s for the ranks to stop. This launcher, in orde
 3. forwards SIGTERM, SIGUSR1 and SIGINT to every rank (they finish the step, save and exit 0; the ranks count the
    terminal's and the launcher's copy of one Ctrl-C as one press) and waits as long as they take;
 4. when a rank fails, SIGKILLs the others at once (they cannot finish a step without it) and exits with that rank's
-   code, in one line (nothing more when the rank already said why: a refused config exits 2, an abort 130).
+   code, in one line (nothing more when the rank already said why: a refused config exits 2, an abort 130); a
+   refused config leaves nothing: a run dir the launch created holds only the lock file, and goes.
 
 One machine; several nodes run torchrun under srun (launch/slurm/train.sbatch), where the ranks die with torchrun too.
 """
@@ -59,21 +60,22 @@ def _exit(code: int, line: str | None = None):
     sys.exit(code)
 
 
-def _lock_for_the_launch(overrides: list[str]) -> int | None:
-    """Take the run dir's lock (exit 2 in one line when busy); the inheritable locked descriptor, or None when the
-    command line does not compose (the ranks report why, exit 2)."""
+def _lock_for_the_launch(overrides: list[str]) -> tuple[int | None, str | None, object]:
+    """Take the run dir's lock (exit 2 in one line when busy): (the inheritable locked descriptor, the run dir, the
+    outermost folder the lock created), or Nones when the command line does not compose (the ranks say why, exit 2)."""
     from . import run_lock
-    from .train_entry import _run_dir_of, run_dir_problem
+    from .train_entry import _run_dir_of, created_by_launch, run_dir_problem
 
     run_dir = _run_dir_of(overrides)
     if run_dir is None:  # the overrides do not compose (the ranks say why), or another entry's (JUSTRL_ENTRY)
         given = [a.split("=", 1)[1] for a in overrides if a.startswith("trainer.run_dir=")]
         if not given:
-            return None
+            return None, None, None
         run_dir = given[-1]
     problem = run_dir_problem(run_dir)
     if problem is not None:
         _exit(2, f"invalid config: {problem}")
+    created = created_by_launch(run_dir)
     try:
         run_lock.hold(run_dir)
     except run_lock.RunDirBusy as exc:
@@ -84,7 +86,7 @@ def _lock_for_the_launch(overrides: list[str]) -> int | None:
     # every other child, and runs in Popen's when it has a preexec_fn)
     fd = os.dup(run_lock._held[run_lock._key(run_dir)])
     os.set_inheritable(fd, True)
-    return fd
+    return fd, run_dir, created
 
 
 def _rank_env(rank: int, world: int, port: int, lock_fd: int | None) -> dict:
@@ -120,7 +122,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
     """Run `nproc` ranks of the trainer (or JUSTRL_ENTRY) on this machine; the launch's exit code."""
     from .distributed import free_port
 
-    lock_fd = _lock_for_the_launch(overrides)
+    lock_fd, run_dir, created = _lock_for_the_launch(overrides)
     print(f"justrl-train: {nproc} process(es) on this machine", file=sys.stderr, flush=True)
     entry = shlex.split(os.environ.get(ENTRY_ENV, "")) or ["-m", "justrl_megatron.cli", "train"]
     port = free_port()
@@ -167,6 +169,10 @@ def launch(nproc: int, overrides: list[str]) -> int:
     if failed is None:
         return 0
     rank, code = failed
+    if code == 2 and created is not None:  # a refused config (the ranks said why)
+        from .train_entry import remove_unused
+
+        remove_unused(run_dir, created)
     if code in OWN_CODES:
         return code
     others = f"; the other {nproc - 1} rank(s) were stopped" if nproc > 1 else ""

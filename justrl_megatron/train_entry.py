@@ -1,7 +1,14 @@
-"""The hydra entry point of justrl-train: the command line's keys -> compose -> every check that needs neither megatron
-nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the run dir locked (run_lock.py: a
-second trainer on it exits 2) -> the launch recorded -> the GRPO loop. Every process the run starts dies with it
-(lifeline.py); Ctrl-C saves, twice aborts (train/interrupt.py); a full disk is one line (exit 1)."""
+"""The hydra entry point of justrl-train: the command line's keys and value types -> compose -> every check that needs
+neither megatron nor vLLM (values, model, data, resume), all problems in one message (rc 2) -> the run dir locked
+(run_lock.py: a second trainer on it exits 2) -> the launch recorded (hydra/, config_history/) -> the GRPO loop. Every
+process the run starts dies with it (lifeline.py); Ctrl-C saves, twice aborts (train/interrupt.py); a full disk is one
+line (exit 1).
+
+A refused launch leaves nothing behind: hydra writes no files of its own (configs/config.yaml), run_dir/hydra/ and
+train_entry.log are written once the checks pass, and a run dir this launch created is removed again. Every rank
+refuses (exit 2); local rank 0 says why, once per machine. `--validate-only` runs the same checks and starts nothing
+(launch/slurm/train.sbatch calls it on the batch host before srun); `--cfg` refuses the command line's own problems
+(unknown keys, wrong types) before hydra prints the config."""
 
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ from hydra.experimental.callback import Callback
 
 from . import lifeline, run_lock
 from .config import (CONFIG_DIR, ConfigError, config_warnings, data_name_problems, key_problem, register,
-                     validate)
+                     validate, value_type_problem)
 from .console import quiet_console
 
 register()
@@ -27,6 +34,7 @@ GROUPS = frozenset(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
 DATA_SAMPLE_ROWS = 4  # rows read to check a data source: enough to see its columns and the template at work
 
 _cli_problems: list[str] = []  # unknown command-line keys, reported together with what check_config finds
+_created: list[Path] = []  # what this launch creates for the run dir (created_by_launch), undone on a refusal
 
 
 def _world_size() -> int:
@@ -37,9 +45,55 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def _speaks() -> bool:
+    """Whether this rank prints a refusal: local rank 0 (every rank composes the same config; once per machine, so a
+    problem seen on one node only is said too)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
+
+
+def refuse(message: str, code: int = 2, *, run_dir=None):
+    """Exit with `code` after `message` (written once, in one piece, so ranks never interleave), undoing what this
+    launch created for `run_dir` (rank 0, the lock holder)."""
+    if _speaks():
+        os.write(2, f"justrl-train: {message}\n".encode())
+    if run_dir is not None and _is_rank0() and _created:
+        run_lock.release(run_dir)
+        remove_unused(run_dir, _created[0])
+    sys.exit(code)
+
+
+def created_by_launch(run_dir) -> Path | None:
+    """What taking the run dir's lock creates: the outermost of the lock file and the folders above it that does not
+    exist yet, or None."""
+    lock = Path(run_dir).expanduser().absolute() / run_lock.LOCK_FILE
+    missing = [p for p in (lock, *lock.parents) if not p.exists()]
+    return missing[-1] if missing else None
+
+
+def remove_unused(run_dir, created: Path) -> None:
+    """Undo what a refused launch created (`created`: created_by_launch's, before the lock was taken): the lock file,
+    and the folders up to `created` while the lock file is all they hold; whatever else is there stays."""
+    path = Path(run_dir).expanduser().absolute()
+    lock = path / run_lock.LOCK_FILE
+    if created != lock and (not path.is_dir() or any(p != lock for p in path.iterdir())):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    if created == lock:
+        return
+    for folder in (path, *path.parents):
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else lives there
+            return
+        if folder == created:
+            return
+
+
 def override_problems(args: list[str]) -> tuple[list[str], list[str]]:
-    """(problems, the arguments left for hydra): a problem for every override of a key the schema lacks. hydra
-    refuses `key=v` with the advice to append it as `+key=v`, and `+key=v` then composes into the schema."""
+    """(problems, the arguments left for hydra): a problem for every override of a key the schema lacks (hydra
+    refuses `key=v` with the advice to append it as `+key=v`, and `+key=v` then composes into the schema) and for
+    every value of the wrong type (hydra: a multi-line merge error)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
@@ -56,6 +110,8 @@ def override_problems(args: list[str]) -> tuple[list[str], list[str]]:
             kept.append(arg)
             continue
         problem = key_problem(key)
+        if problem is None and not override.is_delete() and not override.is_sweep_override():
+            problem = value_type_problem(key, override.value())
         if problem is None:
             kept.append(arg)
         else:
@@ -63,12 +119,13 @@ def override_problems(args: list[str]) -> tuple[list[str], list[str]]:
     return problems, kept
 
 
-def check_config(cfg, *, also=()):
+def check_config(cfg, *, also=(), launch: bool = True):
     """Everything that can be checked without starting megatron or vLLM: the config's keys and values, the model
     folder, the data (a few rows read), on resume what changed since the last launch, then the memory plan
     (apply_memory_plan: cfg gets concrete values). Raises one ConfigError with every problem (`also`: ones the caller
-    found), or the plan's MemoryPlanError. On success rank 0 lists the settings a resume changes and records the
-    launch, as written, in run_dir/config_history/. Returns (model_dir, ModelShape)."""
+    found), or the plan's MemoryPlanError. On success, when `launch`, rank 0 lists the settings a resume changes and
+    records the launch, as written, in run_dir/config_history/ (launch=False: --validate-only, nothing written).
+    Returns (model_dir, ModelShape)."""
     from .run_config import record_launch
 
     launched = copy.deepcopy(cfg)  # the history keeps what was asked for, not what the memory plan made of it
@@ -87,7 +144,7 @@ def check_config(cfg, *, also=()):
         for warning in config_warnings(cfg):
             print(f"justrl-train: warning: {warning}", file=sys.stderr, flush=True)
     apply_memory_plan(cfg, shape)
-    if resume is not None:
+    if resume is not None and launch:
         note = resume.describe(cfg.trainer.run_dir)
         if note:
             print(f"justrl-train: {note}", flush=True)
@@ -199,12 +256,15 @@ def _run_dir_of(args: list[str]) -> str | None:
 
     from .config import compose
 
-    overrides = [a for a in args if not a.startswith("-") and "=" in a
-                 and not a.lstrip("+~").startswith("hydra.")]
     try:
-        return OmegaConf.select(compose(overrides), "trainer.run_dir", default=None)
+        return OmegaConf.select(compose(_task_overrides(args)), "trainer.run_dir", default=None)
     except Exception:  # noqa: BLE001 - hydra reports a bad override itself
         return None
+
+
+def _task_overrides(args: list[str]) -> list[str]:
+    """The command line's overrides of the config itself (hydra's flags, their values and hydra.* left out)."""
+    return [a for a in args if not a.startswith("-") and "=" in a and not a.lstrip("+~").startswith("hydra.")]
 
 
 def prompt_length_problems(cfg, model_dir) -> list[str]:
@@ -266,14 +326,15 @@ def apply_memory_plan(cfg, shape):
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base=None)
 def _hydra_main(cfg) -> None:
+    launched = copy.deepcopy(cfg)  # hydra's record keeps the config as composed, before the memory plan
     try:
         model_dir, shape = check_config(cfg, also=_cli_problems)
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # MemoryPlanError is a ValueError
-        print(f"justrl-train: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except run_lock.RunDirBusy as exc:
-        print(f"justrl-train: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        refuse(str(exc), run_dir=cfg.trainer.run_dir)
+    except run_lock.RunDirBusy as exc:  # another trainer's run dir: nothing of it is undone
+        refuse(f"error: {exc}")
+    if _is_rank0():
+        keep_hydra_record(launched)
     quiet_console(verbose=cfg.logging.verbose)  # the composed config decides (a recipe may set it)
     from .checkpoint import CheckpointError, CheckpointWriteError
     from .train.loop import run
@@ -287,18 +348,68 @@ def _hydra_main(cfg) -> None:
         sys.exit(1)
 
 
+def keep_hydra_record(cfg) -> None:
+    """run_dir/hydra/ as hydra writes it (config.yaml, hydra.yaml, overrides.yaml) and the log file
+    run_dir/train_entry.log, once the checks passed (configs/config.yaml turns hydra's own writing off)."""
+    import logging
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    hydra_cfg = HydraConfig.get()
+    out = Path(hydra_cfg.runtime.output_dir)
+    (out / "hydra").mkdir(parents=True, exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", HydraConfig.instance().cfg),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        (out / "hydra" / name).write_text(OmegaConf.to_yaml(node))
+    root = logging.getLogger()
+    handler = logging.FileHandler(out / f"{hydra_cfg.job.name}.log")
+    handler.setFormatter(next((h.formatter for h in root.handlers if h.formatter), None))
+    root.addHandler(handler)
+
+
+def validate_only(args: list[str]) -> int:
+    """justrl-train --validate-only [overrides]: every check a launch makes (check_config) with nothing written and
+    nothing started; the same lines and exit 2 as a launch on a problem, else one line and 0. WORLD_SIZE (default 1)
+    is the launch's number of processes (launch/slurm/train.sbatch: nodes x processes per node)."""
+    from .config import compose
+
+    problems, kept = override_problems(args)
+    try:
+        cfg = compose(_task_overrides(kept))
+        check_config(cfg, also=problems, launch=False)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"justrl-train: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:  # noqa: BLE001  (hydra's composition errors: an unknown recipe, a bad override)
+        print(f"justrl-train: invalid config: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        return 2
+    print(f"justrl-train: config ok for {_world_size()} process(es)", flush=True)
+    return 0
+
+
+def _prints_config(args: list[str]) -> bool:
+    """Whether hydra's --cfg / -c is on the command line (hydra then prints the config and runs nothing)."""
+    from hydra._internal.utils import get_args_parser
+
+    known, _ = get_args_parser().parse_known_args(args)
+    return known.cfg is not None
+
+
 def main() -> None:
-    """justrl-train [overrides]: unknown keys are taken off the command line (so that hydra composes the rest and
-    every other problem is found too) and reported with them."""
+    """justrl-train [overrides]: unknown keys and values of the wrong type are taken off the command line (so that
+    hydra composes the rest and every other problem is found too) and reported with them."""
     lifeline.bind_helpers_to_this_process()  # before any helper process exists
     run_lock.adopt_inherited()  # under justrl's launcher: the run dir's lock, taken for the whole launch
     _cli_problems[:], sys.argv[1:] = override_problems(sys.argv[1:])
-    # before hydra, which creates the run dir and writes into it (an empty value: into the current folder)
-    run_dir = _run_dir_of(sys.argv[1:]) if not _cli_problems else None
+    if _cli_problems and _prints_config(sys.argv[1:]):  # the printed config would lack the keys taken off
+        refuse(str(ConfigError.listing(_cli_problems)))
+    # before hydra, which creates the run dir (an empty value: the current folder)
+    run_dir = _run_dir_of(sys.argv[1:])
     problem = run_dir_problem(run_dir) if run_dir is not None else None
     if problem is not None:
-        print(f"justrl-train: invalid config: {problem}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"invalid config: {problem}")
+    _created[:] = [c for c in [created_by_launch(run_dir)] if c is not None] if run_dir is not None else []
     try:
         _hydra_main()
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler (train/interrupt.py) is in place

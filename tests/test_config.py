@@ -323,25 +323,100 @@ def test_check_config_reports_model_tokenizer_and_data_together(tmp_path):
 
 # --- issue 32: one line, exit 2, before anything is written --------------------------------------------------------
 
-def _main_exit(monkeypatch, capsys, *args):
+def _main_exit(monkeypatch, capfd, *args):
+    """justrl-train's main in this process (a refusal is written to fd 2 in one piece: capfd, not capsys)."""
     from justrl_megatron import train_entry
 
     monkeypatch.setattr("sys.argv", ["justrl-train", *args])
     with pytest.raises(SystemExit) as exit_:
         train_entry.main()
-    return exit_.value.code, capsys.readouterr().err
+    return exit_.value.code, capfd.readouterr().err
 
 
-def test_an_empty_run_dir_or_a_file_is_refused_before_hydra_writes(tmp_path, monkeypatch, capsys):
+def test_an_empty_run_dir_or_a_file_is_refused_before_hydra_writes(tmp_path, monkeypatch, capfd):
     """An empty trainer.run_dir= was accepted and wrote into the current folder; a file gave hydra's traceback."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a_file").write_text("x")
     for value, says in (("", "trainer.run_dir is empty: name the folder"),
                         (str(tmp_path / "a_file"), f"{tmp_path / 'a_file'} is an existing file, not a folder"),
                         (str(tmp_path / "a_file" / "run"), f"{tmp_path / 'a_file'} is an existing file")):
-        code, err = _main_exit(monkeypatch, capsys, f"trainer.run_dir={value}")
+        code, err = _main_exit(monkeypatch, capfd, f"trainer.run_dir={value}")
         assert code == 2 and err.count("\n") == 1 and says in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_cfg_refuses_unknown_keys_as_a_run_does(monkeypatch, capfd):
+    """`--cfg job rollout.nonexistent=1` printed the config without the key and exited 0 (issue 50)."""
+    code, err = _main_exit(monkeypatch, capfd, "--cfg", "job", "rollout.nonexistent=1", "+trainer.lrr=1",
+                           "rollout.streaming=maybe")
+    assert code == 2 and err == ("justrl-train: invalid config:\n"
+                                 "  - unknown key rollout.nonexistent; did you mean rollout.streaming?\n"
+                                 "  - unknown key trainer.lrr; did you mean trainer.lr?\n"
+                                 "  - rollout.streaming must be true or false, got 'maybe'\n"), err
+
+
+@pytest.mark.parametrize("override,line", [  # issue 50: hydra's 6-line merge error and rc 1; 2 was read as true
+    ("rollout.max_staleness=abc", "rollout.max_staleness must be a whole number, got 'abc'"),
+    ("rollout.max_staleness=1.5", "rollout.max_staleness must be a whole number, got 1.5"),
+    ("rollout.streaming=maybe", "rollout.streaming must be true or false, got 'maybe'"),
+    ("trainer.async_save=null", "trainer.async_save must be true or false, got null"),
+    ("trainer.async_save=2", "trainer.async_save must be true or false, got 2"),
+    ("++trainer.async_save=yes", "trainer.async_save must be true or false, got 'yes'"),
+    ("trainer.lr=fast", "trainer.lr must be a number, got 'fast'"),
+    ("model.max_context=big", "model.max_context must be a whole number (or null), got 'big'"),
+    ("rollout.tools=python", "rollout.tools must be a list, e.g. [a, b], got 'python'"),
+    ("data.val=[{pth:x}]", "data.val=[{'pth': 'x'}]: Key 'pth' not in 'ValSetConfig'"),
+])
+def test_a_value_of_the_wrong_type_is_one_line(override, line):
+    assert override_problems([override]) == ([line], [])
+
+
+def test_values_of_the_right_type_pass_to_hydra():
+    args = ["trainer.async_save=false", "rollout.max_staleness=2", "trainer.lr=1", "model.max_context=null",
+            "model.moe_permute_fusion=null", "trainer.profile_steps=[1,2]", "rollout.max_staleness=${trainer.seed}",
+            "data.val=[{path:x,limit:2}]", "+algo.reward_options.anything=x", "~trainer.profile_steps"]
+    assert override_problems(args) == ([], args)
+
+
+@pytest.fixture
+def in_process_hydra():
+    """hydra.main run in this process: its logging set-up and global state are put back afterwards."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:], root.level = handlers, level
+    GlobalHydra.instance().clear()
+
+
+def test_a_refused_config_leaves_nothing_behind(tmp_path, tiny_llama, monkeypatch, capfd, in_process_hydra):
+    """hydra created the run dir with hydra/ and train_entry.log before the checks refused the config (issue 50);
+    each problem is one line, exit 2, on a new run dir (and the folders above it) and on an existing one alike."""
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("mine")
+    for run_dir in (tmp_path / "new" / "run", existing):
+        code, err = _main_exit(monkeypatch, capfd, f"trainer.run_dir={run_dir}", f"model.path={tiny_llama}",
+                               "rollout.max_staleness=abc", "trainer.async_save=2", "trainer.lr=-1")
+        assert code == 2 and err.splitlines() == [
+            "justrl-train: invalid config:", "  - rollout.max_staleness must be a whole number, got 'abc'",
+            "  - trainer.async_save must be true or false, got 2",
+            "  - trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step; JustRL: 1e-6), got -1.0"
+        ], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
+    assert [p.name for p in existing.iterdir()] == ["notes.txt"]
+
+
+def test_a_refusal_is_said_by_local_rank_0_only_and_every_rank_exits_2(monkeypatch, capfd):
+    """Every rank of a multi-rank launch printed the same refusal, interleaved (issue 50)."""
+    for rank, says in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        code, err = _main_exit(monkeypatch, capfd, "--cfg", "job", "rollout.nonexistent=1")
+        assert code == 2 and bool(err) == says, (rank, err)
 
 
 def test_a_read_only_run_dir_is_one_line(tmp_path):
