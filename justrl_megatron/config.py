@@ -139,6 +139,9 @@ class RolloutConfig:
     tool_max_output_chars: int = 1024  # of a call's stdout shown to the model
     tool_workers: int = 4  # calls running at once (threads; each call is a sandboxed process)
     tool_sandbox: str = "auto"  # auto | bwrap | unshare (rewards/sandbox.py)
+    # import packages the sandboxed code may use, read-only, with the distributions they require (sympy: mpmath);
+    # nothing else installed imports there; []: the standard library only
+    tool_packages: list[str] = field(default_factory=lambda: ["sympy", "numpy"])
 
 
 @dataclass
@@ -621,6 +624,7 @@ def reward_problems(algo) -> list[str]:
     """algo.reward must be a registered verifier and algo.reward_options its constructor's keywords."""
     from .algo.grpo import KL_ESTIMATORS
     from .rewards import REWARD_NAMES, get_reward_fn
+    from .rewards.sandbox import SandboxUnavailable
 
     problems = []
     if algo.kl_estimator not in KL_ESTIMATORS:
@@ -634,6 +638,8 @@ def reward_problems(algo) -> list[str]:
         get_reward_fn(algo.reward, **options)
     except (TypeError, ValueError) as exc:
         problems.append(f"algo.reward_options={options} do not fit algo.reward={algo.reward}: {exc}")
+    except SandboxUnavailable as exc:  # the verifier runs code: it checked the sandbox at construction
+        problems.append(f"algo.reward={algo.reward} runs the response's code in an OS sandbox and {exc}")
     return problems
 
 
