@@ -98,6 +98,18 @@ def test_a_refused_launch_touches_nothing_on_any_rank(tmp_path):
         holder.wait()
 
 
+def test_a_config_every_rank_refuses_leaves_no_run_dir(tmp_path):
+    """The launcher creates the run dir for its lock; when the ranks refuse the config (exit 2, rank 0 said why) the
+    launch ends with 2, nothing more said, and the run dir (and the folder above it) gone again (issue 50)."""
+    run_dir = tmp_path / "new" / "run"
+    refusing = ("-c", "import os, sys; os.environ['RANK'] == '0' and print('refused', file=sys.stderr); sys.exit(2)")
+    proc = subprocess.run([*TRAIN, "--nproc-per-node=2", f"trainer.run_dir={run_dir}"], capture_output=True, text=True,
+                          env={**ENV, "JUSTRL_ENTRY": shlex.join(refusing)}, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert [w for w in proc.stderr.splitlines() if "process(es)" not in w] == ["refused"], proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("nproc", [None, 2])
 def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, nproc):
     """Ctrl-C to the process group a moment after the start (imports under way), alone and under the launcher."""

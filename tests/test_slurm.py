@@ -385,6 +385,23 @@ def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_llama, tmp_
 
 @pytest.mark.slurm
 @pytest.mark.slow
+def test_train_sbatch_refuses_a_bad_config_before_srun(cluster, tiny_llama, tmp_path):
+    """A config mistake started srun on every node and ended in torchrun's ChildFailedError per node (issue 50): the
+    batch host checks it once (`justrl-train --validate-only`, world size = nodes x processes per node: TP2 fits 2
+    nodes x 1) and the job exits 2 with justrl-train's lines alone; nothing runs on the nodes, no run dir is made."""
+    log, run_dir = tmp_path / "job.out", tmp_path / "run"
+    proc, job_id = cluster.submit("-t", "5", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
+                                  f"trainer.run_dir={run_dir}", f"model.path={tiny_llama}", "parallel.tensor=2",
+                                  "rollout.nonexistent=1", "rollout.streaming=maybe", cwd=tmp_path)
+    assert cluster.finish(proc, timeout=120) == 2, log.read_text()
+    assert log.read_text().splitlines() == [
+        "justrl-train: invalid config:", "  - unknown key rollout.nonexistent; did you mean rollout.streaming?",
+        "  - rollout.streaming must be true or false, got 'maybe'"]
+    assert cluster.job(job_id)["ExitCode"] == "2:0" and not run_dir.exists()
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
 def test_issue5_convert_sbatch_roundtrip(cluster, tiny_llama, tmp_path):
     require_cli("convert", "issue 5 (converter)")
     from safetensors.torch import load_file
