@@ -17,9 +17,11 @@ and answers in kind (ToRL / ReTool style):
     ```
 
 The code runs in rewards/sandbox.py's OS sandbox (bubblewrap or unshare: no network, no host files, a private size
-limited /tmp, process / memory / CPU / file-size limits, the whole PID namespace killed at the deadline). Code from a
-model is hostile: it runs there and nowhere else, and a sandbox that fails (unavailable, crashed) gives the model an
-error message, never an exception in the rollout.
+limited /tmp, process / memory / CPU / file-size limits, the whole PID namespace killed at the deadline), where the
+standard library and the packages of rollout.tool_packages (default sympy and numpy, read-only) import and nothing
+else installed does. Code from a model is hostile: it runs there and nowhere else. A machine where no sandbox runs,
+or where those packages do not import under the tool's limits, is refused before the model loads (`problems`); a
+sandbox that fails during a rollout (crashed) gives the model an error message, never an exception in the rollout.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class Tool(Protocol):
     def format(self, obs: Observation) -> str:
         """The tool turn as the model reads it."""
 
+    def problems(self) -> list[str]:
+        """What this machine lacks for the tool to run (config validation asks, before the model loads)."""
+
 
 def trigger_token_ids(tokenizer) -> set[int]:
     """Token ids that carry a backtick: only after one of them can a fence have closed. Any backtick, not only "```":
@@ -96,9 +101,10 @@ class PythonTool:
     languages = ("python", "py", "python3")
 
     def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 1024,
-                 sandbox: str = "auto", nproc: int = 16, file_mb: int = 16):
+                 sandbox: str = "auto", nproc: int = 16, file_mb: int = 16, packages=()):
         self.timeout_s, self.memory_mb, self.sandbox = float(timeout_s), int(memory_mb), sandbox
         self.max_output_chars, self.nproc, self.file_mb = int(max_output_chars), int(nproc), int(file_mb)
+        self.packages = tuple(str(p) for p in packages)  # import packages the code may use (rollout.tool_packages)
 
     def find_call(self, text: str) -> str | None:
         """The code of the block `text` ends in: an even number of fences, the last pair opened with a Python tag
@@ -120,7 +126,8 @@ class PythonTool:
             # CPU time one second past the deadline: the wall clock decides, and a busy loop is a timeout
             r = sandbox.run_python(_RUNNER, call.encode(), deadline_s=self.timeout_s, cpu_s=int(self.timeout_s) + 1,
                                    memory_mb=self.memory_mb, file_mb=self.file_mb, nproc=self.nproc,
-                                   max_output=4 * self.max_output_chars + 4096, kind=self.sandbox)
+                                   max_output=4 * self.max_output_chars + 4096, kind=self.sandbox,
+                                   packages=self.packages)
         except Exception as exc:  # noqa: BLE001  (the sandbox itself failed: the model is told, the rollout goes on)
             return Observation(f"error: the sandbox failed ({type(exc).__name__}: {exc})", "error",
                                time.perf_counter() - t)
@@ -139,24 +146,46 @@ class PythonTool:
             text = text[:self.max_output_chars] + f"\n... (output cut at {self.max_output_chars} characters)"
         return f"\n{FENCE}output\n{text}\n{FENCE}\n"
 
+    def problems(self) -> list[str]:
+        from ..rewards import sandbox
+
+        why = sandbox.unavailable(self.sandbox)
+        if why is not None:
+            return [f"rollout.tools: the python tool runs model code in an OS sandbox and {why}"]
+        why = sandbox.package_problem(self.packages, kind=self.sandbox, memory_mb=self.memory_mb, nproc=self.nproc,
+                                      file_mb=self.file_mb)
+        if why is not None:
+            return [f"rollout.tool_packages={list(self.packages)}: {why} (install them, drop them from the list, or "
+                    f"raise rollout.tool_memory_mb)"]
+        return []
+
 
 TOOLS = {"python": PythonTool}
 
 
 def make_tools(rollout_cfg) -> list:
-    """The tools `rollout.tools` names, with the rollout.tool_* limits."""
+    """The tools `rollout.tools` names, with the rollout.tool_* limits and packages."""
     return [TOOLS[name](timeout_s=rollout_cfg.tool_timeout_s, memory_mb=rollout_cfg.tool_memory_mb,
-                        max_output_chars=rollout_cfg.tool_max_output_chars, sandbox=rollout_cfg.tool_sandbox)
+                        max_output_chars=rollout_cfg.tool_max_output_chars, sandbox=rollout_cfg.tool_sandbox,
+                        packages=tuple(rollout_cfg.tool_packages))
             for name in rollout_cfg.tools]
 
 
 def problems(cfg) -> list[str]:
-    """rollout.tools' refusals (config.validate collects them)."""
+    """rollout.tools' refusals (config.validate collects them); with a valid tool configuration, also what this
+    machine lacks to run the tools (each tool's `problems`: no OS sandbox, packages that do not import in it)."""
     ro, out = cfg.rollout, []
     tools = list(ro.tools or [])
     unknown = [t for t in tools if t not in TOOLS]
     if unknown:
         out.append(f"rollout.tools: unknown tool(s) {unknown}; known: {', '.join(TOOLS)}")
+    twice = sorted({t for t in tools if tools.count(t) > 1})
+    if twice:
+        out.append(f"rollout.tools names {', '.join(twice)} more than once; list each tool once")
+    packages = list(ro.tool_packages or [])
+    bad = [p for p in packages if not isinstance(p, str) or not p.isidentifier()]
+    if bad or len(set(packages)) < len(packages):
+        out.append(f"rollout.tool_packages must list import names (e.g. [sympy, numpy]), each once; got {packages}")
     if not isinstance(ro.max_turns, int) or ro.max_turns < 1:
         out.append(f"rollout.max_turns must be >= 1 (tool calls per response), got {ro.max_turns!r}")
     for key, rule, ok in (("tool_timeout_s", "> 0", lambda v: v > 0), ("tool_memory_mb", ">= 32", lambda v: v >= 32),
@@ -187,6 +216,8 @@ def problems(cfg) -> list[str]:
     if cfg.algo.routing_replay == "rollout":
         out.append("rollout.tools does not work with algo.routing_replay=rollout (vLLM returns no experts for tool "
                    "tokens); use algo.routing_replay=old")
+    if not out:  # runs the sandbox: only for a configuration that could otherwise train
+        out += [p for tool in make_tools(ro) for p in tool.problems()]
     return out
 
 
