@@ -6,12 +6,13 @@ newest history entry is the previous launch, so before any heavy work the two ar
     indexes, the seed) stop the run with one message;
   * every other difference takes effect (the LR schedule too: model/policy.py lets the config override the saved
     scheduler) and is listed once, by rank 0.
-Data files are pinned by content too: each launch records a fingerprint (sha256) of every local data file it reads
-(data.train, data.eval, data.val[i].path) beside its history entry (NNNN.data.json). On resume a changed data.train
-stops the run (the saved sampler position indexes its rows), a changed data.eval or validation set is read anew and
-said so, one line each.
-hydra's own run_dir/hydra/config.yaml is rewritten by every launch (also one refused later); the history keeps every
-launch that passed the checks, resolved, with the command that made it.
+Data is pinned by content too: each launch records a fingerprint of every data source it reads (data.train,
+data.eval, data.val[i].path) beside its history entry (NNNN.data.json): the sha256 of a local file, the revision a hub
+dataset name resolves to (the hub's commit, or offline the cached copy's, as `datasets` loads it). On resume a changed
+data.train stops the run (the saved sampler position indexes its rows), a changed data.eval or validation set is read
+anew and said so, one line each.
+hydra's run_dir/hydra/config.yaml is rewritten by every launch that passed the checks; the history keeps every such
+launch, resolved, with the command that made it.
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ _HASH_CHUNK = 1 << 20
 
 
 def _fingerprint(spec) -> str | None:
-    """sha256 of a local data file (of a folder: its data files' names and contents), None for what is not local
-    (a hub name, generated:<task>)."""
-    if not spec or str(spec).startswith("generated:"):
+    """sha256 of a local data file (of a folder: its data files' names and contents), "revision:<commit>" of a hub
+    dataset name, None for the rest (generated:<task> and builtin:<name> are the package's own; a source that does not
+    resolve is reported by the data check)."""
+    from .data.builtin import BUILTIN_PREFIX
+
+    if not spec or str(spec).startswith(("generated:", BUILTIN_PREFIX)):
         return None
     path = Path(str(spec)).expanduser()
     if path.is_file():
@@ -105,7 +109,7 @@ def _fingerprint(spec) -> str | None:
     elif path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".parquet", ".jsonl", ".json"))
     else:
-        return None
+        return _hub_revision(str(spec))
     digest = hashlib.sha256()
     for file in files:
         digest.update(str(file.relative_to(path) if file != path else file.name).encode() + b"\0")
@@ -115,8 +119,34 @@ def _fingerprint(spec) -> str | None:
     return "sha256:" + digest.hexdigest()
 
 
+def _hub_revision(name: str) -> str | None:
+    """"revision:<commit>" that hub dataset `name` ("owner/name[:config]", data/loaders.py) resolves to, as
+    `datasets.load_dataset` resolves it: the hub's newest commit, or offline the newest cached copy's; None when it
+    is not a hub name or does not resolve."""
+    import logging
+
+    from .data.loaders import _looks_like_path
+
+    if _looks_like_path(name):
+        return None
+    import datasets
+
+    repo, _, config = name.partition(":")
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its "using the latest cached version" lines: the data check says them once
+    try:
+        revision = datasets.load_dataset_builder(repo, config or None).hash
+    except Exception:  # noqa: BLE001  (offline and not cached, unknown name: the data check reports it)
+        return None
+    finally:
+        logger.setLevel(level)
+    return f"revision:{revision}" if revision else None
+
+
 def data_fingerprints(cfg) -> dict:
-    """{"data.train": {"path": ..., "fingerprint": "sha256:..."}, ...} for every local data file of the config."""
+    """{"data.train": {"path": ..., "fingerprint": "sha256:..." | "revision:..."}, ...} for every data source of the
+    config that has one."""
     specs = {"data.train": cfg.data.train, "data.eval": cfg.data.eval}
     specs.update({f"data.val[{i}].path": entry.path for i, entry in enumerate(cfg.data.val)})
     out = {}
@@ -174,16 +204,20 @@ class ResumeCheck:
         self._compare_data(_saved_fingerprints(self.previous), step)
 
     def _compare_data(self, saved: dict, step: int) -> None:
-        """A data file at the same path with other content: data.train is refused, the others are read anew."""
+        """A data source at the same path or name with other content: data.train is refused, the others are read
+        anew."""
         for key, now in self.fingerprints.items():
             then = saved.get(key)
             if then is None or then.get("path") != now["path"] or then.get("fingerprint") == now["fingerprint"]:
                 continue  # new, moved (a changed setting: compared above) or unchanged
-            what = f"{key}={now['path']}: its content changed since the last launch ({then['fingerprint'][:19]} -> " \
-                   f"{now['fingerprint'][:19]})"
+            what = f"{key}={now['path']}: its content changed since the last launch ({_short(then['fingerprint'])} " \
+                   f"-> {_short(now['fingerprint'])})"
             if key == "data.train":
+                hub = now["fingerprint"].startswith("revision:")
+                restore = ("Make that revision the newest copy in the datasets cache and launch offline "
+                           "(HF_HUB_OFFLINE=1)" if hub else "Restore the file")
                 self.problems.append(f"{what} but the checkpoint at step {step} pins it: {PINNED['data.train']}. "
-                                     f"Restore the file, or start a new run (another trainer.run_dir)")
+                                     f"{restore}, or start a new run (another trainer.run_dir)")
             else:
                 self.changes.append(f"{what}; it is read anew")
 
@@ -197,6 +231,12 @@ class ResumeCheck:
 
 
 UNSET = "(unset)"  # a key one of the two configs lacks (a setting added or removed by a code update)
+
+
+def _short(fingerprint: str) -> str:
+    """"sha256:0123456789ab" / "revision:0123456789ab": enough of a fingerprint to tell two apart."""
+    kind, _, digest = fingerprint.partition(":")
+    return f"{kind}:{digest[:12]}"
 
 
 def _show(value) -> str:

@@ -466,3 +466,49 @@ def test_resume_pins_the_training_data_by_content_and_rereads_a_changed_eval_set
     assert "the checkpoint at step 3 pins it" in check.problems[0] and "Restore the file" in check.problems[0]
     assert len(check.changes) == 1 and check.changes[0].startswith(f"data.eval={held_out}: its content changed")
     assert check.changes[0].endswith("it is read anew")
+
+
+def _cached_hub_revision(cache, repo: str, commit: str, rows: list[dict], age_s: float) -> None:
+    """The datasets cache as a download of hub dataset `repo` at `commit` leaves it (owner___name/default/0.0.0/
+    <commit>/), which `datasets` reads offline: the newest copy (modified `age_s` ago) wins."""
+    import json
+    import os
+    import shutil
+    import time
+
+    from datasets.packaged_modules.json.json import Json
+
+    owner, name = repo.split("/")
+    source = cache.parent / f"{commit}.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    builder = Json(cache_dir=str(cache.parent / "staging"), dataset_name=name, hash=commit,
+                   data_files={"train": [str(source)]})
+    builder.download_and_prepare()
+    copy = cache / f"{owner}___{name}" / "default" / "0.0.0" / commit
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(builder.cache_dir, copy)
+    os.utime(copy, (time.time() - age_s,) * 2)
+
+
+def test_resume_pins_a_hub_dataset_by_its_revision(tmp_path, monkeypatch):
+    """A hub name (the JustRL recipes' data.train) was not pinned at all (issue 50): the revision it resolves to is
+    recorded and a new one refused. No hub here: offline, the newest copy in the datasets cache is what is read."""
+    import datasets
+
+    from justrl_megatron.data.loaders import load_rows
+
+    cache = tmp_path / "datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    first, second = "a1" * 20, "b2" * 20
+    _cached_hub_revision(cache, "justrl/tiny", first, [{"problem": "1+1", "answer": "2"}], age_s=60)
+    launch = _launch(tmp_path, "data.train=justrl/tiny", "data.format=generic")
+    record_launch(launch, None)
+    assert ResumeCheck(launch, 3).problems == []
+    _cached_hub_revision(cache, "justrl/tiny", second, [{"problem": "1+1", "answer": "3"}], age_s=0)
+    assert [r["answer"] for r in load_rows("justrl/tiny", "generic", verbose=False).rows] == ["3"]
+    assert ResumeCheck(launch, 3).problems == [
+        f"data.train=justrl/tiny: its content changed since the last launch (revision:{first[:12]} -> "
+        f"revision:{second[:12]}) but the checkpoint at step 3 pins it: the saved sampler position indexes the "
+        f"prompt list this setting builds. Make that revision the newest copy in the datasets cache and launch "
+        f"offline (HF_HUB_OFFLINE=1), or start a new run (another trainer.run_dir)"]
