@@ -4,10 +4,13 @@ Each hostile snippet is checked twice: its reward stays at the wrong-answer valu
 the host (no file, no connection, no process left running). Hostile tests run on every backend this machine has.
 """
 import os
+import platform
 import shutil
 import socket
+import struct
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from pathlib import Path
@@ -267,6 +270,117 @@ def test_no_sandbox_refuses_at_construction(monkeypatch, tmp_path):
     finally:
         sandbox.backend.cache_clear()
         sandbox.check_available.cache_clear()
+
+
+# --------------------------------------------------------------------------- allow-listed packages, seccomp filter
+def _sandboxed(kind: str, program: str, **limits) -> list[str]:
+    r = sandbox.run_python(textwrap.dedent(program), b"", deadline_s=60, cpu_s=60, kind=kind, **limits)
+    assert not r.timed_out and not r.truncated, r
+    return r.stdout.decode().splitlines()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_allow_listed_packages_import_read_only_and_nothing_else_does(kind):
+    venv_site = sysconfig.get_path("purelib")  # this test's environment: torch, vllm, requests, ... are there
+    hidden = sandbox._hidden_dirs()
+    assert any(d.startswith(os.path.realpath(sys.base_prefix)) for d in hidden)  # the interpreter's own site-packages
+    out = _sandboxed(kind, f"""
+        import os, sys
+        import sympy, numpy
+        x = sympy.Symbol("x")
+        print(sympy.solve(x**2 - 4, x), int(numpy.arange(5).sum()), numpy.linalg.det(numpy.eye(3)))
+        sys.path += {[venv_site, *hidden]!r}  # by path, too
+        for name in ("torch", "vllm", "justrl_megatron", "requests", "IPython"):
+            try:
+                __import__(name)
+                print("imported", name)
+            except ImportError:
+                pass
+        print(os.path.exists({venv_site!r}), [os.listdir(d) for d in {hidden!r}])
+        try:
+            open(sympy.__file__, "a")
+        except OSError:
+            print("read-only", bool(os.statvfs(os.path.dirname(sympy.__file__)).f_flag & os.ST_RDONLY))
+        print(sorted(os.listdir({sandbox.SITE!r})))
+    """, packages=("sympy", "numpy"))
+    mounted = sorted(dst.rsplit("/", 1)[1] for _, dst in sandbox.package_binds(("sympy", "numpy")))
+    assert {"sympy", "mpmath", "numpy", "numpy.libs"} <= set(mounted)  # mpmath: sympy's requirement
+    assert out == ["[-2, 2] 10 1.0", f"False {[[] for _ in hidden]}", "read-only True", str(mounted)]
+    # without the allow-list: the standard library alone
+    assert _sandboxed(kind, "try:\n    import sympy\nexcept ImportError as e:\n    print(type(e).__name__)") == \
+        ["ModuleNotFoundError"]
+    with pytest.raises(sandbox.PackageMissing, match="not_a_package_here is not installed"):
+        sandbox.run_python("", b"", deadline_s=5, kind=kind, packages=("sympy", "not_a_package_here"))
+
+
+@pytest.mark.skipif(platform.machine() not in sandbox._ARCH, reason="no seccomp filter for this architecture")
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_no_user_namespace_and_no_vsock_socket(kind):
+    """A new user namespace (unshare, clone, the util-linux tool) and an AF_VSOCK socket (a VM's channel to its
+    host) are refused; fork, threads and subprocesses, which the same system calls carry, still work."""
+    nr = sandbox._ARCH[platform.machine()][1]
+    out = _sandboxed(kind, f"""
+        import ctypes, errno, os, socket, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        def said(rc):
+            return "ok" if rc >= 0 else errno.errorcode[ctypes.get_errno()]
+        print("unshare", said(libc.unshare(0x10000000)))
+        pid = libc.syscall({nr["clone"]}, ctypes.c_ulong(0x10000000 | 17), 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD
+        if pid == 0:
+            os._exit(0)
+        print("clone", said(pid))
+        print("clone3", said(libc.syscall({nr["clone3"]}, 0, 0)))
+        print("tool", subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode)
+        try:
+            socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        except OSError as e:
+            print("vsock", errno.errorcode[e.errno])
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        t = threading.Thread(target=print, args=("thread ok",))
+        t.start(); t.join()
+        print("fork", os.waitpid(pid, 0)[1] >> 8, subprocess.run(["true"]).returncode)
+    """)
+    assert out == ["unshare EPERM", "clone EPERM", "clone3 ENOSYS", "tool 1", "vsock EAFNOSUPPORT", "thread ok",
+                   "fork 7 0"]
+
+
+def _run_bpf(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    """What the kernel would do with a seccomp filter for one system call (the instructions the filter uses)."""
+    data = struct.pack("<iIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)
+    code = [struct.unpack("<HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    pc, acc = 0, 0
+    while True:
+        op, jt, jf, k = code[pc]
+        if op == 0x20:
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif op == 0x06:
+            return k
+        else:
+            hit = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[op]
+            pc += jt if hit else jf
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", sorted(sandbox._ARCH))
+def test_seccomp_filter_decisions_on_every_architecture(machine):
+    """The filter of each architecture it knows, run instruction by instruction (only the running one reaches a
+    kernel here): what it refuses, with which errno, and that it lets everything else through."""
+    audit, nr, x32 = sandbox._ARCH[machine]
+    prog = sandbox._seccomp_filter(machine)
+    allow, eperm = 0x7FFF0000, 0x50000 | 1
+    assert _run_bpf(prog, nr["socket"], audit, 40) == 0x50000 | 97  # AF_VSOCK: EAFNOSUPPORT
+    assert _run_bpf(prog, nr["socket"], audit, 2) == allow  # AF_INET (and the namespace has no route anywhere)
+    for call in ("unshare", "clone"):
+        assert _run_bpf(prog, nr[call], audit, 0x10000000 | 17) == eperm
+        assert _run_bpf(prog, nr[call], audit, 0x01200011) == allow  # fork's flags
+    assert _run_bpf(prog, nr["clone3"], audit) == 0x50000 | 38  # ENOSYS: libc falls back to clone
+    assert _run_bpf(prog, 0, audit) == allow and _run_bpf(prog, 59, audit, 0x10000000) == allow
+    assert _run_bpf(prog, nr["socket"], 0x40000003, 40) == eperm  # another ABI (i386)
+    if x32:
+        assert _run_bpf(prog, 0x40000000 | nr["socket"], audit, 40) == eperm
+    assert sandbox._seccomp_filter("sparc") == b""
 
 
 # --------------------------------------------------------------------------------------- other verifiers' bounds

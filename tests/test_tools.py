@@ -11,6 +11,7 @@ and one GRPO step on its samples (tests/mp/tool_rollout.py).
 import json
 import os
 import socket
+import sysconfig
 import time
 
 import pytest
@@ -278,7 +279,7 @@ def test_fences_found_on_the_real_tokenizers(tokenizer):
 def test_hostile_code_stays_in_the_sandbox(tmp_path):
     # a long deadline: no case here needs it (each ends, is killed at the output cap, or leaves processes that die
     # with the namespace), so a slow sandbox start on a loaded machine cannot turn an error into a timeout
-    tool = PythonTool(timeout_s=20.0, memory_mb=256, max_output_chars=200)
+    tool = PythonTool(timeout_s=20.0, memory_mb=256, max_output_chars=200, packages=("sympy", "numpy"))
     target = tmp_path / "escaped.txt"
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2")
@@ -296,6 +297,14 @@ def test_hostile_code_stays_in_the_sandbox(tmp_path):
         "disk": "open('/tmp/fill', 'wb').write(b'x' * (200 << 20))",
         "memory": "x = bytearray(8 << 30)",
         "flood": "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+        # the same limits with the allow-listed packages loaded
+        "numpy memory": "import sympy, numpy\nx = numpy.ones(1 << 31)",
+        "numpy fork": ("import numpy, os, sys\nfor _ in range(50):\n    if os.fork() == 0:\n        os.execv("
+                       f"sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])"),
+        "numpy flood": "import numpy\nwhile True:\n    print(numpy.zeros(4096))",
+        "userns": "import subprocess\nsubprocess.run(['unshare', '--user', 'true'], check=True)",
+        "vsock": "import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)",
+        "site-packages": f"import sys\nsys.path.append({sysconfig.get_path('purelib')!r})\nimport torch",
     }
     got = {}
     for name, code in cases.items():
@@ -308,11 +317,14 @@ def test_hostile_code_stays_in_the_sandbox(tmp_path):
     finally:
         server.close()
     assert not target.exists() and "hunter2" not in got["read"].text
-    for name in ("write", "read", "net", "disk", "memory"):
+    for name in ("write", "read", "net", "disk", "memory", "numpy memory", "userns", "vsock", "site-packages"):
         assert got[name].status == "error", (name, got[name])
-    assert "MemoryError" in got["memory"].text
+    assert "MemoryError" in got["memory"].text and "MemoryError" in got["numpy memory"].text
     assert "File too large" in got["disk"].text or "No space left" in got["disk"].text, got["disk"]
-    assert len(got["flood"].text) <= 4 * 200 + 4096 and len(tool.format(got["flood"])) < 300
+    for name in ("flood", "numpy flood"):
+        assert len(got[name].text) <= 4 * 200 + 4096 and len(tool.format(got[name])) < 300
+    assert "Address family not supported" in got["vsock"].text
+    assert "ModuleNotFoundError: No module named 'torch'" in got["site-packages"].text
     time.sleep(0.3)
     stray = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -322,6 +334,16 @@ def test_hostile_code_stays_in_the_sandbox(tmp_path):
         except OSError:
             pass
     assert stray == []
+
+
+def test_sympy_and_numpy_in_the_tool_and_only_with_the_allow_list():
+    code = ("import sympy as sp, numpy as np\nx = sp.Symbol('x')\nprint(sp.solve(x**2 - 5*x + 6, x))\n"
+            "print(sp.Rational(1, 3) + sp.Rational(1, 6))\nnp.linalg.solve(np.array([[2., 1.], [1., 3.]]), [3., 5.])")
+    tool = PythonTool(timeout_s=30, packages=("sympy", "numpy"))  # a deadline no import comes near: no false timeout
+    obs = tool.run(code)
+    assert (obs.status, obs.text) == ("ok", "[2, 3]\n1/2\narray([0.8, 1.4])\n"), obs
+    obs = PythonTool(timeout_s=30).run(code)  # rollout.tool_packages=[]: the standard library only
+    assert obs.status == "error" and obs.text.endswith("ModuleNotFoundError: No module named 'sympy'\n"), obs
 
 
 # --- masks through Rollouts, the parity metric and packing ------------------------------------------------------------
@@ -372,11 +394,47 @@ def test_packing_masks_tool_tokens_target_by_target():
      "rollout.tools needs rollout.placement=colocated"),
     (["rollout.tools=[python]", "rollout.tool_timeout_s=0"], "rollout.tool_timeout_s must be > 0"),
     (["rollout.tools=[python]", "algo.tool_error_penalty=-1"], "algo.tool_error_penalty and"),
+    (["rollout.tools=[python,python]"], "rollout.tools names python more than once"),
+    (["rollout.tools=[python]", "rollout.tool_packages=[sympy,os.path]"], "rollout.tool_packages must list import"),
+    (["rollout.tools=[python]", "rollout.tool_packages=[sympy,no_such_package_here]"],
+     "no_such_package_here is not installed in this environment"),
+    # the packages are imported in the sandbox under the tool's own limits: too little memory for them
+    (["rollout.tools=[python]", "rollout.tool_memory_mb=96"], "import sympy, numpy inside the sandbox (memory 96 MiB"),
 ])
 def test_tool_refusals_say_what_to_fix_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(compose(overrides), world_size=2)
     assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+def test_no_sandbox_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    """Neither bwrap nor unshare can be found: the launch's pre-flight (train_entry.check_config, before any model
+    loads; justrl-train exits 2 with its lines) refuses rollout.tools in one line that says what is missing and how
+    to install it, as it refuses algo.reward=code (the same check: sandbox.check_available)."""
+    from justrl_megatron import assets
+    from justrl_megatron.rewards import sandbox
+    from justrl_megatron.train_entry import check_config
+
+    model = assets.smollm2_135m_instruct()  # (its config and tokenizer are read; no weights load)
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={model}", "data.num_generated=16",
+                   "rollout.max_response_length=8", "trainer.eval_samples=0", "rollout.tools=[python]",
+                   "algo.reward=code"])
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder
+    caches = (sandbox.backend, sandbox.check_available, sandbox.package_problem)
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as err:
+            check_config(cfg)
+    finally:
+        for cached in caches:
+            cached.cache_clear()
+    lines = str(err.value).splitlines()[1:]
+    assert len(lines) == 2, lines
+    for line, what in zip(sorted(lines), ("algo.reward=code", "rollout.tools")):
+        assert line.startswith(f"  - {what}") and "bwrap: bwrap not found; unshare: unshare not found" in line
+        assert "install bubblewrap (`apt-get install -y bubblewrap`" in line
+    assert not (tmp_path / "run").exists()
 
 
 def test_tool_recipes_validate():
