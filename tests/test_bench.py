@@ -207,3 +207,98 @@ def test_vs_trl_one_step_each_side(tmp_path, tiny_llama):
     assert raw["precision"] == "fp32" and raw["trl_bf16_autocast"] is False
     assert raw["prompts_retokenized_identical"] == 1.0  # TRL saw exactly our prompt tokens
     assert 0 < raw["trl_completion_length_mean"][0][0] <= 8 and 0 < raw["ours_response_length_mean"][0][0] <= 8
+
+
+# --- the throughput planner (bench/plan.py): its event model by hand, per mode ---------------------------------------
+
+def _plan_inputs(**kw):
+    from justrl_megatron.bench.plan import DecodeCost, PlanInputs
+
+    base = dict(decode=DecodeCost(fixed_s=0.1, per_seq_s=0.01), update_fixed_s=2.0, update_s_per_token=0.001,
+                sync_s=1.0, lengths=[50], prompt_len=10, prompts_per_step=4, n=2, max_response_length=100,
+                reward_s_per_group=0.25, overhead_s=0.5)
+    return PlanInputs(**{**base, **kw})
+
+
+def test_plan_colocated_sync_is_the_sum_of_its_phases():
+    from justrl_megatron.bench.plan import predict
+
+    x = _plan_inputs(colocated_switch_s=0.3)
+    rollout = 50 * (0.1 + 0.01 * 8)  # 50 steps of 8 running sequences: 9.0 s
+    tokens = 8 * (10 + 50)  # prompt + response tokens of the batch
+    update = 2.0 + 0.001 * tokens  # 2.48 s
+    p = predict(x, "colocated sync", trainers=1)
+    assert p["step_s"] == pytest.approx(rollout + 4 * 0.25 + update + 0.5 + 0.3 + 1.0)
+    assert p["tokens_per_step"] == tokens and p["gpus"] == 1 and p["staleness_max"] == 0
+    assert p["trained_tokens_per_s_per_gpu"] == pytest.approx(tokens / p["step_s"])
+    assert p["trainer_idle_frac"] == pytest.approx(1 - (update + 1.0) / p["step_s"])  # busy: update + rewards
+    split = predict(x, "split sync", trainers=1, engines=1)  # the same phases, one after the other, on 2 devices
+    assert split["step_s"] == pytest.approx(p["step_s"] - 0.3) and split["gpus"] == 2
+    assert predict(_plan_inputs(optimizer_steps=4, logprob_s_per_token=0.0005), "split sync")["step_s"] \
+        == pytest.approx(split["step_s"] + 3 * 2.0 + 0.0005 * tokens)  # per mini-batch fixed cost, old logprobs
+
+
+def test_plan_one_step_off_hides_the_shorter_side():
+    from justrl_megatron.bench.plan import predict
+
+    x = _plan_inputs()
+    update_bound = predict(x, "one-step-off")  # rollout 9.0 s > update 2.48 + overhead 0.5
+    assert update_bound["staleness_max"] == 1
+    # rollout-bound: the step is the rollout plus what follows it (the sync, or the scoring if longer)
+    assert update_bound["step_s"] == pytest.approx(9.0 + max(1.0, 4 * 0.25))
+    # update-bound (a slow update): the step is update + overhead + sync; the rollout and its scoring hide behind it
+    slow = _plan_inputs(update_fixed_s=20.0)
+    assert predict(slow, "one-step-off")["step_s"] == pytest.approx(20.0 + 0.48 + 0.5 + 1.0)
+    assert predict(slow, "one-step-off")["trainer_idle_frac"] == pytest.approx(1 - (20.48 + 1.0) / 21.98)
+
+
+def test_plan_streaming_keeps_two_batches_in_the_engine_at_eta_1():
+    from justrl_megatron.bench.plan import DecodeCost, predict
+
+    # a decode step costs 1 s whatever the batch; free updates and syncs: admission holds 2 batches at eta=1, so the
+    # steps alternate between waiting a whole generation (50 s) and taking the batch that finished beside it (0 s)
+    x = _plan_inputs(decode=DecodeCost(fixed_s=1.0, per_seq_s=0.0), update_fixed_s=0.0, update_s_per_token=0.0,
+                     sync_s=0.0, reward_s_per_group=0.0, overhead_s=0.0)
+    p = predict(x, "streaming", eta=1, steps=20, warmup=4)
+    assert p["step_s_all"][4:8] == pytest.approx([50.0, 0.0, 50.0, 0.0])
+    assert p["step_s"] == pytest.approx(25.0) and p["staleness_max"] == 1
+    assert predict(x, "one-step-off")["step_s"] == pytest.approx(50.0)
+
+
+@pytest.mark.parametrize("eta", [1, 2, 3, 4])
+def test_plan_streaming_bounds_staleness_and_fractions(eta):
+    from justrl_megatron.bench.plan import predict
+
+    x = _plan_inputs(lengths=[5, 10, 20, 40, 80, 100, 100], max_response_length=100)  # a long tail, some at the cap
+    for mode in ("colocated sync", "split sync", "one-step-off", "streaming"):
+        p = predict(x, mode, eta=eta, trainers=2, engines=2)
+        assert 0.0 <= p["trainer_idle_frac"] <= 1.0 and 0.0 <= p["engine_idle_frac"] <= 1.0
+        assert p["staleness_max"] <= (eta if mode == "streaming" else 1)
+        assert p["step_s"] > 0 and p["tokens_per_step"] > 0
+    assert predict(x, "streaming", eta=eta)["staleness_max"] == eta  # groups do wait up to the bound
+
+
+def test_plan_best_split_and_every_mode_from_an_inputs_file(tmp_path):
+    from justrl_megatron.bench.plan import best_split, load_inputs, plan_all, predict, table
+
+    x = _plan_inputs(lengths=[5, 10, 20, 40, 80, 100], update_s_per_token=0.01)
+    best = best_split(x, "one-step-off", gpus=6)
+    every = [predict(x, "one-step-off", trainers=6 - e, engines=e) for e in range(1, 6)]
+    assert best["trained_tokens_per_s"] == max(p["trained_tokens_per_s"] for p in every)
+    path = tmp_path / "inputs.json"  # what `justrl-bench --plan FILE` reads
+    path.write_text(json.dumps(x.to_dict()))
+    plans = plan_all(load_inputs(str(path)), gpus=4, etas=(1, 2))
+    assert [p["mode"] for p in plans] == ["colocated sync", "split sync", "one-step-off", "streaming eta=1",
+                                          "streaming eta=2"]
+    assert all(p["gpus"] == 4 for p in plans)
+    assert table(plans).splitlines()[-1].startswith("streaming eta=2")
+
+
+def test_plan_lengths_reshaped_to_a_run():
+    from justrl_megatron.bench.longtail import lengths_like_run
+
+    sample = [10, 20, 30, 40, 100, 100]  # cap 100: a third truncated, the rest mean 25
+    records = [{"response/truncated_ratio": 0.5, "response/length_mean": 70.0}]
+    got = lengths_like_run(sample, records, cap=100)
+    assert got.count(100) == 3 and len(got) == 6
+    assert sum(got) / len(got) == pytest.approx(70.0, abs=2.0)

@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workload", default="demo", choices=["demo", "longtail"],
                    help="step: longtail runs split sync, one-step-off and streaming eta=1, 2 side by side on 1 trainer "
                         "+ 1 rollout rank, responses up to 384 tokens (bench/longtail.py)")
+    g = p.add_argument_group("throughput planner (bench/plan.py)")
+    g.add_argument("--plan", metavar="INPUTS.json", help="predict every mode from measured or given inputs "
+                   "(PlanInputs as JSON): step seconds, idle fractions, staleness, trained tokens/s per GPU")
+    g.add_argument("--plan-gpus", type=int, help="--plan: the best rollout:trainer split of this many GPUs per mode "
+                   "(default: 1 trainer + 1 engine)")
+    g.add_argument("--plan-etas", type=int, nargs="+", default=[1, 2, 4], help="--plan: streaming bounds")
+    g.add_argument("--plan-check", nargs="+", metavar="WORKLOAD", choices=["longtail", "rollout-bound"],
+                   help="measure the planner's inputs here, run the workloads' modes (bench/longtail.py), and "
+                        "print predicted against measured per mode")
     p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # one phase of a multi-phase run
     return p
@@ -100,7 +109,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown phase {bad}; choose from {', '.join(PHASES)}")
     a.phase = list(dict.fromkeys(a.phase))
-    if not a.phase and not a.vs and not a.child:
+    if not a.phase and not a.vs and not a.child and not a.plan and not a.plan_check:
         parser.error("nothing to do: give --phase (one or more of " + ", ".join(PHASES) + ") and/or --vs trl")
     if a.warmup < 0 or a.repeats < 1:
         parser.error(f"--warmup must be >= 0 and --repeats >= 1 (got {a.warmup}, {a.repeats})")
@@ -422,6 +431,34 @@ def print_report(report: dict) -> None:
                       f"{'met' if raw['meets_target'] else 'NOT met'})")
 
 
+def run_plan(a, argv) -> int:
+    """--plan: predictions from an inputs file; --plan-check: inputs measured, modes run, both side by side."""
+    from .plan import load_inputs, plan_all, table
+
+    machine = machine_info()
+    if a.plan_check:
+        from .longtail import plan_check
+
+        report = plan_check(a.plan_check, model=a.model, warmup=a.warmup, repeats=a.repeats, out=a.json,
+                            progress=not a.no_table)
+        report["machine"] = {**machine, "load_average_end": list(os.getloadavg())}
+        report["command"] = "justrl-bench " + " ".join(argv)
+        for workload in a.plan_check:
+            print(f"{workload}: predicted (lengths: the initial sample | reshaped to the run) against measured")
+            for name, r in report[workload]["rows"].items():
+                m, s, u = r["measured"], r["sample"], r["run"]
+                print(f"  {name:16s} step s measured {m['step_s']:7.1f}  predicted {s['step_s']:7.1f} "
+                      f"({100 * s['step_error']:+.0f}%) | {u['step_s']:7.1f} ({100 * u['step_error']:+.0f}%)   "
+                      f"trainer idle {m['trainer_idle_frac']:.2f} vs {u['trainer_idle_frac']:.2f}")
+    else:
+        plans = plan_all(load_inputs(a.plan), gpus=a.plan_gpus, etas=a.plan_etas)
+        report = {"machine": machine, "command": "justrl-bench " + " ".join(argv), "plans": plans}
+        print(table(plans))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
 # --- main --------------------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"justrl-bench: under torchrun only the {' and '.join(MULTI_RANK_PHASES)} phases run; launch the "
               f"others without torchrun (step takes --nproc)", file=sys.stderr)
         return 2
+    if a.plan or a.plan_check:
+        return run_plan(a, argv)
     machine = machine_info()
     isolate = len(a.phase) + bool(a.vs) > 1 and world == 1
     try:

@@ -34,6 +34,19 @@ MODES = {
     "streaming eta=2": ["rollout.streaming=true", "rollout.max_staleness=2"],
 }
 HISTOGRAM_EDGES = (16, 32, 64, 128, 256, LONGTAIL_TOKENS)
+# A workload the planner finds rollout-bound: 2 prompts x 4 a step (an update of ~1K tokens) and room for 1,024
+# tokens (a tail of a few hundred engine steps at a handful of sequences): only the rollout schedule can win here.
+ROLLOUT_BOUND_TOKENS = 1024
+ROLLOUT_BOUND = [w for w in WORKLOAD if not w.startswith(("rollout.max_response", "trainer.prompts_per_step",
+                                                           "trainer.mini_batch_size"))]
+ROLLOUT_BOUND += [f"rollout.max_response_length={ROLLOUT_BOUND_TOKENS}", "trainer.prompts_per_step=2",
+                  "trainer.mini_batch_size=2"]
+WORKLOADS = {  # name -> (overrides, modes, response cap)
+    "longtail": (WORKLOAD, MODES, LONGTAIL_TOKENS),
+    "rollout-bound": (ROLLOUT_BOUND, {k: MODES[k] for k in ("one-step-off",)}
+                      | {"streaming eta=4": ["rollout.streaming=true", "rollout.max_staleness=4"],
+                         "streaming eta=2": MODES["streaming eta=2"]}, ROLLOUT_BOUND_TOKENS),
+}
 
 
 def mode_figures(records: list[dict], warmup: int) -> dict[str, list[float]]:
@@ -68,7 +81,8 @@ def length_histogram(lengths: list[int], edges=HISTOGRAM_EDGES) -> list[tuple[st
     return bins
 
 
-def sample_lengths(model: str | None, prompts: int = 16, n: int = 4, seed: int = 1) -> list[int]:
+def sample_lengths(model: str | None, prompts: int = 16, n: int = 4, seed: int = 1, workload=WORKLOAD,
+                   cap: int = LONGTAIL_TOKENS) -> list[int]:
     """The workload's response lengths from one batch of the initial model (an in-process vLLM engine)."""
     from transformers import AutoTokenizer
 
@@ -78,15 +92,15 @@ def sample_lengths(model: str | None, prompts: int = 16, n: int = 4, seed: int =
     from ..rollout.vllm_engine import VLLMEngine
     from ..data.sampler import load_training_rows, tokenize_prompts
 
-    cfg = compose([w for w in WORKLOAD if not w.startswith("rollout.placement") and "num_rollout" not in w])
+    cfg = compose([w for w in workload if not w.startswith("rollout.placement") and "num_rollout" not in w])
     model = model or str(assets.smollm2_135m_instruct())
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows, _ = tokenize_prompts(load_training_rows(cfg.data, seed=cfg.trainer.seed), tokenizer, cfg.data)
-    engine = VLLMEngine(model, dtype="float32", max_model_len=cfg.data.max_prompt_length + LONGTAIL_TOKENS,
+    engine = VLLMEngine(model, dtype="float32", max_model_len=cfg.data.max_prompt_length + cap,
                         enforce_eager=True)
     try:
         got = engine.generate([p.ids for p in rows[:prompts]], n,
-                              SamplingConfig(max_tokens=LONGTAIL_TOKENS, temperature=cfg.rollout.temperature),
+                              SamplingConfig(max_tokens=cap, temperature=cfg.rollout.temperature),
                               seed=seed)
     finally:
         engine.shutdown()
@@ -94,23 +108,222 @@ def sample_lengths(model: str | None, prompts: int = 16, n: int = 4, seed: int =
 
 
 def bench_longtail(*, model: str | None = None, warmup: int = 1, repeats: int = 3, modes=None,
-                   steps_override: list[str] | tuple = (), histogram: bool = True, progress: bool = True) -> dict:
+                   steps_override: list[str] | tuple = (), histogram: bool = True, progress: bool = True,
+                   workload: str = "longtail") -> dict:
     """Each mode's `warmup + repeats` steps (justrl-train, 2 processes), then the figures side by side."""
     from .step import bench_step
 
-    raw = {"modes": {}, "workload": list(WORKLOAD) + list(steps_override)}
-    for name in modes or MODES:
+    overrides, all_modes, cap = WORKLOADS[workload]
+    raw = {"modes": {}, "workload": list(overrides) + list(steps_override), "cap": cap}
+    for name in modes or all_modes:
         run = bench_step(model=model, warmup=0, repeats=warmup + repeats, nproc=2,
-                         overrides=[*WORKLOAD, *MODES[name], *steps_override], progress=progress,
+                         overrides=[*overrides, *all_modes[name], *steps_override], progress=progress,
                          keep_records=True)
-        raw["modes"][name] = {"figures": mode_figures(run["records"], warmup), "process_wall_s": run["process_wall_s"]}
+        raw["modes"][name] = {"figures": mode_figures(run["records"], warmup), "process_wall_s": run["process_wall_s"],
+                              "records": run["records"]}
     if histogram:
-        lengths = sample_lengths(model)
+        lengths = sample_lengths(model, workload=overrides, cap=cap)
         raw["lengths"] = lengths
-        raw["histogram"] = length_histogram(lengths)
+        edges = HISTOGRAM_EDGES if cap == LONGTAIL_TOKENS else (16, 32, 64, 128, 256, 512, cap)
+        raw["histogram"] = length_histogram(lengths, edges)
     med = {name: {k: statistics.median(v) for k, v in m["figures"].items()} for name, m in raw["modes"].items()}
     raw["median"] = med
     if "streaming eta=1" in med and "one-step-off" in med:
         raw["ratio_streaming1_vs_one_step_off"] = (med["streaming eta=1"]["trained_tokens_per_s"]
                                                    / med["one-step-off"]["trained_tokens_per_s"])
     return raw
+
+
+# --- the planner's check (bench/plan.py): its inputs measured here, then the modes, in one run -------------------------
+
+DECODE_BATCHES = (4, 16, 32, 64)  # running sequences at which an engine step is timed
+
+
+def measure_decode(model: str | None, overrides=WORKLOAD, n: int = 4) -> dict:
+    """Seconds per engine step against running sequences and context, and prefill per prompt token, on the engine a
+    rollout rank builds (make_engine in a child process, prefix caching off as streaming runs it), real prompts.
+    A step's cost is (time of 33 tokens - time of 1) / 32; the context slope from 161 tokens against 33 at 16."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from .. import assets
+    from ..config import compose
+    from ..data.sampler import load_training_rows, tokenize_prompts
+    from ..rollout import SamplingConfig
+    from ..rollout.vllm_engine import make_engine
+
+    cfg = compose([w for w in overrides if not w.startswith("rollout.placement") and "num_rollout" not in w]
+                  + ["rollout.streaming=true"])
+    model = model or str(assets.smollm2_135m_instruct())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows, _ = tokenize_prompts(load_training_rows(cfg.data, seed=cfg.trainer.seed), tokenizer, cfg.data)
+    engine = make_engine(cfg, model, in_process=False)
+
+    def timed(seqs: int, tokens: int) -> float:
+        t = time.perf_counter()
+        engine.generate([p.ids for p in rows[:seqs // n]], n, SamplingConfig(max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - t
+
+    try:
+        timed(n, 4)  # warm-up
+        prompt_len = statistics.mean(len(p.ids) for p in rows[:max(DECODE_BATCHES) // n])
+        first = {b: timed(b, 1) for b in DECODE_BATCHES}
+        step = {b: (timed(b, 33) - first[b]) / 32 for b in DECODE_BATCHES}
+        long16 = (timed(16, 161) - first[16]) / 160
+    finally:
+        engine.shutdown()
+    per_context = max(0.0, (long16 - step[16]) / (16 * (161 - 33) / 2))  # 64 more tokens of context per sequence
+    xs = list(DECODE_BATCHES)
+    ys = [step[b] - per_context * b * (prompt_len + 17) for b in xs]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    prefill = statistics.median(max(0.0, first[b] - step[b]) / (b * prompt_len) for b in xs)
+    return {"fixed_s": intercept, "per_seq_s": slope, "per_context_token_s": per_context,
+            "prefill_s_per_token": prefill, "prompt_len": prompt_len,
+            "raw": {"step_s": step, "first_token_s": first, "step_s_16_at_161": long16}}
+
+
+UPDATE_SIZES = ((32, 64), (32, 160))  # (samples, tokens each): the update's cost per token, two points
+
+
+def measure_update(prompt_len: int = 55) -> list[tuple[int, float]]:
+    """(tokens, seconds) of one GRPO update of the workload's model shape (random weights and tokens, fp32, one
+    thread as each torchrun rank has), in a child process: `justrl-bench --phase train`'s code."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="justrl-plan-") as tmp:
+        out = os.path.join(tmp, "update.json")
+        subprocess.run([sys.executable, "-m", "justrl_megatron.bench.longtail", "update", out, str(prompt_len)],
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+        return [tuple(p) for p in json.loads(open(out).read())]
+
+
+def _update_points(out: str, prompt_len: int) -> None:
+    import json
+
+    from .train import bench_train
+
+    points = []
+    for i, (samples, length) in enumerate(UPDATE_SIZES):
+        r = bench_train(model="smollm2-135m", tokens=samples * length, seq_len=length, prompt_len=prompt_len,
+                        dtype="fp32", steps=1, warmup=1 if i == 0 else 0, max_tokens_per_micro_batch=2048)
+        points.append((samples * length, statistics.median(r["update"]["time_s_all"])))
+    open(out, "w").write(json.dumps(points))
+
+
+def measure_loop(model: str | None, overrides=WORKLOAD) -> dict:
+    """The loop's own per-step costs from a split synchronous run with 8-token responses (1 + 2 steps): the weight
+    sync, scoring per group, the rest of a step besides rollout, update and sync, and the update at that size."""
+    from .step import bench_step
+
+    run = bench_step(model=model, warmup=0, repeats=3, nproc=2, progress=False, keep_records=True,
+                     overrides=[*overrides, "rollout.max_staleness=0", "rollout.max_response_length=8"])
+    records, groups = run["records"], run["prompts"]
+    timed = [(records[i - 1], records[i]) for i in range(1, len(records))]  # step 1 warms up
+    return {"sync_s": statistics.median(r["time/sync_s"] for _, r in timed),
+            "reward_s_per_group": statistics.median(r.get("time/reward_s", 0.0) for _, r in timed) / groups,
+            "overhead_s": statistics.median(max(0.0, r["time"] - p["time"] - r.get("time/wait_rollout_s", 0.0)
+                                                - r["time/update_s"] - r["time/sync_s"]) for p, r in timed),
+            "update_points": [(r["throughput/tokens_per_s"] * r["time/step_s"], r["time/update_s"]) for _, r in timed]}
+
+
+def measure_plan_inputs(model: str | None = None) -> dict:
+    """Everything bench/plan.py needs from this machine, the workload's sizes aside."""
+    decode = measure_decode(model)
+    points = measure_update(round(decode["prompt_len"]))
+    loop = measure_loop(model)
+    slope, intercept = statistics.linear_regression([t for t, _ in points + loop["update_points"]],
+                                                    [s for _, s in points + loop["update_points"]])
+    return {"decode": decode, "update_points": points, "loop": loop, "update_fixed_s": max(0.0, intercept),
+            "update_s_per_token": slope}
+
+
+def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
+    from .plan import DecodeCost, PlanInputs
+
+    overrides, _, cap = WORKLOADS[workload]
+    sizes = dict(w.split("=", 1) for w in overrides if "=" in w)
+    d = measured["decode"]
+    return PlanInputs(decode=DecodeCost(d["fixed_s"], d["per_seq_s"], d["per_context_token_s"],
+                                        d["prefill_s_per_token"]),
+                      update_fixed_s=measured["update_fixed_s"], update_s_per_token=measured["update_s_per_token"],
+                      sync_s=measured["loop"]["sync_s"], lengths=list(lengths), prompt_len=round(d["prompt_len"]),
+                      prompts_per_step=int(sizes["trainer.prompts_per_step"]), n=int(sizes["rollout.n"]),
+                      max_response_length=cap, reward_s_per_group=measured["loop"]["reward_s_per_group"],
+                      overhead_s=measured["loop"]["overhead_s"])
+
+
+def lengths_like_run(lengths: list[int], records: list[dict], cap: int) -> list[int]:
+    """The sampled distribution reshaped to a run's own metrics (metrics.jsonl): its truncated fraction at the cap,
+    the rest spread like the sample's shorter answers and scaled to the run's mean length."""
+    trunc = statistics.mean(r["response/truncated_ratio"] for r in records)
+    mean = statistics.mean(r["response/length_mean"] for r in records)
+    short = sorted(x for x in lengths if x < cap) or [1]
+    n_cap = round(trunc * len(lengths))
+    m = len(lengths) - n_cap
+    picked = [short[int((i + 0.5) * len(short) / m)] for i in range(m)]
+    scale = max(0.0, mean * len(lengths) - cap * n_cap) / max(1, sum(picked))
+    return [cap] * n_cap + [max(1, min(cap - 1, round(x * scale))) for x in picked]
+
+
+def mode_plan(name: str) -> tuple[str, int]:
+    if name.startswith("streaming"):
+        return "streaming", int(name.split("=")[1])
+    return name, 1
+
+
+def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> dict:
+    """Per mode: the measured medians, and the planner's figures from the measured inputs with two length
+    distributions (the initial model's sample; the sample reshaped to the mode's own metrics)."""
+    from .plan import predict
+
+    rows = {}
+    for name, m in raw["modes"].items():
+        mode, eta = mode_plan(name)
+        measured = {k: statistics.median(v) for k, v in m["figures"].items()}
+        row = {"measured": measured}
+        for label, lengths in (("sample", raw["lengths"]),
+                               ("run", lengths_like_run(raw["lengths"], m["records"][warmup:], raw["cap"]))):
+            p = predict(plan_inputs_for(measured_inputs, workload, lengths), mode, eta=eta)
+            row[label] = {**{k: p[k] for k in ("step_s", "trained_tokens_per_s", "trainer_idle_frac",
+                                               "engine_idle_frac", "staleness_max")},
+                          "step_error": p["step_s"] / measured["step_s"] - 1}
+        rows[name] = row
+    return rows
+
+
+def plan_check(workloads=("longtail",), *, model: str | None = None, warmup: int = 1, repeats: int = 3,
+               out: str | None = None, progress: bool = True) -> dict:
+    """The planner's inputs measured, then each workload's modes run, one after the other; predicted against
+    measured step seconds and trained tokens/s per mode (lengths: the initial model's sample, and reshaped to each
+    mode's own metrics)."""
+    import json
+    import os
+
+    report = {"load_start": list(os.getloadavg())}
+
+    def save():
+        if out:
+            open(out, "w").write(json.dumps(report, indent=1, default=str) + "\n")
+
+    report["inputs"] = measure_plan_inputs(model)
+    report["load_after_inputs"] = list(os.getloadavg())
+    save()
+    for workload in workloads:
+        raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, workload=workload, progress=progress)
+        rows = check_rows(report["inputs"], workload, raw, warmup)
+        report[workload] = {"raw": raw, "rows": rows, "load_end": list(os.getloadavg()),
+                            "inputs": plan_inputs_for(report["inputs"], workload, raw["lengths"]).to_dict()}
+        save()
+    return report
+
+
+if __name__ == "__main__":  # the update's cost points, in a process of their own (one thread)
+    import sys
+
+    if sys.argv[1] == "update":
+        _update_points(sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,364 @@
+"""`justrl-bench --plan INPUTS.json`: a discrete-event model of the rollout and train pipeline, per mode.
+
+    predict(inputs, "one-step-off", trainers=1, engines=1)   # step seconds, idle fractions, staleness, tokens/s/GPU
+    best_split(inputs, "streaming", gpus=32, eta=2)           # the rollout:trainer split with the most tokens/s
+
+It replays what the code does (rollout/batch_source.py, stream_source.py, engine_loop.py, split.py, train/loop.py):
+- an engine steps all its unfinished sequences at once; one step costs `decode.step_s(B, context tokens)` (measured
+  on the machine, or given for a GPU), a started group first pays its prefill. A group holds its engine slot until
+  all n samples are done (EngineLoop counts groups), while only unfinished samples cost decode time.
+- colocated sync: generate, then rewards + old logprobs + update on the same devices, then the weight sync.
+- split sync: the same, rollout on the engines' devices, training on the trainers'; neither overlaps.
+- one-step-off: batch k+1 is submitted when step k's batch is collected and generates while step k trains; the
+  weight sync waits for it (a rollout rank does one thing at a time), scoring runs beside the update.
+- streaming eta: (eta + 1) x prompts_per_step groups admitted and not yet taken, topped up when a step starts (after
+  the previous sync); a step takes first the groups admitted eta versions ago (waiting for them), then any others in
+  the order they finished; the sync pauses every engine (requests kept) and drops groups the bound no longer allows.
+Response lengths are drawn per sample from a given distribution with a fixed seed, so a plan is deterministic; the
+figures are means over the steps after `warmup`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+MODES = ("colocated sync", "split sync", "one-step-off", "streaming")
+
+
+@dataclass
+class DecodeCost:
+    """Seconds per engine step: fixed + per running sequence + per token of context held by them (KV reads), and
+    the prefill of a started sequence's prompt."""
+
+    fixed_s: float
+    per_seq_s: float
+    per_context_token_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+
+    def step_s(self, seqs: int, context: float) -> float:
+        return self.fixed_s + self.per_seq_s * seqs + self.per_context_token_s * context
+
+
+@dataclass
+class PlanInputs:
+    """What a plan needs; every time is one device's (a trainer's or an engine's)."""
+
+    decode: DecodeCost
+    update_fixed_s: float  # one optimizer step's fixed cost (optimizer, launches) per mini-batch
+    update_s_per_token: float  # forward + backward per trained token (prompt + response), one trainer device
+    sync_s: float  # one weight sync: trainer and engines busy
+    lengths: list[int]  # the response-length distribution (samples of it)
+    prompt_len: int
+    prompts_per_step: int
+    n: int
+    max_response_length: int
+    logprob_s_per_token: float = 0.0  # the old-logprob forward (only with several optimizer steps per step)
+    optimizer_steps: int = 1  # prompts_per_step / mini_batch_size
+    reward_s_per_group: float = 0.0  # scoring n responses (trainer rank 0)
+    overhead_s: float = 0.0  # the rest of a step on the trainer (bookkeeping, transfers, logging)
+    engine_max_seqs: int = 256
+    colocated_switch_s: float = 0.0  # colocated: sleep / wake of the engine around the trainer's turn
+    notes: dict = field(default_factory=dict)
+
+    def update_s(self, tokens: float, trainers: int) -> float:
+        per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
+        return self.optimizer_steps * self.update_fixed_s + per_token * tokens / trainers
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PlanInputs":
+        d = dict(d)
+        d["decode"] = DecodeCost(**d["decode"])
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Engine:
+    """One rollout engine on its own device. Samples live in a heap keyed by the engine step at which they finish;
+    between two finishes the batch is constant, so time advances a chunk of steps at once."""
+
+    def __init__(self, cost: DecodeCost, max_seqs: int, n: int):
+        self.cost, self.n = cost, n
+        self.slots = max(1, max_seqs // n)  # groups at once (EngineLoop.capacity)
+        self.t = 0.0
+        self.clock = 0  # engine steps so far
+        self.heap: list[tuple[int, int, int]] = []  # (finish step, gid, context at the end)
+        self.context = 0  # tokens of context held by the unfinished samples
+        self.left: dict[int, int] = {}  # gid -> unfinished samples
+        self.waiting: deque = deque()  # (gid, lengths, prompt_len)
+        self.busy_s = 0.0
+
+    def add(self, gid: int, lengths: list[int], prompt_len: int, t: float) -> None:
+        if self.idle():
+            self.t = max(self.t, t)  # idle until the group arrives
+        self.waiting.append((gid, lengths, prompt_len))
+
+    def _fill(self) -> None:
+        while self.waiting and len(self.left) < self.slots:
+            gid, lengths, p = self.waiting.popleft()
+            self.left[gid] = len(lengths)
+            for x in lengths:
+                heapq.heappush(self.heap, (self.clock + max(1, x), gid, p + max(1, x)))
+            self.context += p * len(lengths)
+            prefill = self.cost.prefill_s_per_token * p * len(lengths)
+            self.t += prefill
+            self.busy_s += prefill
+
+    def _chunk(self, dt: float) -> tuple[int, float]:
+        """Steps until the next sample finishes, or fewer that reach dt; and their seconds."""
+        b = len(self.heap)
+        a, g = self.cost.step_s(b, self.context), self.cost.per_context_token_s * b  # step j costs a + g j
+        k = _steps_to_reach(a, g, dt, self.heap[0][0] - self.clock)
+        return k, k * a + g * k * (k - 1) / 2
+
+    def next_finish(self) -> float:
+        """When the next sample finishes if nothing else happens (inf: nothing runs)."""
+        self._fill()
+        return self.t + self._chunk(math.inf)[1] if self.heap else math.inf
+
+    def run_until(self, t_end: float) -> list[tuple[int, float]]:
+        """Step until the first step boundary at or after t_end (or until nothing runs); finished (gid, time)."""
+        done = []
+        while self.t < t_end:
+            self._fill()
+            if not self.heap:
+                if t_end < math.inf:
+                    self.t = t_end  # idle
+                break
+            k, dt = self._chunk(t_end - self.t)
+            self.t += dt
+            self.busy_s += dt
+            self.context += k * len(self.heap)
+            self.clock += k
+            while self.heap and self.heap[0][0] <= self.clock:
+                _, gid, ctx = heapq.heappop(self.heap)
+                self.context -= ctx
+                self.left[gid] -= 1
+                if self.left[gid] == 0:
+                    del self.left[gid]
+                    done.append((gid, self.t))
+        return done
+
+    def drain(self) -> list[tuple[int, float]]:
+        return self.run_until(math.inf)
+
+    def abort(self, gids: set[int]) -> None:
+        gone = [s for s in self.heap if s[1] in gids]
+        self.context -= sum(ctx - (finish - self.clock) for finish, _, ctx in gone)
+        self.heap = [s for s in self.heap if s[1] not in gids]
+        heapq.heapify(self.heap)
+        self.waiting = deque(w for w in self.waiting if w[0] not in gids)
+        for g in gids:
+            self.left.pop(g, None)
+
+    def idle(self) -> bool:
+        return not self.heap and not self.waiting
+
+
+def _steps_to_reach(a: float, g: float, dt: float, k_max: int) -> int:
+    """The fewest steps (<= k_max) whose cost a k + g k (k - 1) / 2 reaches dt (all k_max when dt is infinite)."""
+    if dt == math.inf or k_max * a + g * k_max * (k_max - 1) / 2 <= dt:
+        return k_max
+    if g <= 0:
+        k = math.ceil(dt / a)
+    else:
+        k = math.ceil((-(a - g / 2) + math.sqrt((a - g / 2) ** 2 + 2 * g * dt)) / g)
+    return max(1, min(k_max, k))
+
+
+class _Lengths:
+    def __init__(self, lengths: list[int], cap: int, seed: int):
+        self.lengths, self.cap, self.rng = [min(int(x), cap) for x in lengths], cap, random.Random(seed)
+
+    def group(self, n: int) -> list[int]:
+        return [self.rng.choice(self.lengths) for _ in range(n)]
+
+
+def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 1, eta: int = 1, steps: int = 40,
+            warmup: int = 4, seed: int = 0) -> dict:
+    """Simulate `steps` steps of `mode` and summarise the ones after `warmup`. colocated sync: `trainers` devices
+    do both jobs (engines = trainers)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "streaming" and eta < 1:
+        raise ValueError("streaming needs eta (max_staleness) >= 1")
+    if mode == "colocated sync":
+        engines = trainers
+    x = inputs
+    draw = _Lengths(x.lengths, x.max_response_length, seed)
+    pool = [Engine(x.decode, x.engine_max_seqs, x.n) for _ in range(engines)]
+    run = _stream if mode == "streaming" else _rounds
+    records = run(x, mode, pool, draw, trainers, eta, steps)
+    timed = records[warmup:]
+    step_s = statistics.mean(r["step_s"] for r in timed)
+    tokens = statistics.mean(r["tokens"] for r in timed)
+    gpus = trainers if mode == "colocated sync" else trainers + engines
+    busy = statistics.mean(r["trainer_busy_s"] for r in timed)
+    span = timed[-1]["end"] - timed[0]["end"] + timed[0]["step_s"]
+    engine_busy = sum(r["engine_busy_s"] for r in timed) / len(pool)
+    return {"mode": mode if mode != "streaming" else f"streaming eta={eta}", "trainers": trainers,
+            "engines": engines, "gpus": gpus, "step_s": step_s, "step_s_all": [r["step_s"] for r in records],
+            "tokens_per_step": tokens, "trained_tokens_per_s": tokens / step_s,
+            "trained_tokens_per_s_per_gpu": tokens / step_s / gpus,
+            "generated_tokens_per_s": statistics.mean(r["generated"] for r in timed) / step_s,
+            "trainer_idle_frac": min(1.0, max(0.0, 1 - busy / step_s)),
+            "engine_idle_frac": min(1.0, max(0.0, 1 - engine_busy / span)),
+            "staleness_max": max(r["staleness"] for r in timed),
+            "dropped_groups": sum(r.get("dropped", 0) for r in timed)}
+
+
+def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
+    response = sum(sum(g) for g in groups)
+    return response + x.prompt_len * x.n * len(groups), response
+
+
+def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]:
+    """colocated sync, split sync, one-step-off: a batch is generated with one version, spread gid % engines."""
+    def submit(t: float) -> list[list[int]]:
+        groups = [draw.group(x.n) for _ in range(x.prompts_per_step)]
+        for gid, lengths in enumerate(groups):
+            pool[gid % len(pool)].add(gid, lengths, x.prompt_len, t)
+        return groups
+
+    def finish() -> float:  # the slowest engine completes the batch
+        return max([t for e in pool for _, t in e.drain()] + [e.t for e in pool])
+
+    ahead = mode == "one-step-off"
+    records, t, version = [], 0.0, 0
+    groups, gen_version = submit(0.0), 0
+    done = finish()
+    ready = done + x.reward_s_per_group * x.prompts_per_step  # scored (in a thread beside the trainer when ahead)
+    for step in range(1, steps + 1):
+        start, busy0 = t, sum(e.busy_s for e in pool)
+        t = max(t, ready)
+        staleness = version - gen_version
+        tokens, response = _tokens(x, groups)
+        if ahead:  # step k+1's batch starts now, with the current weights
+            groups, gen_version = submit(t), version
+        update = x.update_s(tokens, trainers)
+        reward = x.reward_s_per_group * x.prompts_per_step
+        t += update + x.overhead_s + (x.colocated_switch_s if mode == "colocated sync" else 0.0)
+        if ahead:
+            done = finish()
+            t = max(t, done)  # the sync waits for the batch in flight
+            ready = done + reward
+        t += x.sync_s
+        for e in pool:
+            e.t = max(e.t, t)  # the engines take the weights; nothing generates meanwhile
+        version = step
+        if not ahead:
+            groups, gen_version = submit(t), version
+            done = finish()
+            ready = done + reward
+        records.append({"step_s": t - start, "end": t, "tokens": tokens, "generated": response,
+                        "trainer_busy_s": update + reward, "staleness": staleness,
+                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0})
+    return records
+
+
+def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]:
+    """Streaming (rollout/stream_source.py): admission bounded by eta, the take order, syncs mid-generation."""
+    P = x.prompts_per_step
+    capacity = (eta + 1) * P
+    admitted: dict[int, tuple[int, list[int]]] = {}  # gid -> (version at admission, lengths)
+    buffer: list[tuple[float, int]] = []  # finished (time, gid), in finish order
+    records, t, version, next_gid = [], 0.0, 0, 0
+
+    def advance(until: float) -> None:
+        for e in pool:
+            buffer.extend((ft, gid) for gid, ft in e.run_until(until))
+        buffer.sort()
+
+    def next_event() -> float:  # a finished group not yet ready (an engine's step ran past t), or the next finish
+        later = [ft for ft, _ in buffer if ft > t]
+        return min(later + [e.next_finish() for e in pool])
+
+    for step in range(1, steps + 1):
+        start, busy0 = t, sum(e.busy_s for e in pool)
+        advance(t)
+        for _ in range(capacity - len(admitted)):  # _admit: top up to the bound
+            gid, next_gid = next_gid, next_gid + 1
+            admitted[gid] = (version, draw.group(x.n))
+            pool[gid % len(pool)].add(gid, admitted[gid][1], x.prompt_len, t)
+        kept: list[tuple[int, list[int]]] = []  # (version at admission, lengths)
+        reward = 0.0
+        while len(kept) < P:
+            expiring = {g for g, (v, _) in admitted.items() if version + 1 - v > eta}
+            ready = [(ft, g) for ft, g in buffer if ft <= t]
+            pick = next((i for i, (_, g) in enumerate(ready) if g in expiring), None)
+            if pick is None and ready and P - len(kept) > len(expiring - {g for _, g in ready}):
+                pick = 0
+            if pick is None:  # wait for the next finished group
+                t_next = next_event()
+                if t_next == math.inf:
+                    raise RuntimeError("streaming plan: the step waits for groups that no engine runs")
+                t = max(t, t_next)
+                advance(t)
+                continue
+            _, gid = ready[pick]
+            buffer.remove(ready[pick])
+            kept.append(admitted.pop(gid))
+            t += x.reward_s_per_group
+            reward += x.reward_s_per_group
+            advance(t)
+        groups = [lengths for _, lengths in kept]
+        staleness = max(version - v for v, _ in kept)
+        tokens, response = _tokens(x, groups)
+        update = x.update_s(tokens, trainers)
+        t += update + x.overhead_s
+        advance(t)
+        sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps
+        advance(sync_start)
+        t = sync_start + x.sync_s
+        for e in pool:
+            e.t = max(e.t, t)
+        version = step
+        too_old = {g for g, (v, _) in admitted.items() if v < version - eta}  # publish's min_version
+        for e in pool:
+            e.abort(too_old)
+        buffer[:] = [(ft, g) for ft, g in buffer if g not in too_old]
+        for g in too_old:
+            del admitted[g]
+        records.append({"step_s": t - start, "end": t, "tokens": tokens, "generated": response,
+                        "trainer_busy_s": update + reward, "staleness": staleness, "dropped": len(too_old),
+                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0})
+    return records
+
+
+def best_split(inputs: PlanInputs, mode: str, *, gpus: int, eta: int = 1, **kw) -> dict:
+    """The rollout:trainer split of `gpus` devices with the most trained tokens/s (every split with >= 1 of each)."""
+    if mode == "colocated sync":
+        return predict(inputs, mode, trainers=gpus, eta=eta, **kw)
+    plans = [predict(inputs, mode, trainers=gpus - e, engines=e, eta=eta, **kw) for e in range(1, gpus)]
+    return max(plans, key=lambda p: p["trained_tokens_per_s"])
+
+
+def plan_all(inputs: PlanInputs, *, gpus: int | None = None, trainers: int = 1, engines: int = 1,
+             etas=(1, 2), **kw) -> list[dict]:
+    """Every mode: at the given layout, or at each mode's best split of `gpus` devices."""
+    runs = [("colocated sync", 1), ("split sync", 0), ("one-step-off", 1)] + [("streaming", k) for k in etas]
+    if gpus:
+        return [best_split(inputs, m, gpus=gpus, eta=k, **kw) for m, k in runs]
+    return [predict(inputs, m, trainers=trainers if m != "colocated sync" else trainers + engines - 1 or 1,
+                    engines=engines, eta=k, **kw) for m, k in runs]
+
+
+def table(plans: list[dict]) -> str:
+    """The plans as a text table."""
+    lines = [f"{'mode':18s} {'trainers':>8s} {'engines':>7s} {'step s':>8s} {'tok/s/GPU':>10s} {'trainer idle':>12s} "
+             f"{'engine idle':>11s} {'staleness':>9s}"]
+    lines += [f"{p['mode']:18s} {p['trainers']:8d} {p['engines']:7d} {p['step_s']:8.1f} "
+              f"{p['trained_tokens_per_s_per_gpu']:10.1f} {p['trainer_idle_frac']:12.2f} "
+              f"{p['engine_idle_frac']:11.2f} {p['staleness_max']:9d}" for p in plans]
+    return "\n".join(lines)
+
+
+def load_inputs(path: str) -> PlanInputs:
+    return PlanInputs.from_dict(json.loads(open(path).read()))
