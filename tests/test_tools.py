@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sysconfig
+import threading
 import time
 
 import pytest
@@ -86,8 +87,16 @@ TURNS = ["Let me compute.\n```python\nprint(3 + 7)\n```\n", "That gives 10. Chec
 PROMPT = [5, 6, 7]
 
 
+# A call whose output a test compares gets a deadline it never comes near: the deadline counts from the sandbox's
+# start, and a `print` called from a busy process (an engine's) on a loaded machine took 0.16-1.0 s here (0.02 s
+# from an idle one), so a 5 s deadline and a heavier load turn "10" into a TimeoutError. tests/mp/tool_rollout.py
+# uses the same value.
+OK_DEADLINE_S = 60.0
+
+
 def _driver(tokenizer, tool=None, max_turns=4, workers=2):
-    return ToolRollout([tool or PythonTool(timeout_s=5)], tokenizer, max_turns=max_turns, workers=workers)
+    return ToolRollout([tool or PythonTool(timeout_s=OK_DEADLINE_S)], tokenizer, max_turns=max_turns,
+                       workers=workers)
 
 
 def _check_layout(r, tok, sample, tool_texts):
@@ -164,21 +173,30 @@ def test_a_stop_aborts_every_request_and_leaves_running_calls_behind(tokenizer):
     from justrl_megatron.rollout import RolloutInterrupted
 
     engine, driver = ScriptedEngine(tokenizer, TURNS), _driver(tokenizer)
+    release, begun, finished = threading.Event(), [], []
     try:
         with pytest.raises(RolloutInterrupted):
             driver.generate(engine, [PROMPT], 2, SamplingConfig(max_tokens=400), stop=lambda: engine.steps >= 3)
         assert engine.steps == 3 and engine.live == {} and sorted(engine.aborted) == ["tool0_1", "tool1_1"]
         driver.close()
+        # calls that run until the test lets them go: the stop comes once both have begun, and generate must
+        # answer it without waiting for them (by order, not by a clock: a call finished first is the failure)
         slow = PythonTool(timeout_s=30)
-        slow.run = lambda call: time.sleep(5) or Observation("", "ok", 5.0)  # a call that takes 5 s
+
+        def held(call):
+            begun.append(call)
+            release.wait(60)  # (a bound for a driver that waits for its calls, which then fails below)
+            finished.append(call)
+            return Observation("", "ok", 0.0)
+
+        slow.run = held
         engine, driver = ScriptedEngine(tokenizer, TURNS), _driver(tokenizer, tool=slow)
-        t = time.perf_counter()
-        with pytest.raises(RolloutInterrupted):  # both samples wait on their calls when the stop comes
-            driver.generate(engine, [PROMPT], 2, SamplingConfig(max_tokens=400),
-                            stop=lambda: time.perf_counter() - t > 0.5)
-        assert time.perf_counter() - t < 2.0 and engine.live == {}
+        with pytest.raises(RolloutInterrupted):
+            driver.generate(engine, [PROMPT], 2, SamplingConfig(max_tokens=400), stop=lambda: len(begun) == 2)
+        assert finished == [] and engine.live == {}
     finally:
-        driver.pool.shutdown(wait=False, cancel_futures=True)  # the 5 s call ends on its own, unread
+        release.set()
+        driver.pool.shutdown(wait=False, cancel_futures=True)  # the held calls end, unread
 
 
 def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokenizer):
@@ -223,7 +241,7 @@ def test_timeouts_errors_and_a_failing_sandbox_do_not_stop_the_rollout(tokenizer
     assert "TimeoutError: the code ran longer than 1 s" in text and "ZeroDivisionError" in text
     assert "the sandbox failed (RuntimeError: bwrap crashed)" in text
     monkeypatch.undo()  # a syntax error reads as the model's own line, without the runner's frames
-    assert PythonTool().run("=70 * 93").text == '  File "<code>", line 1\n    =70 * 93\n    ^\nSyntaxError: invalid syntax\n'
+    assert PythonTool(timeout_s=OK_DEADLINE_S).run("=70 * 93").text == '  File "<code>", line 1\n    =70 * 93\n    ^\nSyntaxError: invalid syntax\n'
     shaped, m = tool_penalties([1.0], r.tool_stats, error_penalty=0.25, timeout_penalty=0.5)
     assert shaped == [0.0] and m == {"reward/tool_penalty_mean": 1.0}
 

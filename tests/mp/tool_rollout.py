@@ -18,12 +18,15 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 
 import torch
 
 PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11]]
 N = 2
+# the deadline of calls whose output is checked: one they never come near (tests/test_tools.py, OK_DEADLINE_S)
+OK_DEADLINE_S = 60.0
 
 
 def runs_of(toks, mask):
@@ -37,20 +40,35 @@ def runs_of(toks, mask):
 
 
 def forced(engine, tok, driver, sampling):
+    """Every turn held to a print block; whether the engine steps while calls run is a matter of order, not of
+    speed. The pool's two workers run the six samples' calls two at a time, so the third call begins when an
+    earlier one has returned, and that call's sample is back in the engine with turns left to write; the third
+    call returns only once two engine steps have ended since it began (the second lies wholly inside it). Without
+    that wait the check would rest on relative speeds (a call and a step each take tens to hundreds of ms here,
+    depending on the load)."""
     from justrl_megatron.rollout.tools import Observation
 
-    steps, calls = [], []
+    steps, calls, begun = [], [], []
+    stepped = threading.Condition()
     step_tokens, run = engine.step_tokens, driver.tools[0].run
 
     def timed_step():
         t = time.monotonic()
         out = step_tokens()
-        steps.append((t, time.monotonic()))
+        with stepped:
+            steps.append((t, time.monotonic()))
+            stepped.notify_all()
         return out
 
     def timed_run(code):
         t = time.monotonic()
+        with stepped:
+            begun.append(t)
+            third, seen = len(begun) == 3, len(steps)
         obs = run(code)
+        if third:  # bounded: a driver that holds the engine while a call runs fails the check, it does not hang
+            with stepped:
+                stepped.wait_for(lambda: len(steps) >= seen + 2, timeout=120)
         calls.append((t, time.monotonic()))
         return obs
 
@@ -92,7 +110,7 @@ def main(model_dir, out):
     engine = VLLMEngine(model_dir, dtype="float32", max_model_len=256, enforce_eager=True, load_tokenizer=True)
     v = {"seconds": {"engine": time.monotonic() - t0}}
 
-    driver = ToolRollout([PythonTool(timeout_s=5)], tok, max_turns=2, workers=2)
+    driver = ToolRollout([PythonTool(timeout_s=OK_DEADLINE_S)], tok, max_turns=2, workers=2)
     v["forced"] = forced(engine, tok, driver, SamplingConfig(max_tokens=160))
     driver.close()
     v["seconds"]["forced"] = time.monotonic() - t0 - v["seconds"]["engine"]
@@ -105,7 +123,7 @@ def main(model_dir, out):
                    "stats": r.tool_stats, "seconds": time.monotonic() - t}
     driver.close()
 
-    driver = ToolRollout([PythonTool(timeout_s=5)], tok, max_turns=1, workers=2)
+    driver = ToolRollout([PythonTool(timeout_s=OK_DEADLINE_S)], tok, max_turns=1, workers=2)
     # products of different lengths: the samples' tool outputs (and so their model token counts) differ
     r = driver.generate(engine, PROMPTS, N, SamplingConfig(max_tokens=48),
                         regex=r"```python\nprint\((2\*3|23\*31|2345\*3456789)\)\n```\n", regex_turns=1)
