@@ -390,7 +390,8 @@ def test_train_sbatch_refuses_a_bad_config_before_srun(cluster, tiny_llama, tmp_
     batch host checks it once (`justrl-train --validate-only`, world size = nodes x processes per node: TP2 fits 2
     nodes x 1) and the job exits 2 with justrl-train's lines alone; nothing runs on the nodes, no run dir is made."""
     log, run_dir = tmp_path / "job.out", tmp_path / "run"
-    proc, job_id = cluster.submit("-t", "5", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
+    # -t 30: USR1 comes 15 min before the limit (a shorter limit signals at once, and says so in the log)
+    proc, job_id = cluster.submit("-t", "30", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
                                   f"trainer.run_dir={run_dir}", f"model.path={tiny_llama}", "parallel.tensor=2",
                                   "rollout.nonexistent=1", "rollout.streaming=maybe", cwd=tmp_path)
     assert cluster.finish(proc, timeout=120) == 2, log.read_text()
