@@ -315,9 +315,9 @@ def check_available(kind: str = "auto") -> str:
 
 
 def unavailable(kind: str = "auto") -> str | None:
-    """Why no sandbox of ``kind`` runs here, in one line that says how to get one; None when one does. The one
-    check every user of the sandbox makes before it starts (the code reward at construction, rollout.tools in the
-    config's validation)."""
+    """``check_available``'s verdict as a refusal line: why no sandbox of ``kind`` runs here and how to get one, or
+    None when one does. Every user of the sandbox asks this one check before it starts (the code reward when it is
+    built, which config validation does; rollout.tools in config validation)."""
     try:
         check_available(kind)
     except SandboxUnavailable as exc:
