@@ -33,7 +33,7 @@ register()
 GROUPS = frozenset(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
 DATA_SAMPLE_ROWS = 4  # rows read to check a data source: enough to see its columns and the template at work
 
-_cli_problems: list[str] = []  # unknown command-line keys, reported together with what check_config finds
+_cli_problems: list[str] = []  # the command line's unknown keys and wrong types, reported with check_config's
 _created: list[Path] = []  # what this launch creates for the run dir (created_by_launch), undone on a refusal
 
 
@@ -407,9 +407,10 @@ def main() -> None:
     # before hydra, which creates the run dir (an empty value: the current folder)
     run_dir = _run_dir_of(sys.argv[1:])
     problem = run_dir_problem(run_dir) if run_dir is not None else None
-    if problem is not None:
-        refuse(f"invalid config: {problem}")
-    _created[:] = [c for c in [created_by_launch(run_dir)] if c is not None] if run_dir is not None else []
+    if problem is not None:  # with the command line's own problems, if any: every problem at once
+        refuse(str(ConfigError.listing([*_cli_problems, problem])) if _cli_problems else f"invalid config: {problem}")
+    created = created_by_launch(run_dir) if run_dir is not None else None
+    _created[:] = [created] if created is not None else []
     try:
         _hydra_main()
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler (train/interrupt.py) is in place
