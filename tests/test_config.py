@@ -342,6 +342,11 @@ def test_an_empty_run_dir_or_a_file_is_refused_before_hydra_writes(tmp_path, mon
                         (str(tmp_path / "a_file" / "run"), f"{tmp_path / 'a_file'} is an existing file")):
         code, err = _main_exit(monkeypatch, capfd, f"trainer.run_dir={value}")
         assert code == 2 and err.count("\n") == 1 and says in err, err
+    code, err = _main_exit(monkeypatch, capfd, "trainer.run_dir=", "rollout.nonexistent=1")  # every problem at once
+    assert code == 2 and err.splitlines()[1:] == [
+        "  - unknown key rollout.nonexistent; did you mean rollout.streaming?",
+        "  - trainer.run_dir is empty: name the folder that holds the run (checkpoints, metrics, logs), e.g. "
+        "trainer.run_dir=runs/my_run"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
