@@ -65,12 +65,15 @@ if _os.getuid() == 0 and {uid}:
     _os.setgroups([]); _os.setgid({uid}); _os.setuid({uid})
 _b = {bpf!r}
 if _b:
-    import ctypes as _c
-    class _P(_c.Structure):
-        _fields_ = [("n", _c.c_ushort), ("f", _c.c_char_p)]
-    _l, _p, _z = _c.CDLL(None, use_errno=True), _P(len(_b) // 8, _b), _c.c_ulong(0)
-    if _l.prctl(38, _c.c_ulong(1), _z, _z, _z) or _l.prctl(22, _c.c_ulong(2), _c.byref(_p), _z, _z):
-        _os.write(1, ("sandbox: no seccomp filter: " + _os.strerror(_c.get_errno()) + "\\n").encode())
+    try:
+        import ctypes as _c
+        class _P(_c.Structure):
+            _fields_ = [("n", _c.c_ushort), ("f", _c.c_char_p)]
+        _l, _p, _z = _c.CDLL(None, use_errno=True), _P(len(_b) // 8, _b), _c.c_ulong(0)
+        if _l.prctl(38, _c.c_ulong(1), _z, _z, _z) or _l.prctl(22, _c.c_ulong(2), _c.byref(_p), _z, _z):
+            raise OSError(_c.get_errno(), _os.strerror(_c.get_errno()))
+    except Exception as _e:  # no program runs without the filter; the probe reports this line
+        _os.write(1, ("sandbox: no seccomp filter: " + repr(_e) + "\\n").encode())
         _os._exit(1)
     del _c, _P, _l, _p, _z
 for _k, _v in ((_r.RLIMIT_NPROC, {nproc}), (_r.RLIMIT_AS, {memory}), (_r.RLIMIT_CPU, {cpu}),
