@@ -3,6 +3,7 @@ training, exact resume with a batch in flight, and the config errors; the groups
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -22,8 +23,8 @@ DETERMINISTIC = ("reward/mean", "response/length_mean", "actor/entropy", "actor/
                  "actor/logprob_mean", "rollout/logprob_diff_mean", "rollout/weight_version", "rollout/staleness")
 
 
-def train(run_dir, model, *args):
-    return run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", f"model.path={model}",
+def train(run_dir, model, *args, nproc=2):
+    return run_ok([*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "justrl_megatron.cli", "train", f"model.path={model}",
                    f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args], timeout=900)
 
 
@@ -94,58 +95,97 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
     assert_same_weights(straight / "checkpoints" / "step_00000004", root / "step_00000004")
 
 
-STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=12", "trainer.save_every=1000",
-          "trainer.keep_last=3", *LEARN]
+# 2 trainer ranks + 2 engines (vLLM in child processes), responses long enough to be in flight across weight updates,
+# an async checkpoint every step
+STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=8", "trainer.save_every=1",
+          "trainer.async_save=true", "trainer.keep_last=2", "rollout.num_rollout_ranks=2",
+          "rollout.max_response_length=64", *LEARN]
 
 
-def _signal_the_group(tmp_path, model, sig, *args):
-    """Launch justrl-train in a session of its own, and once step 2 is logged send `sig` to its whole process group
-    (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too). Returns the
-    run dir, the launch's output, its exit code and the processes of the session left 15 s after its exit."""
+def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None):
+    """Launch justrl-train in a session of its own, and once `after` steps are logged send `sig` to its whole process
+    group (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too), or to
+    rank `rank`'s process alone. Returns the run dir, the launch's output, its exit code, the processes of the
+    session left 15 s after its exit and the seconds from the signal to the launcher's exit."""
     import signal
     import time
 
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", "--nproc-per-node=2", f"model.path={model}",
+    run_dir = run_dir or tmp_path / "run"
+    cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", f"--nproc-per-node={nproc}", f"model.path={model}",
            f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 900
-        while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+        while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= after):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
             time.sleep(0.1)
-        os.killpg(launcher.pid, sig)
+        if rank is None:
+            os.killpg(launcher.pid, sig)
+        else:
+            os.kill(_rank_pid(launcher.pid, rank), sig)
+        sent = time.monotonic()
         out, _ = launcher.communicate(timeout=600)
+        seconds = time.monotonic() - sent
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     give_up = time.monotonic() + 15
     while _processes_in_session(launcher.pid) and time.monotonic() < give_up:
         time.sleep(0.5)
-    return run_dir, out, launcher.returncode, _processes_in_session(launcher.pid)
+    return run_dir, out, launcher.returncode, _processes_in_session(launcher.pid), seconds
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The process of `rank` among the launcher's children (RANK in its environment)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == launcher and f"RANK={rank}".encode() in env:
+                return int(entry.name)
+    raise AssertionError(f"no process of rank {rank} under the launcher {launcher}")
 
 
 @pytest.fixture(scope="module")
 def streaming(tmp_path_factory, tiny_llama):
-    """12 streaming steps (eta 1, tis by default) in two launches of justrl-train's own launcher: the first gets a
-    terminal's Ctrl-C (SIGINT to its whole process group: both ranks, the launcher, vLLM's engine core and workers)
-    once step 2 is logged (groups admitted, in flight and buffered): it finishes or ends its step, saves and exits 0
-    (neither the rollout rank nor its engine may die of it first); the second resumes from that checkpoint. Returns
-    (run dir, the first launch's output, the step it stopped at, the trainer state it saved, the second launch's
-    output)."""
+    """Streaming (eta 1, tis by default) on 2 trainer ranks + 2 engines, in two launches of justrl-train's own
+    launcher. The first gets a terminal's Ctrl-C (SIGINT to its whole process group: every rank, the launcher, vLLM's
+    engine cores and workers) once step 2 is logged (groups admitted, in flight and buffered): it finishes or ends
+    its step, saves, keeps the groups' samples so far beside that checkpoint and exits 0 (neither a rollout rank nor
+    its engine may die of it first). The second resumes from there, and 2 steps later rank 3 (a rollout rank) is
+    SIGKILLed mid-stream: the whole launch must end at once, in one line naming it. Returns (run dir, the first
+    launch's output, the step it stopped at, the work it kept at the stop, the second launch's (output, exit code,
+    processes left, seconds from the kill to its end))."""
     import signal
 
     import torch
 
-    run_dir, out, code, left = _signal_the_group(tmp_path_factory.mktemp("streaming"), tiny_llama, signal.SIGINT,
-                                                 *STREAM)
+    run_dir, out, code, left, _ = _signal_the_group(tmp_path_factory.mktemp("streaming"), tiny_llama,
+                                                    signal.SIGINT, *STREAM, nproc=4)
     assert code == 0, out[-5000:]
     assert not left  # no rank, engine or receiver outlives the stop
     stopped = len(metrics(run_dir))
-    state = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "trainer_state.pt", weights_only=False)
-    resumed = train(run_dir, tiny_llama, *STREAM)
-    return run_dir, out, stopped, state["extra"]["inflight"], resumed.stdout + resumed.stderr
+    path = run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt"
+    kept = torch.load(path, weights_only=False)
+    # the tiny model finishes its groups while the stop's checkpoint is written; cut each kept sample to its first 8
+    # tokens, as a stop mid-generation leaves them, so that the resumed child-process engines continue them
+    # (tests/test_streaming.py checks a real harvest mid-generation, and the continuation's tokens and logprobs)
+    cut = copy.deepcopy(kept)
+    for g in cut["inflight"]["groups"]:
+        r = g["samples"]
+        for key in ("token_ids", "logprobs", "token_versions"):
+            r[key] = [x[:8] for x in r[key]]
+        r["finish_reasons"], r["truncated"] = ["abort"] * len(r["token_ids"]), [False] * len(r["token_ids"])
+    torch.save(cut, path)
+    killed = _signal_the_group(None, tiny_llama, signal.SIGKILL, *STREAM, nproc=4, run_dir=run_dir,
+                               after=stopped + 2, rank=3)
+    return run_dir, out, stopped, kept, killed[1:]
 
 
 def _processes_in_session(sid: int) -> list[int]:
@@ -167,13 +207,15 @@ def _processes_in_session(sid: int) -> list[int]:
 def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
     run_dir, _, stopped, _, _ = streaming
     records = metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, 13))
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= stopped + 2
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/staleness"] <= 1 for r in records)
     # step 1: every token from version 0, the policy at version 0: trainer and vLLM agree as without streaming
     assert records[0]["rollout/weight_version"] == 0 and records[0]["rollout/logprob_diff_mean"] < 1e-3
     assert records[1]["rollout/staleness_max"] == 1  # the second batch was admitted before the first update
     assert all(r["rollout/buffer_peak"] <= 2 * 2 for r in records)  # (eta + 1) * prompts_per_step
     assert records[0]["rollout/engine_occupancy"] > 0
+    # the child-process engines took weights mid-generation: some trained responses span two versions
+    assert any(r["rollout/multi_version_frac"] > 0 for r in records)
     for key in ("rollout/multi_version_frac", "rollout/dropped_stale", "rollout/dropped_in_engine",
                 "rollout/buffer_depth", "time/wait_rollout_s", "time/rollout_idle_s", "rollout_correction/ratio_mean"):
         assert key in records[-1], key
@@ -183,17 +225,41 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(streaming):
-    """Ctrl-C mid-stream: the run saves, says so in one line, exits 0, no process left. The prompts
-    admitted but not trained were saved (their samples were not); the resumed run generates them again and counts
-    the discarded work."""
-    run_dir, out, stopped, saved, resumed = streaming
-    assert 2 <= stopped < 12 and f"checkpoint saved at step {stopped}; exiting on Ctrl-C" in out, out[-3000:]
+    """Ctrl-C mid-stream: the run saves, says so in one line, exits 0, no process left. Every group admitted and not
+    trained is kept with its samples so far (issue 47: a requeue throws no generated token away); the resumed run
+    continues them and discards nothing, within the bound."""
+    run_dir, out, stopped, kept, (resumed, *_) = streaming
+    assert 2 <= stopped < 8 and f"checkpoint saved at step {stopped}; exiting on Ctrl-C" in out, out[-3000:]
     assert "Traceback" not in out, out[-5000:]
-    assert saved["streaming"] and saved["outstanding"] == 2 and len(saved["prompts"]) >= 2
+    groups = kept["inflight"]["groups"]
+    # (eta + 1) * 2 admitted, less the 2 trained by a step that ended (the stop cut the next one short: all 4)
+    assert len(groups) in (2, 4) and all(g["samples"] is not None for g in groups)
+    print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
+                                 [len(t) for t in g["samples"]["token_ids"]]) for g in groups])
     assert "resumed from" in resumed
     after = metrics(run_dir)[stopped:]
-    assert after[0]["rollout/discarded_at_resume"] == 2  # (eta + 1) * 2 admitted - the 2 trained at that step
-    assert after[0]["rollout/staleness_max"] <= 1
+    assert after[0]["rollout/discarded_at_resume"] == 0 and after[0]["rollout/continued_at_resume"] == len(groups)
+    assert all(r["rollout/staleness_max"] <= 1 for r in after)
+    assert after[0]["response/length_mean"] > 8  # the cut samples went on after their kept 8 tokens
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_rollout_rank_killed_mid_stream_ends_every_rank_at_once_in_one_line(streaming):
+    """Issue 47: SIGKILL of a rollout rank while the engines stream (what the OOM killer or a failed node does): no
+    rank waits for it, the launch ends within 30 s with one line naming it, no engine or worker is left, and
+    `latest` still names the intact checkpoint of the stop."""
+    from justrl_megatron.checkpoint import checkpoint_problem, latest_step, step_dir
+
+    run_dir, _, stopped, _, (out, code, left, seconds) = streaming
+    assert code == 128 + 9 and seconds < 30, (code, seconds, out[-3000:])
+    lines = [line for line in out.splitlines() if line.startswith("justrl-train: error")]
+    assert lines == ["justrl-train: error: rank 3 was killed by SIGKILL (the out-of-memory killer?); the other 3 "
+                     "rank(s) were stopped"], out[-3000:]
+    assert "Traceback" not in out, out[-5000:]
+    assert not left
+    latest = latest_step(run_dir)  # (an async save the kill cut short leaves only its staging folder)
+    assert latest >= stopped and checkpoint_problem(step_dir(run_dir, latest)) is None
 
 
 @pytest.mark.slow
@@ -204,7 +270,7 @@ def test_sigterm_to_the_whole_group_one_step_off_saves_and_exits_0(tmp_path, tin
     and exits 0 (before: the engine core died, rank 1 waited in start_weight_update or exited 1)."""
     import signal
 
-    run_dir, out, code, left = _signal_the_group(tmp_path, tiny_llama, signal.SIGTERM, "rollout.max_staleness=1",
+    run_dir, out, code, left, _ = _signal_the_group(tmp_path, tiny_llama, signal.SIGTERM, "rollout.max_staleness=1",
                                                  "trainer.total_steps=12", "trainer.save_every=1000", *LEARN)
     assert code == 0, out[-5000:]
     stopped = len(metrics(run_dir))
