@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compat
+from .ports import free_port  # noqa: F401  (the callers' import path)
 
 
 def backend() -> str:
@@ -164,14 +165,6 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
         expert_tensor_parallel_size=1,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _free_port = free_port  # its first name, still used by tests/mp

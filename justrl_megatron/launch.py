@@ -120,7 +120,7 @@ def _ignore_usr1() -> None:
 
 def launch(nproc: int, overrides: list[str]) -> int:
     """Run `nproc` ranks of the trainer (or JUSTRL_ENTRY) on this machine; the launch's exit code."""
-    from .distributed import free_port
+    from .ports import free_port
 
     lock_fd, run_dir, created = _lock_for_the_launch(overrides)
     print(f"justrl-train: {nproc} process(es) on this machine", file=sys.stderr, flush=True)
