@@ -72,12 +72,22 @@ class PlanInputs:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PlanInputs":
+        """From JSON; `lengths` may be {"lognormal": {"median": M, "sigma": S}} (at the cap above it)."""
         d = dict(d)
         d["decode"] = DecodeCost(**d["decode"])
+        if isinstance(d["lengths"], dict):
+            d["lengths"] = lognormal_lengths(cap=d["max_response_length"], **d["lengths"]["lognormal"])
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def lognormal_lengths(*, median: float, sigma: float, cap: int, points: int = 400) -> list[int]:
+    """`points` evenly spaced quantiles of a log-normal length distribution, the mass above the cap at the cap: a
+    stated assumption where no measured histogram exists."""
+    z = statistics.NormalDist()
+    return [min(cap, max(1, round(median * math.exp(sigma * z.inv_cdf((i + 0.5) / points))))) for i in range(points)]
 
 
 class Engine:
@@ -333,10 +343,13 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
 
 
 def best_split(inputs: PlanInputs, mode: str, *, gpus: int, eta: int = 1, **kw) -> dict:
-    """The rollout:trainer split of `gpus` devices with the most trained tokens/s (every split with >= 1 of each)."""
+    """The rollout:trainer split of `gpus` devices with the most trained tokens/s: every split with >= 1 of each
+    whose trainer count divides a mini-batch's samples (config.validate refuses the others)."""
     if mode == "colocated sync":
         return predict(inputs, mode, trainers=gpus, eta=eta, **kw)
-    plans = [predict(inputs, mode, trainers=gpus - e, engines=e, eta=eta, **kw) for e in range(1, gpus)]
+    samples = inputs.prompts_per_step * inputs.n // inputs.optimizer_steps
+    plans = [predict(inputs, mode, trainers=gpus - e, engines=e, eta=eta, **kw) for e in range(1, gpus)
+             if samples % (gpus - e) == 0]
     return max(plans, key=lambda p: p["trained_tokens_per_s"])
 
 
