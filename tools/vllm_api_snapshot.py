@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import re
 import sys
@@ -90,6 +91,10 @@ DECLARED = [
     ("rollout/weight_transfer.py",
      "attr vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod._setup_kernel"),
 ]
+
+# Uses one of the snapshotted vLLMs lacks on purpose: entry -> the branch of our code that handles the other version
+# (checked: each must be in use and fail against some snapshot).
+VERSION_SPECIFIC: dict[str, str] = {}
 
 # Keywords a callable takes through **kwargs and hands to another: LLM(**kwargs) builds EngineArgs(**kwargs).
 KWARGS_GO_TO = {f"{LLM}.__init__": "vllm.engine.arg_utils.EngineArgs"}
@@ -238,6 +243,26 @@ class API:
                     isinstance(c, ast.Constant) and c.value == name for c in ast.walk(node)):
                 return "value", f"{module}.{name}"
         return None
+
+    def module_names(self, module: str) -> list[str]:
+        """Every name the module defines, imports, serves lazily (MODULE_ATTRS) or holds as a submodule."""
+        names = set()
+        for node in _top_level(self.source.tree(module)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {a.asname or a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(t, ast.Name):
+                        names.add(t.id)
+                        if t.id == "MODULE_ATTRS" and isinstance(node.value, ast.Dict):
+                            names |= {ast.literal_eval(k) for k in node.value.keys}
+        if self.source.is_package(module):
+            prefix = module.replace(".", "/") + "/"
+            names |= {f[len(prefix):].split("/")[0].removesuffix(".py") for f in self.source._files
+                      if f.startswith(prefix)} - {"__init__"}
+        return sorted(names)
 
     def class_node(self, qualname: str) -> tuple[str, ast.ClassDef] | None:
         module, _, name = qualname.rpartition(".")
@@ -567,24 +592,31 @@ class _Scan:
         return names
 
     def current_class(self, node) -> str | None:
-        for cls in (n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef)):
-            if cls.lineno <= node.lineno <= cls.end_lineno:
-                return cls.name
+        for name, first, last in self.classes:
+            if first <= node.lineno <= last:
+                return name
         return None
 
     def defined_by_us(self, attr: str) -> bool:
-        """`self.attr` of our own subclass: its own methods and attributes are ours, not vLLM's."""
-        cls = self.own_class
-        names = set()
-        for node in ast.walk(self.tree):
-            if isinstance(node, ast.ClassDef) and (node.name == cls or node.name.startswith("_")):
-                for item in ast.walk(node):
-                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        names.add(item.name)
-                    elif isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and \
-                            item.value.id == "self" and isinstance(item.ctx, ast.Store):
-                        names.add(item.attr)
-        return attr in names
+        """`self.attr` of our own subclass (or of a mixin in the file): ours, not vLLM's."""
+        return attr in self.ours.get(self.own_class, set()) or any(
+            attr in names for cls, names in self.ours.items() if cls.startswith("_"))
+
+    @functools.cached_property
+    def classes(self) -> list[tuple[str, int, int]]:
+        return [(n.name, n.lineno, n.end_lineno) for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef)]
+
+    @functools.cached_property
+    def ours(self) -> dict[str, set[str]]:
+        """Per class of this file: the methods it defines and the attributes it assigns on self."""
+        out = {}
+        for node in (n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef)):
+            out[node.name] = {item.name if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else item.attr
+                              for item in ast.walk(node)
+                              if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                                  isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name)
+                                  and item.value.id == "self" and isinstance(item.ctx, ast.Store))}
+        return out
 
 
 def scan_uses(api: API | None, files: dict[str, str] | None = None) -> tuple[dict[str, list[str]], list[str]]:
@@ -596,7 +628,7 @@ def scan_uses(api: API | None, files: dict[str, str] | None = None) -> tuple[dic
     uses: dict[str, list[str]] = {}
     errors: list[str] = []
     for rel, text in files.items():
-        if "vllm" not in text:
+        if not re.search(r"^\s*(from|import) vllm", text, re.M):
             continue
         scan = _Scan(rel, ast.parse(text, rel), uses)
         scan.run(api)
@@ -628,6 +660,9 @@ def _parse(entry: str) -> tuple[str, str, int, list[str], list[str]]:
     return m["kind"], m["subject"], positional, keywords, (m["ours"] or "").split(", ")
 
 
+STALE = "not in the snapshot: rerun tools/vllm_api_snapshot.py on this vLLM's wheel or source"
+
+
 class Snapshot:
     """A snapshot's JSON (see `build`), read as the scan's resolver and as the judge of each entry."""
 
@@ -647,12 +682,16 @@ class Snapshot:
         """Why `entry` fails against this vLLM (None: it holds)."""
         kind, subject, positional, keywords, ours = _parse(entry)
         if kind == "import":
-            known = self.data["modules"].get(subject)
-            return None if known else "not in the snapshot" if known is None else "no such module"
+            if subject not in self.data["modules"]:
+                return STALE
+            return None if self.data["modules"][subject] is not None else "no such module"
         if kind == "name":
-            if subject not in self.data["names"]:
-                return "not in the snapshot"
-            return None if self.data["names"][subject] else "no such name"
+            module, name = subject.split(":")
+            if self.data["names"].get(subject):
+                return None
+            if subject in self.data["names"] or name not in (self.data["modules"].get(module) or [name]):
+                return "no such name"
+            return STALE
         if kind == "implements":
             cls = self._class(subject)
             if isinstance(cls, str):
@@ -662,10 +701,10 @@ class Snapshot:
         if kind == "call" and ":" in subject:  # a module-level function
             found = self.resolve(*subject.split(":"))
             if found is None:
-                return "not in the snapshot" if subject not in self.data["names"] else "no such name"
+                return self.problem(f"name {subject}") or STALE
             signature = self.data["functions"].get(found[1])
             if signature is None:
-                return "not in the snapshot" if found[1] not in self.data["functions"] else "not a function"
+                return STALE if found[1] not in self.data["functions"] else "not a function"
             return self._bind(signature, positional, keywords, found[1])
         cls = self._class(subject)  # a class (its constructor) ...
         if not isinstance(cls, dict):
@@ -690,7 +729,7 @@ class Snapshot:
 
     def _class(self, qualname: str) -> dict | str:
         if qualname not in self.data["classes"]:
-            return "not in the snapshot"
+            return STALE
         return self.data["classes"][qualname] or "no such class"
 
     def _bind(self, signature: list[str], positional: int, keywords: list[str], where: str) -> str | None:
@@ -745,7 +784,7 @@ def build(source: Source) -> dict:
     for entry in sorted(uses):
         kind, subject, *_ = _parse(entry)
         if kind == "import":
-            modules[subject] = source.tree(subject) is not None
+            modules[subject] = api.module_names(subject) if source.tree(subject) is not None else None
         elif kind == "name" or (kind == "call" and ":" in subject):
             found = api.resolve(*subject.split(":"))
             names[subject] = list(found) if found else None
@@ -772,6 +811,8 @@ def check(snapshot: Snapshot, files: dict[str, str] | None = None) -> list[str]:
     uses, errors = scan_uses(snapshot, files)
     problems = list(errors)
     for entry, where in sorted(uses.items()):
+        if entry in VERSION_SPECIFIC:
+            continue
         why = snapshot.problem(entry)
         if why:
             problems.append(f"{snapshot.label}: {entry}: {why} (used at {', '.join(where)})")
