@@ -82,6 +82,8 @@ DECLARED = [
     ("rollout/weight_transfer.py", "call vllm.distributed.weight_transfer.nccl_common.NCCLWeightTransferInitInfo("
                                    "master_address=, master_port=, rank_offset=, world_size=, packed=, "
                                    "packed_buffer_size_bytes=, packed_num_buffers=)"),
+    ("rollout/weight_transfer.py", "call vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferUpdateInfo("
+                                   "names=, dtype_names=, shapes=)"),  # bucket_metadata, broadcast to receive_weights
     ("rollout/vllm_engine.py", "call vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferInitInfo(packed=)"),
     ("rollout/vllm_engine.py", "call vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferUpdateInfo("
                                "names=, dtype_names=, shapes=, tensor_sizes=, ipc_handles_pickled=)"),
@@ -320,8 +322,9 @@ class API:
                                 members.setdefault(el.attr, "attribute")
             elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                 members[item.target.id] = "field"
-                if "ClassVar" not in ast.unparse(item.annotation) and item.target.id not in fields:
-                    fields.append(item.target.id)
+                field = item.target.id + ("=" if item.value is not None else "")
+                if "ClassVar" not in ast.unparse(item.annotation):
+                    fields = [f for f in fields if f.rstrip("=") != item.target.id] + [field]
             elif isinstance(item, ast.Assign):
                 for t in item.targets:
                     if isinstance(t, ast.Name):
@@ -460,7 +463,6 @@ class _Scan:
         if cls in self.vllm_bases:
             env.setdefault("self", self.vllm_bases[cls])
         kwargs_dicts: dict[str, list[str]] = {}
-        # statements in order, so that a local's type is known before it is read (one pass: loops converge)
         for node in ast.walk(fn):
             if isinstance(node, ast.Assign):
                 for t in node.targets:
@@ -473,13 +475,14 @@ class _Scan:
                             t.value.id in kwargs_dicts and isinstance(t.slice, ast.Constant):
                         kwargs_dicts[t.value.id].append(t.slice.value)
         self.kwargs_dicts = kwargs_dicts
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                typ = self.type_of(node.value, env, record=False)
-                if typ:
-                    env[node.targets[0].id] = typ
-            elif isinstance(node, (ast.For, ast.comprehension)):
-                self.bind(node.target, node.iter, env)
+        for _ in range(2):  # locals' types, twice: a comprehension's variable is bound after the assignment holding it
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    typ = self.type_of(node.value, env, record=False)
+                    if typ:
+                        env[node.targets[0].id] = typ
+                elif isinstance(node, (ast.For, ast.comprehension)):
+                    self.bind(node.target, node.iter, env)
         for node in ast.walk(fn):
             if isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
                 self.type_of(node, env, record=True)
@@ -724,8 +727,7 @@ class Snapshot:
             return None
         if "__init__" in cls["members"]:
             return self._bind(cls["members"]["__init__"], positional, keywords, f"{subject}.__init__")
-        unknown = sorted(set(keywords) - set(cls["fields"]))
-        return f"no field(s) {unknown}" if unknown else None
+        return self._bind(cls["fields"], positional, keywords, subject)  # a dataclass / struct: its fields
 
     def _class(self, qualname: str) -> dict | str:
         if qualname not in self.data["classes"]:
@@ -753,8 +755,8 @@ class Snapshot:
                 if isinstance(target, str):
                     return f"{forwarded}: {target}"
                 init = target["members"].get("__init__")
-                accepted = {p.rstrip("=") for p in init if not p.startswith("*")} if isinstance(init, list) \
-                    else set(target["fields"])
+                accepted = {p.rstrip("=") for p in (init if isinstance(init, list) else target["fields"])
+                            if not p.startswith("*")}
                 unknown = [k for k in unknown if k not in accepted]
         if unknown:
             problems.append(f"no keyword(s) {unknown}")
