@@ -391,7 +391,9 @@ class _Scan:
         self.kwargs_dicts: dict[str, list[str]] = {}  # the function's dicts later splatted as **kwargs: their keys
         self.own_class: str | None = None
 
-    def add(self, entry: str, node: ast.AST) -> None:
+    def add(self, entry: str, node: ast.AST, record: bool = True) -> None:
+        if not record:  # only typing the expression
+            return
         self.uses.setdefault(entry, []).append(f"justrl_megatron/{self.rel}:{getattr(node, 'lineno', 0)}")
 
     def run(self, api: API | None) -> None:
@@ -535,14 +537,11 @@ class _Scan:
             if owner.startswith("ref "):
                 return None
             if owner.startswith("class "):  # a class attribute: an enum member (FinishReason.ABORT), a classmethod
-                if record:
-                    self.add(f"attr {owner[6:]}.{node.attr}", node)
+                self.add(f"attr {owner[6:]}.{node.attr}", node, record)
                 return None
-            if env.get("self") == owner and isinstance(node.value, ast.Name) and node.value.id == "self" and \
-                    self.defined_by_us(node.attr):
+            if self.ours_on_self(owner, env, node.value, node.attr):
                 return None
-            if record:
-                self.add(f"attr {owner}.{node.attr}", node)
+            self.add(f"attr {owner}.{node.attr}", node, record)
             return TYPES.get(f"{owner}.{node.attr}")
         if isinstance(node, ast.Call):
             func = node.func
@@ -554,34 +553,28 @@ class _Scan:
             args = ", ".join([str(positional)] * bool(positional) + [f"{k}=" for k in keywords])
             if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Call) and \
                     ast.unparse(func.value.func) == "super" and self.vllm_bases.get(self.own_class or ""):
-                if record:
-                    self.add(f"call {self.vllm_bases[self.own_class]}.{func.attr}({args})", node)
+                self.add(f"call {self.vllm_bases[self.own_class]}.{func.attr}({args})", node, record)
                 return None
             if isinstance(func, ast.Name):
                 callee = self.type_of(func, env, record)
                 if callee is None or callee.startswith("module "):
                     return None
                 if callee.startswith("class "):
-                    if record:
-                        self.add(f"call {callee[6:]}({args})", node)
+                    self.add(f"call {callee[6:]}({args})", node, record)
                     return callee[6:]
                 ref = self.imported[func.id]
-                if record:
-                    self.add(f"call {ref}({args})", node)
+                self.add(f"call {ref}({args})", node, record)
                 return TYPES.get(f"{ref}()")
             if isinstance(func, ast.Attribute):
                 owner = self.type_of(func.value, env, record)
                 if owner and owner.startswith("class "):  # Class.method(...) on an imported class
-                    if record:
-                        self.add(f"call {owner[6:]}.{func.attr}({args})", node)
+                    self.add(f"call {owner[6:]}.{func.attr}({args})", node, record)
                     return TYPES.get(f"{owner[6:]}.{func.attr}()")
                 if owner is None or owner.endswith("[]") or owner.startswith(("module ", "ref ")):
                     return None
-                if env.get("self") == owner and isinstance(func.value, ast.Name) and func.value.id == "self" and \
-                        self.defined_by_us(func.attr):
+                if self.ours_on_self(owner, env, func.value, func.attr):
                     return None
-                if record:
-                    self.add(f"call {owner}.{func.attr}({args})", node)
+                self.add(f"call {owner}.{func.attr}({args})", node, record)
                 return TYPES.get(f"{owner}.{func.attr}()")
         return None
 
@@ -599,6 +592,11 @@ class _Scan:
             if first <= node.lineno <= last:
                 return name
         return None
+
+    def ours_on_self(self, owner: str, env: dict[str, str], value: ast.AST, attr: str) -> bool:
+        """`self.attr` inside our subclass of a vLLM class, naming a method or attribute of ours (not vLLM's)."""
+        return env.get("self") == owner and isinstance(value, ast.Name) and value.id == "self" and \
+            self.defined_by_us(attr)
 
     def defined_by_us(self, attr: str) -> bool:
         """`self.attr` of our own subclass (or of a mixin in the file): ours, not vLLM's."""
