@@ -369,6 +369,25 @@ def test_a_stop_saves_every_group_with_its_samples_and_the_resume_continues_them
     assert second.staleness == 1 and resumed_engines.admitted[:4] == [0, 1, 2, 3]
 
 
+def test_a_stop_whose_engines_are_gone_keeps_only_the_prompts_in_one_line(single_trainer, capsys):
+    """An engine that died before the stop cannot hand its groups back: stop_state says so in one line and keeps
+    nothing beside the checkpoint, whose prompts still resume the run (generated anew, counted as discarded)."""
+    engines = ScriptedEngines({2: 1, 3: 1}, 1)
+    pipeline = _pipeline(engines, _sampler(), 1)
+    engines.publish(0)
+    pipeline.next_batch(1, 0, Timer())
+
+    def gone():
+        raise RuntimeError("the rollout rank's result channel failed: connection closed")
+
+    engines.stream_harvest = gone
+    assert pipeline.stop_state() is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["justrl-train: warning: the rollout ranks did not hand back their groups at the stop (the rollout "
+                   "rank's result channel failed: connection closed); the resumed run generates them anew"]
+    assert pipeline.state()["outstanding"] == 2
+
+
 # --- config ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [

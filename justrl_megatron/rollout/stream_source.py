@@ -259,7 +259,12 @@ class StreamSource:
             return None
         samples = dict(self._finished)
         if self._buffer is not None:
-            samples.update(self.rollout.stream_harvest())  # each engine's finished groups arrive before its answer
+            try:
+                samples.update(self.rollout.stream_harvest())  # each engine's finished groups arrive before its answer
+            except Exception as exc:  # noqa: BLE001 - an engine gone: the checkpoint's prompts still resume the run
+                print(f"justrl-train: warning: the rollout ranks did not hand back their groups at the stop ({exc}); "
+                      f"the resumed run generates them anew", flush=True)
+                return None
             while len(self._buffer):
                 gid, rollouts, _ = self._buffer.take()
                 if rollouts is not None:  # (a drop notice: that group is admitted anew)
