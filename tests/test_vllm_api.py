@@ -229,11 +229,11 @@ def test_a_use_outside_the_snapshot_is_reported():
 
 
 def test_a_stale_hint_is_reported():
-    """A HINTS entry for a local the function no longer binds would silently stop checking its uses."""
+    """A HINTS entry for a local the function no longer binds, or for a function gone, would silently stop checking
+    the uses it types: both are reported."""
     tool = snapshot_tool()
     cpu, _ = snapshots()
-    source = (PACKAGE / "rollout" / "vllm_engine.py").read_text()
-    renamed = source.replace("def _group(self, out)", "def _group(self, output)")
-    assert renamed != source
+    renamed = "from vllm import LLM\n\n\nclass VLLMEngine:\n    def _group(self, output):\n        return output.outputs\n"
     problems = tool.check(cpu, {"rollout/vllm_engine.py": renamed})
-    assert any("VLLMEngine._group] names 'out'" in p for p in problems), problems
+    assert any("HINTS[rollout/vllm_engine.py:VLLMEngine._group] names 'out'" in p for p in problems), problems
+    assert any("HINTS names rollout/vllm_engine.py:span_versions, which does not exist" in p for p in problems), problems

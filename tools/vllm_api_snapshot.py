@@ -403,7 +403,10 @@ class _Scan:
                 for alias in node.names:
                     if alias.name.split(".")[0] == "vllm":
                         self.add(f"import {alias.name}", node)
-                        self.imported[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or "vllm"
+                        if alias.asname:  # import vllm.x as y: y is vllm.x
+                            self.imported[alias.asname] = alias.name
+                        else:  # import vllm.x: binds vllm
+                            self.imported[alias.name.split(".")[0]] = "vllm"
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "vllm":
                 self.add(f"import {node.module}", node)
                 for alias in node.names:
