@@ -75,7 +75,7 @@ def _samples(seed=0, n=7):
 @pytest.mark.parametrize("cp,multiple", [(2, 1), (3, 1), (2, 2), (4, 1)])
 def test_context_parallel_split_partitions_tokens_and_targets(cp, multiple):
     samples = _samples()
-    whole = make_micro_batch(samples, range(len(samples)))
+    whole = make_micro_batch(samples, range(len(samples)), pad_to_multiple_of=8)  # + the packer's pad segment
     parts = [split_for_context_parallel(whole, cp, r, multiple_of=multiple) for r in range(cp)]
     cu = parts[0].cu_seqlens.tolist()
     unit = 2 * cp * multiple
@@ -85,18 +85,23 @@ def test_context_parallel_split_partitions_tokens_and_targets(cp, multiple):
     # put the global row back from the chunks (rank r holds chunks r and 2cp-1-r of each sequence)
     row = [None] * cu[-1]
     pos = [None] * cu[-1]
+    pad = [None] * cu[-1]
     for r, p in enumerate(parts):
         i = 0
         for a, b in zip(cu[:-1], cu[1:]):
             c = (b - a) // (2 * cp)
             for j in (r, 2 * cp - 1 - r):
                 for g in range(a + j * c, a + (j + 1) * c):
-                    row[g], pos[g] = int(p.tokens[0, i]), int(p.position_ids[0, i])
+                    row[g], pos[g], pad[g] = int(p.tokens[0, i]), int(p.position_ids[0, i]), bool(p.padding[0, i])
                     i += 1
     bounds = whole.cu_seqlens.tolist()
+    assert bounds[-2] == whole.num_real_tokens < bounds[-1]
     for (a, b), (pa, pb) in zip(zip(bounds[:-1], bounds[1:]), zip(cu[:-1], cu[1:])):
         assert row[pa:pa + b - a] == whole.tokens[0, a:b].tolist()  # real tokens first, padding after
         assert pos[pa:pb] == list(range(pb - pa))  # true global positions (RoPE)
+        # the MoE routers' padding mask: CP's padding after each sequence, and the packer's segment whole
+        real = b - a if b <= whole.num_real_tokens else 0
+        assert pad[pa:pb] == [False] * real + [True] * (pb - pa - real)
     # every target on exactly one rank, predicted by a local position whose next global token is the target
     seen = sorted((int(rw), int(cl)) for p in parts for rw, cl in zip(p.row, p.col))
     assert seen == sorted(zip(whole.row.tolist(), whole.col.tolist()))
@@ -108,7 +113,7 @@ def test_context_parallel_split_partitions_tokens_and_targets(cp, multiple):
 
 def test_context_parallel_split_of_an_empty_filler_micro_batch():
     mb = split_for_context_parallel(make_micro_batch(_samples(), []), 2, 1)
-    assert mb.num_targets == 0 and mb.tokens.size(1) == 2 and mb.cu_seqlens.tolist() == [0, 4]
+    assert mb.num_targets == 0 and mb.tokens.size(1) == 2 and mb.cu_seqlens.tolist() == [0, 4] and mb.padding.all()
 
 
 # --- multi-rank parity (tests/mp/cp_parity.py) ------------------------------------------------------------------------

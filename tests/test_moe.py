@@ -212,11 +212,14 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
     for v in verdicts:  # routes travel with their samples: a sample recorded on one DP rank replayed on the other
         replay = v["qwen3_moe/ep2/replay_dp2"]
         assert replay["tokens_not_replayed"] == 0 and replay["moved_samples"] and replay["optimizer_steps"] == 2
-        for ep in ("ep1", "ep2"):  # MoE x CP: router losses and their gradient as at CP1
-            cp = v["qwen3_moe/cp2_vs_cp1/router_losses"][ep]
+        # MoE x CP and x TP/SP with padding: router losses, router load and their gradient as at CP1, and as by
+        # hand over the real tokens
+        for layout in ("ep1/cp2", "ep1/tp2", "ep2/cp2"):
+            cp = v["qwen3_moe/cp2_vs_cp1/router_losses"][layout]
             assert cp["router_grad_diff"] <= 1e-6 and cp["router_grad_max"] > 1e-4
-            for key in ("moe_aux_loss", "moe_z_loss"):
-                assert abs(cp[key][0] - cp[key][1]) <= 1e-5 * cp[key][0], (ep, key, cp[key])
+            for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):
+                assert abs(cp[key][0] - cp[key][1]) <= 1e-5 * cp[key][0], (layout, key, cp[key])
+                assert abs(cp[key][1] - cp["by_hand"][key]) <= 1e-5 * cp[key][1], (layout, key, cp)
 
 
 @pytest.mark.slow
@@ -338,6 +341,40 @@ def test_z_loss_weighs_its_coefficient_and_router_load_is_logged(tiny_moe):
     per_layer = [metrics[f"actor/moe_load_imbalance/layer_{i:02d}"] for i in range(shape.num_layers)]
     assert all(1.0 <= v <= 4 / 2 for v in per_layer)  # 1: balanced; E / k: all tokens on the same k experts
     assert abs(metrics["moe_load_imbalance"] - sum(per_layer) / len(per_layer)) <= 1e-9
+
+
+def test_router_losses_leave_padding_out_and_padding_alone_adds_nothing(tiny_moe):
+    """A router given a padding mask (MicroBatch.padding): its load-balancing and z-losses, logged and in the
+    gradient, are those of the real tokens alone, by hand; a micro-batch of padding only (a DP rank's empty
+    micro-batch) adds 0 to both and to the gradient, not 0 / 0."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    from justrl_megatron.model import moe
+
+    aux_coef, z_coef = 0.05, 0.01
+    shape, policy, _, _ = _router_loss_setup(tiny_moe["qwen3_moe"], seed=2, moe_aux_loss_coef=aux_coef,
+                                             moe_z_loss_coef=z_coef)
+    router = policy.modules[0].decoder.layers[-1].mlp.router
+    layer = router.layer_number - 1
+    hidden = torch.randn(10, 1, 64, generator=torch.Generator().manual_seed(0))
+    weight = router.weight.detach().clone().requires_grad_()
+    for real in (6, 0):
+        padding = (torch.arange(10) >= real).reshape(10, 1)
+        moe._clear_tracker()
+        probs, _ = router(hidden, padding)
+        (grad,) = torch.autograd.grad((probs * 0).sum(), router.weight)  # the router losses' gradient only
+        tracker = get_moe_layer_wise_logging_tracker()
+        logged = [float(tracker[name]["values"][layer]) for name in ("load_balancing_loss", "z_loss")]
+        if real == 0:
+            assert logged == [0.0, 0.0] and torch.equal(grad, torch.zeros_like(grad))
+            continue
+        h = hidden[:real, 0]
+        switch = _switch_loss(h, weight, shape.moe_top_k)
+        z = torch.logsumexp(h @ weight.t(), dim=-1).square().mean()
+        (aux_coef * switch + z_coef * z).backward()
+        assert abs(logged[0] - float(switch)) <= 1e-6 and abs(logged[1] - float(z)) <= 1e-5, (logged, switch, z)
+        assert torch.allclose(grad, weight.grad, rtol=1e-5, atol=1e-9), float((grad - weight.grad).abs().max())
+    moe._clear_tracker()
 
 
 def _replay_policy_and_samples(model_dir, routing_replay: str, seed: int, **build):

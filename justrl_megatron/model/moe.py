@@ -14,6 +14,15 @@ transformers pools all layers' tokens into one loss. Same coefficient, megatron'
 Under context parallelism (and sequence parallelism) each rank's router loss is its tokens' part of the
 micro-batch's, and DDP sums those parts: the coefficient is divided by the DP ranks only, never by CP.
 
+Padding (the packer's, SP's multiple of TP, CP's per-sequence multiple of 2 x CP, an empty micro-batch) is no token:
+every micro-batch carries its padding mask (`MicroBatch.padding`, True at padding), which the model's forward hands
+to megatron's routers (`padding_mask`, megatron-core's own argument in 0.16.1 and 0.19): they leave those tokens out
+of the load-balancing loss's counts and probabilities. Our z-loss (`_z_loss`) is the mean of logsumexp^2 over the
+micro-batch's real tokens of the whole TP x CP group (megatron's averages each rank's own mean, which weighs tokens
+unequally where CP pads its ranks unequally); our load-balancing loss (`_aux_loss`) is megatron's, but 0 for a
+micro-batch of padding only (megatron's divides 0 by 0 there); the router load counts real tokens only. The router
+statistics are thus those of the real tokens at every layout.
+
 Routing replay (`RoutingReplay`, `RouteSlot`): megatron's router asks the object in its `router_replay` slot for
 every top-k; ours replays recorded or given experts, and keeps what a checkpointed layer chose for its recomputation
 in backward. Recorded routes are gathered after the recording pass, so they travel with their samples.
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import types
 
 import torch
 import torch.distributed as dist
@@ -47,11 +57,72 @@ _COEFFICIENTS = tuple(coef for coef, _ in TRACKED.values())
 
 
 def prepare_routers(chunks) -> None:
-    """The routers' aux and z losses are not per-token here (see the module doc)."""
+    """The routers' aux and z losses are not per-token here, and they leave padding out (see the module doc)."""
     for chunk in chunks:
         for module in chunk.modules():
             if hasattr(module, "calculate_per_token_loss") and hasattr(module, "get_aux_loss_coeff"):
                 module.calculate_per_token_loss = False
+                module.apply_z_loss = types.MethodType(_z_loss, module)
+                module._apply_aux_loss = types.MethodType(_aux_loss, module)
+
+
+def padding_mask(model, mb):
+    """The `padding_mask` argument of this model chunk's forward for micro-batch `mb` ([1, tokens], True at
+    padding), None where the chunk has no router. megatron's GPTModel cuts it for sequence parallelism on the first
+    pipeline stage only (with the embedding's output): a later stage gets this TP rank's slice of it already."""
+    gpt = unwrap(model)
+    if mb.padding is None or not any(hasattr(layer.mlp, "router") for layer in gpt.decoder.layers):
+        return None
+    if gpt.pre_process:
+        return mb.padding
+    lo, hi = _visible_slice(mb.padding.size(1), bool(gpt.config.sequence_parallel))
+    return mb.padding[:, lo:hi]
+
+
+def _tp_cp_sum(router, value: torch.Tensor) -> torch.Tensor:
+    group = router.tp_cp_group
+    if dist.is_initialized() and group.size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+    return value
+
+
+def _z_loss(router, logits, padding_mask=None):
+    """In place of megatron's `TopKRouter.apply_z_loss`: this rank's part of coef x mean over the micro-batch's real
+    tokens (all TP x CP ranks) of logsumexp(router logits)^2; the parts add up to the whole over the group, as the
+    load-balancing loss's do. Logged without its coefficient, as megatron logs it."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+
+    coef = router.config.moe_z_loss_coeff
+    if coef is None or not (router.training and torch.is_grad_enabled()):
+        return logits
+    values = torch.logsumexp(logits, dim=-1).square()
+    real = torch.ones_like(values) if padding_mask is None else (~padding_mask.reshape(-1)).to(values.dtype)
+    count = _tp_cp_sum(router, real.detach().sum())
+    part = (values * real).sum() / count.clamp_min(1)
+    logits = MoEAuxLossAutoScaler.apply(logits, part * coef)
+    save_to_aux_losses_tracker("z_loss", part.detach(), router.layer_number, router.config.num_layers)
+    return logits
+
+
+def _aux_loss(router, probs, scores_for_aux_loss, routing_map, with_padding_mask=False, **_):
+    """In place of megatron's `TopKRouter._apply_aux_loss`: its switch loss, the tokens counted from the routing
+    map (megatron zeroes the padding's rows and scores when given the padding mask), over the TP x CP group; 0
+    where that group holds padding only (megatron's would divide 0 by 0)."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    coef = router.get_aux_loss_coeff("aux_loss")
+    if coef == 0:
+        return probs
+    # this routing map (megatron's for the aux loss) holds exactly top-k experts per real token, none for padding
+    local = routing_map.sum(dim=0).to(scores_for_aux_loss.dtype)
+    per_expert = _tp_cp_sum(router, local)
+    aux = switch_load_balancing_loss_func(
+        probs=scores_for_aux_loss, tokens_per_expert=per_expert,
+        total_num_tokens=(per_expert.sum() / router.topk).clamp_min(1), topk=router.topk,
+        num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coef, fused=router.config.moe_router_fusion)
+    return router.attach_and_log_load_balancing_loss(probs, coef, aux, "load_balancing_loss", router.tp_cp_group,
+                                                     valid_token_count=local.sum() / router.topk)
 
 
 @contextlib.contextmanager
@@ -87,22 +158,19 @@ def tracked_losses(config, micro_batches_per_rank: int) -> dict[str, float]:
                           else tracker[name]["values"].detach().float().clone() for name in on])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values)  # each layer lives on one stage
-    # megatron's switch loss of a micro-batch is split over its TP x CP ranks (tokens counted over that group, each
-    # rank adds its own tokens' part; without SP each TP rank adds half of a doubled count): one whole loss per DP
-    # rank. Its z-loss tracker holds each rank's own token mean: one per rank of the stage.
-    dp = ps.get_data_parallel_world_size()
-    replicas = {"load_balancing_loss": dp, "z_loss": dp * ps.get_tensor_model_parallel_world_size()
-                * ps.get_context_parallel_world_size()}
+    # each router loss of a micro-batch is split over its TP x CP ranks (tokens counted over that group, each rank
+    # adds its own tokens' part; without SP each TP rank adds half of a doubled count): one whole loss per DP rank
+    replicas = ps.get_data_parallel_world_size()
     _clear_tracker()
     per = max(micro_batches_per_rank, 1) * config.num_layers
-    return {metric: float(v.sum()) / (replicas[name] * per) for (name, metric), v in zip(on.items(), values)}
+    return {metric: float(v.sum()) / (replicas * per) for metric, v in zip(on.values(), values)}
 
 
 class RouterLoad:
     """Tokens routed to each expert, per layer, while active (a context manager over forward passes): the load
     imbalance of a layer is max / mean tokens per expert (1: balanced; E / k: every token to the same k experts).
-    Counted from the routers' routing maps, over every rank; the ratio is blind to the TP replicas that route the
-    same tokens (each count scales alike). Packing pads (a few tokens per micro-batch at TP > 1) are counted too."""
+    Counted from the routers' routing maps, over every rank, real tokens only (the router's padding_mask); the
+    ratio is blind to the TP replicas that route the same tokens (each count scales alike)."""
 
     def __init__(self, chunks, num_layers: int, num_experts: int):
         self.routers = [(layer.layer_number - 1, layer.mlp.router) for chunk in chunks
@@ -113,10 +181,14 @@ class RouterLoad:
 
     def __enter__(self):
         def count(layer):
-            def hook(module, args, output):
-                self.counts[layer] += output[1].detach().sum(0)
+            def hook(module, args, kwargs, output):
+                routed = output[1].detach()
+                padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+                if padding is not None:
+                    routed = routed & ~padding.reshape(-1, 1)
+                self.counts[layer] += routed.sum(0)
             return hook
-        self._hooks = [router.register_forward_hook(count(layer)) for layer, router in self.routers]
+        self._hooks = [router.register_forward_hook(count(layer), with_kwargs=True) for layer, router in self.routers]
         return self
 
     def __exit__(self, *exc):

@@ -145,6 +145,7 @@ class MicroBatch:
     num_real_tokens: int             # prompt + response tokens (no padding)
     extras: dict = field(default_factory=dict)  # per-target inputs added by the caller (old logprobs, advantages ...)
     shared: "SharedPrompt | None" = None  # shared-prompt units: the rows attention runs on (None: unshared)
+    padding: torch.Tensor | None = None  # [1, T] bool, True at padding tokens (megatron's MoE padding_mask)
 
     @property
     def num_targets(self) -> int:
@@ -169,7 +170,8 @@ class MicroBatch:
                           self.max_seqlen, move(self.logit_positions), move(self.targets), move(self.row),
                           move(self.col), self.response_lengths, self.num_real_tokens,
                           {k: move(v) for k, v in self.extras.items()},
-                          None if self.shared is None else self.shared.to(device))
+                          None if self.shared is None else self.shared.to(device),
+                          None if self.padding is None else move(self.padding))
 
 
 def make_micro_batch(samples: Sequence[Sample], ids: Sequence[int], *, pad_to_multiple_of: int = 1,
@@ -226,14 +228,16 @@ def split_for_context_parallel(mb: MicroBatch, cp_size: int, cp_rank: int, *, mu
     bounds = mb.cu_seqlens.tolist()
     tokens, positions = mb.tokens[0].tolist(), mb.position_ids[0].tolist()
     new_start = []          # per segment: its first token in the padded global row
-    padded_tokens, padded_positions, cu = [], [], [0]
+    padded_tokens, padded_positions, padded, cu = [], [], [], [0]
+    real = mb.padding[0].logical_not().tolist() if mb.padding is not None else [True] * mb.tokens.size(1)
     for a, b in zip(bounds[:-1], bounds[1:]):
         n = b - a
-        padded = -(-n // unit) * unit
+        size = -(-n // unit) * unit
         new_start.append(cu[-1])
-        padded_tokens += tokens[a:b] + [pad_token_id] * (padded - n)
-        padded_positions += positions[a:b] + list(range(positions[b - 1] + 1, positions[b - 1] + 1 + padded - n))
-        cu.append(cu[-1] + padded)
+        padded_tokens += tokens[a:b] + [pad_token_id] * (size - n)
+        padded_positions += positions[a:b] + list(range(positions[b - 1] + 1, positions[b - 1] + 1 + size - n))
+        padded += [not r for r in real[a:b]] + [True] * (size - n)
+        cu.append(cu[-1] + size)
     local = []              # the padded global index of each local token, in local order
     for start, end in zip(cu[:-1], cu[1:]):
         chunk = (end - start) // (2 * cp_size)
@@ -252,7 +256,8 @@ def split_for_context_parallel(mb: MicroBatch, cp_size: int, cp_rank: int, *, mu
         cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])),
         logit_positions=long([local_of[global_pos[k]] for k in keep]), targets=mb.targets[keep_t],
         row=mb.row[keep_t], col=mb.col[keep_t], response_lengths=mb.response_lengths,
-        num_real_tokens=mb.num_real_tokens, extras={k: v[keep_t] for k, v in mb.extras.items()})
+        num_real_tokens=mb.num_real_tokens, extras={k: v[keep_t] for k, v in mb.extras.items()},
+        padding=torch.tensor([padded[g] for g in local], dtype=torch.bool).unsqueeze(0))
 
 
 # --- shared prompt -----------------------------------------------------------------------------------------------
@@ -370,4 +375,5 @@ def make_shared_micro_batch(samples: Sequence[Sample], units: Sequence[Sequence[
         sample_ids=sample_ids, tokens=long(tokens).unsqueeze(0), position_ids=long(positions).unsqueeze(0),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(seg), logit_positions=long(logit_positions),
         targets=long(targets), row=long(row), col=long(col),
-        response_lengths=[len(samples[i].response_ids) for i in sample_ids], num_real_tokens=real, shared=shared)
+        response_lengths=[len(samples[i].response_ids) for i in sample_ids], num_real_tokens=real, shared=shared,
+        padding=(torch.arange(len(tokens)) >= real).unsqueeze(0))

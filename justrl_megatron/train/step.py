@@ -128,7 +128,8 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
         # shared-prompt units: RoPE from the position ids (responses restart at the prompt's end), not the segments
         with rope_at_positions(unwrap(model), None if mb.shared is None else mb.position_ids[0]), \
                 _routes(policy, routes, mb, model):
-            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
+                        padding_mask=moe.padding_mask(model, mb))
         return out, functools.partial(loss_fn, mb, model)
 
     chunks = policy.chunks
