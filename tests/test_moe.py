@@ -214,7 +214,7 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
         assert replay["tokens_not_replayed"] == 0 and replay["moved_samples"] and replay["optimizer_steps"] == 2
         # MoE x CP and x TP/SP with padding: router losses, router load and their gradient as at CP1, and as by
         # hand over the real tokens
-        for layout in ("ep1/cp2", "ep1/tp2", "ep2/cp2"):
+        for layout in ("ep1/cp2", "ep1/tp2", "ep1/pp2", "ep2/cp2"):
             cp = v["qwen3_moe/cp2_vs_cp1/router_losses"][layout]
             assert cp["router_grad_diff"] <= 1e-6 and cp["router_grad_max"] > 1e-4
             for key in ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance"):

@@ -91,7 +91,7 @@ def _z_loss(router, logits, padding_mask=None):
     """In place of megatron's `TopKRouter.apply_z_loss`: this rank's part of coef x mean over the micro-batch's real
     tokens (all TP x CP ranks) of logsumexp(router logits)^2; the parts add up to the whole over the group, as the
     load-balancing loss's do. Logged without its coefficient, as megatron logs it."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     coef = router.config.moe_z_loss_coeff
     if coef is None or not (router.training and torch.is_grad_enabled()):
@@ -101,8 +101,20 @@ def _z_loss(router, logits, padding_mask=None):
     count = _tp_cp_sum(router, real.detach().sum())
     part = (values * real).sum() / count.clamp_min(1)
     logits = MoEAuxLossAutoScaler.apply(logits, part * coef)
-    save_to_aux_losses_tracker("z_loss", part.detach(), router.layer_number, router.config.num_layers)
+    _track("z_loss", part.detach(), router.layer_number, router.config.num_layers)
     return logits
+
+
+def _track(name: str, value: torch.Tensor, layer_number: int, num_layers: int) -> None:
+    """Add a router loss's value to megatron's per-layer tracker (what `tracked_losses` reads)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # 0.19
+    except ImportError:  # 0.16: the tracker's older face (deprecated in 0.19)
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+        save_to_aux_losses_tracker(name, value, layer_number, num_layers)
+        return
+    get_moe_metrics_tracker().record(name, value, layer_number, num_layers)
 
 
 def _aux_loss(router, probs, scores_for_aux_loss, routing_map, with_padding_mask=False, **_):

@@ -228,9 +228,10 @@ def _router_statistics_by_hand(routers, top_k):
 
 def case_cp_router_losses(hf_dir, shape):
     """MoE x context and tensor parallelism with padding: the load-balancing and z-loss values logged, the router
-    load, the grad norm and every router's gradient at parallel.context=2 (EP1 and EP2) and at parallel.tensor=2
-    (sequence parallel) equal CP1's, and the logged statistics equal the same statistics computed by hand from the
-    real tokens' router inputs. Samples of 13, 11, 9 and 8 tokens, two per micro-batch (21 and 20 tokens): CP2 pads
+    load, the grad norm and every router's gradient at parallel.context=2 (EP1 and EP2), at parallel.tensor=2
+    (sequence parallel) and at parallel.pipeline=2 (no padding there: the mask's way to the second stage's routers)
+    equal CP1's, and the logged statistics equal the same statistics computed by hand from the real tokens' router
+    inputs. Samples of 13, 11, 9 and 8 tokens, two per micro-batch (21 and 20 tokens): CP2 pads
     each to a multiple of 4 (unequally over the CP ranks), SP pads the 21-token micro-batch to 22; CP1 has none. Each
     layout packs the same two micro-batches (CP1: one per DP rank)."""
     import random
@@ -243,7 +244,7 @@ def case_cp_router_losses(hf_dir, shape):
                for i, n in enumerate((7, 5, 3, 2))]
     keys = ("moe_aux_loss", "moe_z_loss", "moe_load_imbalance", "loss", "grad_norm")
     out, ok, runs, by_hand = {}, True, {}, None
-    for name, layout in (("ep1/cp1", {}), ("ep1/cp2", dict(cp=2)), ("ep1/tp2", dict(tp=2)),
+    for name, layout in (("ep1/cp1", {}), ("ep1/cp2", dict(cp=2)), ("ep1/tp2", dict(tp=2)), ("ep1/pp2", dict(pp=2)),
                          ("ep2/cp1", dict(ep=2)), ("ep2/cp2", dict(ep=2, cp=2))):
         policy = build(hf_dir, shape, moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01, **layout)
         old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=22)
@@ -259,9 +260,9 @@ def case_cp_router_losses(hf_dir, shape):
         del policy
     for ep in ("ep1", "ep2"):
         m1, g1 = runs[f"{ep}/cp1"]
-        for name in (f"{ep}/cp2", "ep1/tp2") if ep == "ep1" else (f"{ep}/cp2",):
+        for name in (f"{ep}/cp2", "ep1/tp2", "ep1/pp2") if ep == "ep1" else (f"{ep}/cp2",):
             m2, g2 = runs[name]
-            diff = max(float((g1[i] - g2[i]).abs().max()) for i in g1)
+            diff = max(float((g1[i] - g2[i]).abs().max()) for i in g2)  # PP2: this stage's routers
             res = {k: (m1[k], m2[k]) for k in keys}
             res["by_hand"] = {k: by_hand[k] for k in keys[:3]}
             res["router_grad_diff"], res["router_grad_max"] = diff, max(float(g.abs().max()) for g in g1.values())
