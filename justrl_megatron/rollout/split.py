@@ -39,6 +39,7 @@ trainer rank 0 over the trainer group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -381,12 +382,17 @@ def serve(cfg, model_dir, roles) -> None:
     """A rollout rank's whole life: build the engine, then answer the trainer until it says stop."""
     from ..interrupt import Interruptible
     from ..slurm import stop_requested
+    from .multi_turn import ToolRollout
     from .vllm_engine import make_engine
 
     # SIGUSR1 / SIGTERM / a first Ctrl-C: the trainer checkpoints and sends stop; this rank must not die first (a
     # second Ctrl-C aborts it with the rest, as it does the trainer)
     Interruptible().install()
     engine = make_engine(cfg, model_dir, seed=cfg.trainer.seed, in_process=False)
+    # rollout.tools: this rank runs each sample's turns and tool calls (in its sandbox) beside its engine, as a
+    # colocated engine's rank does; the trainer receives the samples with their masks like any others
+    tools = ToolRollout.from_config(cfg, model_dir)
+    generate = engine.generate if tools is None else functools.partial(tools.generate, engine)
     channel, e, engines = roles.control, roles.engine_index, roles.num_rollout_ranks
     # idle time since this engine's previous batch: waiting for weights, and for the next prompts
     waits = {"wait_weights_s": 0.0, "wait_prompts_s": 0.0, "sync_s": 0.0}
@@ -406,8 +412,8 @@ def serve(cfg, model_dir, roles) -> None:
                 mine = list(range(e, len(prompts), engines))  # as generate_all: seeds follow the place in the batch
                 t = time.perf_counter()
                 try:  # a stop signal to this rank aborts the batch; the answer says so (None), the trainer stops
-                    part = engine.generate([prompts[i] for i in mine], n, sampling, seed=seed, request_indices=mine,
-                                           stop=stop_requested)
+                    part = generate([prompts[i] for i in mine], n, sampling, seed=seed, request_indices=mine,
+                                    stop=stop_requested)
                 except RolloutInterrupted:
                     part = None
                 channel.send_object((mine, part, {**waits, "generate_s": time.perf_counter() - t}), dst=0)
@@ -420,4 +426,6 @@ def serve(cfg, model_dir, roles) -> None:
             else:
                 raise RuntimeError(f"rollout rank: unknown request {kind!r} from the trainer")
     finally:
+        if tools is not None:
+            tools.close()
         engine.shutdown()
