@@ -47,13 +47,14 @@ def tiny_llama(request, tmp_path_factory):
 # prints them). Only the order matters: the 2 xdist workers take whole modules slowest first (longest-processing-
 # time-first), so that no long module starts last and runs alone at the end. A module missing here runs after them.
 MODULE_SECONDS = {
-    "test_train": 534, "test_convert": 367, "test_split": 352, "test_slurm": 284, "test_bench": 181,
-    "test_rollout": 168, "test_algo_extras": 163, "test_step": 154, "test_moe": 145, "test_lora": 118,
-    "test_models": 90, "test_validation": 89, "test_context_parallel": 71, "test_checkpoint": 68, "test_launch": 51,
-    "test_loop": 44, "test_tools": 42, "test_compat": 41, "test_run_safety": 38, "test_shared_prompt": 36,
-    "test_eval": 32, "test_gpu_check": 30, "test_sandbox": 25, "test_config": 21, "test_streaming": 21,
-    "test_model": 15, "test_install": 10, "test_console": 9, "test_memory": 8, "test_preflight": 8, "test_upcycle": 8,
-    "test_rewards": 7, "test_dockerfile": 6, "test_assets": 5, "test_data": 5, "test_vllm_api": 4,
+    "test_split": 1014, "test_train": 792, "test_convert": 758, "test_bench": 482, "test_slurm": 405,
+    "test_rollout": 370, "test_algo_extras": 210, "test_step": 200, "test_moe": 169, "test_context_parallel": 153,
+    "test_lora": 130, "test_validation": 127, "test_checkpoint": 111, "test_models": 110, "test_loop": 89,
+    "test_tools": 52, "test_compat": 50, "test_run_safety": 44, "test_shared_prompt": 41, "test_eval": 37,
+    "test_launch": 33, "test_gpu_check": 32, "test_sandbox": 29, "test_streaming": 25, "test_config": 23,
+    "test_model": 16, "test_install": 14, "test_upcycle": 12, "test_preflight": 10, "test_rewards": 10,
+    "test_dockerfile": 9, "test_memory": 7, "test_console": 6, "test_assets": 5, "test_data": 5, "test_vllm_api": 4,
+    "test_attention": 4,
 }
 
 

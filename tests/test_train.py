@@ -117,8 +117,14 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama,
     while not (killed / LOCK_FILE).exists() or not (killed / LOCK_FILE).read_text():
         assert proc.poll() is None and time.time() < deadline, "the first trainer did not start"
         time.sleep(0.1)
+    # the first trainer waits (stopped, its lock held) while the second launches: on a loaded machine the second's
+    # start-up may outlast the first's three steps, which would leave nothing to kill
+    os.killpg(proc.pid, signal.SIGSTOP)
     start = time.monotonic()
-    second = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    try:
+        second = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
     took = time.monotonic() - start
     assert second.returncode == 2, second.stderr[-3000:]
     assert second.stderr.strip().splitlines() == [

@@ -100,7 +100,7 @@ def forced(engine, tok, driver, sampling):
 def main(model_dir, out):
     from transformers import AutoTokenizer
 
-    from justrl_megatron.rollout import SamplingConfig, logprob_gap
+    from justrl_megatron.rollout import Rollouts, SamplingConfig, logprob_gap
     from justrl_megatron.rollout.multi_turn import ToolRollout
     from justrl_megatron.rollout.tools import PythonTool
     from justrl_megatron.rollout.vllm_engine import VLLMEngine
@@ -124,9 +124,13 @@ def main(model_dir, out):
     driver.close()
 
     driver = ToolRollout([PythonTool(timeout_s=OK_DEADLINE_S)], tok, max_turns=1, workers=2)
-    # products of different lengths: the samples' tool outputs (and so their model token counts) differ
-    r = driver.generate(engine, PROMPTS, N, SamplingConfig(max_tokens=48),
-                        regex=r"```python\nprint\((2\*3|23\*31|2345\*3456789)\)\n```\n", regex_turns=1)
+    # a product of another length per prompt: the prompts' tool outputs (and so their model token counts) differ,
+    # whatever the sampler picks (one regex with alternatives let every sample pick the same product)
+    parts = [driver.generate(engine, [prompt], N, SamplingConfig(max_tokens=48),
+                             regex=rf"```python\nprint\({product}\)\n```\n", regex_turns=1)
+             for prompt, product in zip(PROMPTS, (r"2\*3", r"23\*31", r"2345\*3456789"))]
+    r = Rollouts.in_order([(part, k, g) for g, part in enumerate(parts) for k in range(len(part))],
+                          min(part.weight_version for part in parts))
     driver.close()
     t = time.monotonic()
     # free tokens: the model's after the first tool output (the forced turn's logprobs are of vLLM's masked logits)
@@ -157,7 +161,8 @@ def trainer_checks(model_dir, r, free):
                           distributed_optimizer=False, seed=1234)
     load_hf_weights(policy.chunks, model_dir, progress=False)
     policy.optimizer.reload_model_params()
-    advantages = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0]
+    # not symmetric within a prompt: masked and unmasked token means differ whenever the prompts' tool outputs do
+    advantages = [1.0, 0.25, -0.5, 1.5, 2.0, -1.0]
     samples = [Sample(prompt_ids=PROMPTS[i], response_ids=toks, advantage=a, rollout_logprobs=lps, group=i,
                       truncated=tr, sampled_mask=mask)
                for i, toks, lps, tr, mask, a in zip(r.prompt_index, r.token_ids, r.logprobs, r.truncated,
