@@ -114,9 +114,9 @@ class EngineLoop:
 
     def harvest(self) -> list[tuple[int, Rollouts]]:
         """Stop, keeping the work: abort every group and return [(gid, its samples so far)] for those that sampled
-        anything (finish reason "abort" where a sample still ran). Waiting prompts are forgotten: the trainer
+        anything (finish reason "abort" where a sample still ran). Waiting new prompts are forgotten: the trainer
         admitted them and admits them again."""
-        kept = self.engine.abort_keeping([*self.running, *(r for c in self.continued.values() for r in c.requests)])
+        kept = self.engine.abort_keeping(self._stream_requests())
         out = [(gid, kept[rid]) for rid, (gid, _) in self.running.items() if rid in kept]
         for c in [*self.continued.values(), *(c for _, _, c in self.waiting if c is not None)]:
             for rid, k in c.requests.items():  # each still running: its part so far ends in "abort"
@@ -163,7 +163,7 @@ class EngineLoop:
     def abort_all(self) -> list[int]:
         """Stop: abort every in-flight group; the gids of those (and of the waiting prompts) that never finished."""
         gids = [g for g, _ in self.running.values()] + [*self.continued] + [g for g, _, _ in self.waiting]
-        requests = [*self.running, *self.side, *(r for c in self.continued.values() for r in c.requests)]
+        requests = [*self._stream_requests(), *self.side]
         if requests:
             self.engine.abort(requests)
         self.running.clear(), self.continued.clear(), self.side.clear(), self.waiting.clear(), self._ready.clear()
@@ -189,9 +189,9 @@ class EngineLoop:
         """A resumed group's unfinished samples, each a request of its own after its earlier tokens (unseeded, as
         a seed's CPU generator cannot follow a chunked prefill; the earlier tokens decide nothing more)."""
         for k, reason in enumerate(c.samples.finish_reasons):
-            left = self.sampling.max_tokens - len(c.samples.token_ids[k])
             if reason != "abort":
                 continue
+            left = self.sampling.max_tokens - len(c.samples.token_ids[k])
             if left <= 0:  # it had used its whole budget when the stop came
                 c.samples.finish_reasons[k], c.samples.truncated[k] = "length", True
                 continue
@@ -203,6 +203,10 @@ class EngineLoop:
             self.continued[c.gid] = c
         else:
             self._ready.append(Group(c.gid, c.finished(), c.admitted_version))
+
+    def _stream_requests(self) -> list[str]:
+        """The engine's requests of the stream: new groups' and resumed samples' (not side batches')."""
+        return [*self.running, *(r for c in self.continued.values() for r in c.requests)]
 
     @property
     def busy(self) -> bool:
