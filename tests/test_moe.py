@@ -551,6 +551,108 @@ def _hf_routes(model_dir, samples):
     return out
 
 
+def hf_moe_reference(model_dir, tokens, weight_dtype=torch.float32):
+    """transformers' fp32 logits [batch, seq, vocab] and top-k experts [batch, seq, layers, k] of `tokens`, computed
+    as `convert.verify.hf_logits` computes (eager attention, CPU, fp32 arithmetic on weights rounded to
+    `weight_dtype`): the routes of the reference model itself (its router logits in fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=weight_dtype, attn_implementation="eager")
+    hf.float().eval()
+    with torch.no_grad():
+        out = hf(tokens, output_router_logits=True)
+    k = hf.config.num_experts_per_tok
+    routes = torch.stack([lg.float().reshape(*tokens.shape, -1).topk(k, dim=-1).indices for lg in out.router_logits],
+                         dim=2)
+    return out.logits.float(), routes
+
+
+def moe_parity(chunks, model_dir, tokens, vocab_size, weight_dtype=torch.float32) -> dict:
+    """Megatron (these chunks, one pipeline stage) vs transformers (`hf_moe_reference`) on `tokens` [batch, seq].
+
+    A token whose top-k expert set differs between the two (a near-tie of two router logits that rounding decides;
+    likely in bf16) gets a different MLP output at that layer, and every later position attends to it: its logits
+    and those after it then differ legitimately, by far more than rounding. So Megatron runs twice per sequence
+    (through the routers' `RouteSlot`s): with its own routing, recorded, and with its routes forced to the
+    reference's experts (the combine weights still Megatron's own softmax of its router logits at those experts).
+    The forced run differs from the reference by arithmetic only, whatever the near-ties; the natural run's routes
+    give the flip statistics. Returns:
+      route_flip_fraction: (token, layer) pairs whose expert set differs; tokens_flipped: tokens with a flip at any
+      layer; forced_rel / natural_rel: max |logit diff| / (1 + max |reference logit|) of the forced / natural run;
+      clean_rel: the natural run's, over the tokens with no flip at any layer at or before their position (None if
+      there are none); ref_max: max |reference logit|."""
+    from justrl_megatron.convert.verify import megatron_logits
+    from justrl_megatron.model.moe import install_route_slots
+
+    ref, hf_routes = hf_moe_reference(model_dir, tokens, weight_dtype)
+    slots = install_route_slots(chunks)
+    assert [layer for layer, _ in slots] == list(range(hf_routes.shape[2])), "one stage holding every MoE layer"
+    natural, forced, ours = [], [], []
+    try:
+        for i in range(tokens.shape[0]):  # one sequence per call: each router call sees that sequence's tokens
+            for _, slot in slots:
+                slot.mode = "record"
+            natural.append(megatron_logits(chunks, tokens[i:i + 1], vocab_size))
+            ours.append(torch.stack([slot.recorded.cpu() for _, slot in slots], dim=1))  # [seq, layers, k]
+            for layer, slot in slots:
+                slot.mode, slot.target = "replay", hf_routes[i, :, layer].contiguous()
+            forced.append(megatron_logits(chunks, tokens[i:i + 1], vocab_size))
+    finally:
+        for _, slot in slots:
+            slot.mode = slot.target = slot.recorded = None
+    natural, forced, ours = torch.cat(natural).cpu(), torch.cat(forced).cpu(), torch.stack(ours).long()
+    flips = (ours.sort(-1).values != hf_routes.sort(-1).values).any(-1)  # [batch, seq, layers]
+    clean = flips.any(-1).long().cumsum(1) == 0  # [batch, seq]: no flip at this position or before it
+    scale = 1 + float(ref.abs().max())
+    return dict(route_flip_fraction=float(flips.float().mean()), tokens_flipped=float(flips.any(-1).float().mean()),
+                forced_rel=float((forced - ref).abs().max()) / scale,
+                natural_rel=float((natural - ref).abs().max()) / scale,
+                clean_rel=float((natural - ref)[clean].abs().max()) / scale if clean.any() else None,
+                clean_tokens=int(clean.sum()), ref_max=scale - 1)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_bf16_moe_parity_with_routes_forced_and_router_in_fp32(tiny_moe, name):
+    """A bf16 policy (CPU): the routers compute their logits in fp32 from bf16 hidden states
+    (`moe_router_dtype="fp32"`: the top-k is not decided by bf16 rounding of the logits themselves), and
+    `moe_parity` (tests/gpu/test_gpu_moe.py's bf16 check) holds: with the routes forced to the reference's, the
+    logits agree to the bf16 bound (measured here: 0.007-0.012 of 1 + max |logit|, while the natural run's reach
+    0.21-0.28 for Mixtral: 1-2 % of the routes flip), few routes flip naturally, and the tokens before any flip
+    agree to the same bound."""
+    from transformers import AutoConfig
+
+    from justrl_megatron.convert import load_hf_weights
+    from justrl_megatron.convert.verify import random_tokens
+    from justrl_megatron.model.policy import Policy
+
+    shape = model_shape(AutoConfig.from_pretrained(tiny_moe[name]))
+    policy = Policy.build(shape, dtype="bf16", transformer_impl="local", lr=1e-3, seed=1234)
+    load_hf_weights(policy.chunks, tiny_moe[name], progress=False)
+    policy.optimizer.reload_model_params()
+    routers = [layer.mlp.router for layer in policy.modules[0].decoder.layers]
+    assert policy.config.moe_router_dtype == "fp32" and all(r.config.moe_router_dtype == "fp32" for r in routers)
+    seen = []  # (the hidden states' dtype, the router logits' dtype) of every router call
+
+    def watched(gating):
+        def call(inp, *args, **kwargs):
+            logits = gating(inp, *args, **kwargs)
+            seen.append((inp.dtype, logits.dtype))
+            return logits
+        return call
+
+    for r in routers:
+        r.gating = watched(r.gating)  # an instance attribute over the method; deleted after
+    tokens = random_tokens(shape.vocab_size, batch=2, seq_len=48, seed=3)
+    try:
+        got = moe_parity(policy.chunks, tiny_moe[name], tokens, shape.vocab_size, weight_dtype=torch.bfloat16)
+    finally:
+        for r in routers:
+            del r.gating
+    assert seen and set(seen) == {(torch.bfloat16, torch.float32)}, set(seen)
+    assert got["forced_rel"] <= 5e-2 and got["route_flip_fraction"] <= 0.1, got
+    assert got["ref_max"] > 0.5 and got["clean_tokens"] > 0 and got["clean_rel"] <= 5e-2, got
+
+
 def test_routing_replay_rollout_replays_the_given_experts(tiny_moe):
     """algo.routing_replay=rollout (the replay half; vLLM's side needs GPU vLLM): each sample carries the experts an
     engine chose, as vLLM returns them ([tokens - 1, layers, k], here from transformers). With the weights they came
