@@ -46,6 +46,9 @@ class ModelConfig:
     path: str = MISSING
     tokenizer: Optional[str] = None  # defaults to the model folder
     transformer_impl: str = "auto"  # auto | te | local (te needs transformer-engine and CUDA)
+    # packed attention of the local spec on CUDA: auto (cuDNN where it is right and faster, else flash) | flash |
+    # cudnn (model/attention.py); the CPU and TE's attention ignore it
+    attention_backend: str = "auto"
     dtype: str = "auto"  # auto (bf16 on GPU and on CPUs with native bf16, else fp32; dtypes.py) | bf16 | fp32
     make_vocab_size_divisible_by: int = 128
     # auto: the memory plan (model/memory.py) picks none | selective | full on a GPU and clamps
@@ -324,6 +327,8 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
         problems.append("parallel.virtual_pipeline needs parallel.pipeline >= 2")
     if cfg.model.transformer_impl not in ("auto", "te", "local"):
         problems.append(f"model.transformer_impl must be auto, te or local, got {cfg.model.transformer_impl!r}")
+    if cfg.model.attention_backend not in ("auto", "flash", "cudnn"):
+        problems.append(f"model.attention_backend must be auto, flash or cudnn, got {cfg.model.attention_backend!r}")
     if cfg.trainer.old_logprobs not in ("auto", "recompute"):
         problems.append(f"trainer.old_logprobs must be auto or recompute, got {cfg.trainer.old_logprobs!r}")
     if cfg.model.dtype not in ("auto", "bf16", "fp32"):

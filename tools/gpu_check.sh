@@ -7,8 +7,9 @@
 #
 # .whl/ is git-ignored: it must travel to the box with the checkout (a device call: carry: [".whl"]).
 #
-#   bash tools/gpu_check.sh                    # call 1 on the GPU box: probe, train, pytest
-#   bash tools/gpu_check.sh --stages budget    # call 2: the token-budget search (any stage can be redone alone)
+#   bash tools/gpu_check.sh                    # call 1 on the GPU box: probe, pytest, mfu
+#   bash tools/gpu_check.sh --stages train     # call 2: the train phase under the memory plan
+#   bash tools/gpu_check.sh --stages budget    # call 3: the token-budget search (any stage can be redone alone)
 #   bash tools/gpu_check.sh --dry-run          # anywhere (CI): checks the bundle, prints the calls and the plan
 set -uo pipefail
 
@@ -23,7 +24,7 @@ export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1  # no internet on the box: every model and tokenizer is a local folder
 
 usage() {
-  echo "usage: bash tools/gpu_check.sh [--dry-run] [--stages probe,train,pytest,budget]" >&2
+  echo "usage: bash tools/gpu_check.sh [--dry-run] [--stages probe,pytest,mfu,train,budget]" >&2
   exit 2
 }
 DRY=0

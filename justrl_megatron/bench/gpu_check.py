@@ -4,8 +4,9 @@ A device call has a hard 10-minute limit; the kit plans each call at <= 8 minute
 installing the carried wheels and starting Python, the rest (TOTAL_CAP_S) for the stages. The stages that do not fit
 the first call run in a second one:
 
-    bash tools/gpu_check.sh                    # call 1: probe, train, pytest  (40 + 170 + 210 s)
-    bash tools/gpu_check.sh --stages budget    # call 2: the token-budget search (300 s)
+    bash tools/gpu_check.sh                    # call 1: probe, pytest, mfu  (40 + 180 + 200 s)
+    bash tools/gpu_check.sh --stages train     # call 2: the train phase under the memory plan (170 s)
+    bash tools/gpu_check.sh --stages budget    # call 3: the token-budget search (300 s)
 
 Any stage can be redone alone the same way (`--stages pytest`); the last stage of a call (a stage run alone too) may
 use the rest of the call's time. Stages, each in a process group of its own with its own time cap (a crash, hang or CUDA OOM in one is recorded and the next still runs; the whole group is killed after
@@ -19,6 +20,10 @@ every stage, so nothing a stage left behind holds the GPU into the next; the exi
   pytest  `python -m pytest -m gpu tests/gpu`: the CUDA-only tests (nothing else is collected: tests/ imports vLLM,
           wandb, ... which the box lacks), streamed to $OUT/pytest.log, a per-test timeout (pytest-timeout, carried
           in .whl/), `-rA --durations=0`
+  mfu     the fast paths of model/fast_paths.py and model.attention_backend, on this card in one process: kernel
+          microbenchmarks (bench/kernels.py: attention flash vs cuDNN, SwiGLU, AdamW foreach vs fused, the log-prob
+          head eager vs compiled, each with its output difference), then the train phase with recompute none for
+          the baseline (all off, flash), all on, and each alone; host syncs of one update for baseline and all
   budget  the largest token budget per micro-batch that fits: upward from the plan's budget (one update per try,
           catching an out-of-memory error: torch.cuda.OutOfMemoryError or the RuntimeError cuBLAS / cuDNN / NCCL
           raise), then bisection in 1,024-token steps; it stops before a try that would end past its deadline, with
@@ -65,10 +70,13 @@ MIN_STAGE_S = 15  # a stage with less time left than this is not started (it is 
 STAGES = {  # name -> (time cap in seconds, what it does)
     "probe": (40, "torch / CUDA / device / megatron-core versions, varlen flash attention probe"),
     "train": (170, f"train phase, {MODEL} shape, {PROMPT} + {RESPONSE} tokens, bf16, TP=1, under the memory plan"),
-    "pytest": (210, "python -m pytest -m gpu tests/gpu (log: pytest.log, per-test timeout, -rA --durations=0)"),
+    "pytest": (180, "python -m pytest -m gpu tests/gpu (log: pytest.log, per-test timeout, -rA --durations=0)"),
     "budget": (300, "largest tokens per micro-batch that fit (upward from the plan, OOM caught, 1,024-token steps)"),
+    "mfu": (200, "kernel microbenchmarks, then the train phase once per fast path (baseline, each alone, all), "
+                 "recompute none, same card; host syncs per update"),
 }
-CALLS = (("probe", "train", "pytest"), ("budget",))  # each call's stages fit TOTAL_CAP_S; the first is the default
+# each call's stages fit TOTAL_CAP_S; the first is the default
+CALLS = (("probe", "pytest", "mfu"), ("train",), ("budget",))
 PER_TEST_TIMEOUT_S = 120  # pytest-timeout, per test (setup and teardown included)
 BUDGET_STEP = 1024  # the budget search's resolution in tokens
 
@@ -394,6 +402,67 @@ def stage_train(progress, cap_s: float, out_dir: Path) -> dict:
             "peak_over_prediction": None if peak is None or oom else peak * 2**30 / plan.peak_bytes}
 
 
+# the mfu stage's A/B: each fast path alone on the baseline (every one off, flash attention), then all of them
+MFU_VARIANTS = (("baseline", "all", "flash"), ("all", "", "auto"), ("cudnn_attention", "all", "cudnn"),
+                ("rope_once", "foreach_grad_norm,fused_adamw,compiled_head", "flash"),
+                ("foreach_grad_norm", "rope_once,fused_adamw,compiled_head", "flash"),
+                ("fused_adamw", "rope_once,foreach_grad_norm,compiled_head", "flash"),
+                ("compiled_head", "rope_once,foreach_grad_norm,fused_adamw", "flash"))
+
+
+def stage_mfu(progress, cap_s: float, out_dir: Path) -> dict:
+    """Microbenchmarks of each fast path (bench/kernels.py), then the train phase (the `train` stage's model and
+    lengths, recompute none) once per MFU_VARIANTS entry on this card, in this process: the baseline, each switch
+    alone, all; device-to-host syncs of one update counted for the baseline and for all."""
+    _require_cuda()
+    import gc
+
+    import torch
+
+    from . import kernels
+    from .train import bench_train
+
+    from ..model.spec import fused_swiglu_check
+
+    t_end = time.monotonic() + cap_s
+    record = {"micro": {}, "variants": {}, "fused_swiglu": fused_swiglu_check("cuda") or "ok"}
+    # (the check first: it resets torch.compile's caches once per process, which would drop what the
+    # microbenchmarks compiled and make the variants compile again)
+    record["micro"] = kernels.run_all(lambda partial: progress({**record, "micro": partial}))
+    progress(record)
+    tokens = PROMPT + RESPONSE
+    for name, off, backend in MFU_VARIANTS:
+        if time.monotonic() > t_end - 25:
+            record["variants"][name] = {"error": "no time left in the stage"}
+            continue
+        os.environ["JUSTRL_FAST_PATHS_OFF"] = off
+        try:
+            raw = bench_train(model=MODEL, tokens=tokens, seq_len=tokens, prompt_len=PROMPT, dtype="bf16", tp=1,
+                              transformer_impl="local", recompute="none", steps=2, warmup=1,
+                              max_tokens_per_micro_batch=tokens, attention_backend=backend,
+                              count_syncs=name in ("baseline", "all"))
+            record["variants"][name] = {
+                "fast_paths_off": off, "attention_backend": backend,
+                "update": _phase(raw["update"]), "forward_only": _phase(raw["logprob"]),
+                "fwd_bwd": _phase(raw["fwd_bwd"]) if raw.get("fwd_bwd") else None,
+                "optimizer_s": raw.get("optimizer_s"), "peak_allocated_gib": raw.get("gpu_peak_allocated_gib"),
+                "syncs": raw.get("syncs"), "grad_norm": raw.get("grad_norm"), "loss": raw.get("loss")}
+        except Exception as exc:  # noqa: BLE001  (one variant failing still leaves the others' figures)
+            record["variants"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            os.environ.pop("JUSTRL_FAST_PATHS_OFF", None)
+            gc.collect()
+            torch.cuda.empty_cache()
+        progress(record)
+    base = record["variants"].get("baseline", {}).get("update")
+    if base:
+        for v in record["variants"].values():
+            if v.get("update"):
+                v["update_speedup_vs_baseline"] = base["seconds"] / v["update"]["seconds"]
+    record["ok"] = all("error" not in v for v in record["variants"].values())
+    return record
+
+
 def _phase(p: dict) -> dict:
     return {"seconds": p["time_s"], "tokens_per_s_per_gpu": p["tokens_per_s_per_device"],
             "tflops_per_gpu": p["tflops_per_device"], "mfu": p["mfu"]}
@@ -466,7 +535,8 @@ def stage_budget(progress, cap_s: float, out_dir: Path) -> dict:
     return record()
 
 
-STAGE_FUNCTIONS = {"probe": stage_probe, "pytest": stage_pytest, "train": stage_train, "budget": stage_budget}
+STAGE_FUNCTIONS = {"probe": stage_probe, "pytest": stage_pytest, "train": stage_train, "budget": stage_budget,
+                   "mfu": stage_mfu}
 
 
 def _stage_main(name: str, result: Path, cap_s: float, out_dir: Path) -> int:

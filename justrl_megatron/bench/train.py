@@ -104,6 +104,60 @@ def _peak_memory_gib() -> tuple[str, float]:
     return kind, float(t.item())
 
 
+def _time_optimizer_steps(policy) -> list[float]:
+    """Times every `policy.optimizer.step()` from now on (synchronized before and after: the update's own time is
+    then the sum of its forward+backward and this); returns the list it appends to."""
+    times, step = [], policy.optimizer.step
+
+    def timed_step(*args, **kwargs):
+        _sync()
+        t0 = time.perf_counter()
+        out = step(*args, **kwargs)
+        _sync()
+        times.append(time.perf_counter() - t0)
+        return out
+
+    policy.optimizer.step = timed_step
+    policy.optimizer.justrl_untimed_step = step  # sync_counts counts without the timer's own synchronizations
+    return times
+
+
+def sync_counts(policy, fn) -> dict:
+    """{"update": device-to-host syncs while fn() runs, "optimizer_step": those inside policy.optimizer.step()},
+    counted by torch's sync debug mode (it warns at every synchronizing call)."""
+    import warnings
+
+    timed = policy.optimizer.step
+    step, inside = getattr(policy.optimizer, "justrl_untimed_step", timed), []
+
+    def counted_step(*args, **kwargs):
+        before = len(caught)
+        out = step(*args, **kwargs)
+        inside.append(len(caught) - before)
+        return out
+
+    policy.optimizer.step = counted_step
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            previous = torch.cuda.get_sync_debug_mode()  # a count inside another count leaves it on
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+    finally:
+        policy.optimizer.step = timed
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = {}
+    for w in syncs:
+        key = f"{w.filename.rsplit('/', 3)[-1]}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    return {"update": len(syncs), "optimizer_step": sum(inside),
+            "where": dict(sorted(where.items(), key=lambda kv: -kv[1])[:12])}
+
+
 def saved_activation_bytes(policy, fn):
     """(fn(), bytes autograd saved for backward during it): distinct storages other than the parameters, saved by
     forward passes, i.e. the activations of the micro-batch (summed over micro-batches when there are several).
@@ -127,13 +181,15 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
                 prompt_len: int | None = None, tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False,
                 dtype: str = "auto", transformer_impl: str = "auto", recompute: str = "none", steps: int = 3,
                 warmup: int = 1, max_tokens_per_micro_batch: int | None = None, distributed_optimizer: bool = True,
-                peak: float | None = None, seed: int = 0, cp: int = 1, measure_activations: bool = False) -> dict:
+                peak: float | None = None, seed: int = 0, cp: int = 1, measure_activations: bool = False,
+                attention_backend: str = "auto", count_syncs: bool = False) -> dict:
     """Benchmark one policy update. ``tokens``: tokens per model replica per step (default 16384 on GPU, 2048 on
     CPU), as sequences of ``seq_len`` (default: one sequence of all of them on GPU, 512 on CPU) whose first
     ``prompt_len`` tokens are the prompt. ``peak``: the device's peak TFLOP/s, when not in the built-in table.
     ``cp``: context parallelism (each sequence split over ``cp`` ranks; a replica is TP x PP x CP ranks).
     ``measure_activations``: the last timed update runs under `saved_activation_bytes` (a Python call per saved
-    tensor: negligible); reported per rank, the max over ranks."""
+    tensor: negligible); reported per rank, the max over ranks. ``count_syncs`` (CUDA): one more update, untimed,
+    counting device-to-host syncs (`sync_counts`) in the whole update and in its optimizer step."""
     from megatron.core import parallel_state as ps
 
     from ..distributed import init_distributed
@@ -154,7 +210,9 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     policy = Policy.build(shape, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, dtype=dtype,
                           transformer_impl=transformer_impl, recompute=recompute, lr=1e-6, warmup_steps=0,
                           weight_decay=0.1, grad_clip=1.0, distributed_optimizer=distributed_optimizer, seed=seed,
-                          max_sequence_length=max(seq_len, shape.max_position_embeddings), cp=cp)
+                          max_sequence_length=max(seq_len, shape.max_position_embeddings), cp=cp,
+                          attention_backend=attention_backend)
+    t_optimizer = _time_optimizer_steps(policy)
     dp = ps.get_data_parallel_world_size()
     world = dist.get_world_size()
     _, rss_after_build = _peak_memory_gib()
@@ -186,6 +244,7 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         _sync()
         t_logprob.append(time.perf_counter() - t0)
     saved = 0
+    t_optimizer.clear()
     for i in range(steps):
         t0 = time.perf_counter()
         if measure_activations and i == steps - 1:
@@ -196,6 +255,8 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         t_update.append(time.perf_counter() - t0)
     mem_kind, mem = _peak_memory_gib()
     extra = {f"{mem_kind.replace('_gib', '')}_after_build_gib": rss_after_build}
+    if count_syncs and on_gpu:
+        extra["syncs"] = sync_counts(policy, lambda: update_pass(old))
     if measure_activations:
         t = torch.tensor([saved / 2**30], dtype=torch.float64, device=compat.default_device())
         if dist.is_initialized():
@@ -211,6 +272,10 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         return {**throughput(flops=flops, tokens=total_tokens, seconds=statistics.median(times), devices=world,
                              peak=peak_tf), "time_s_all": times}
 
+    # the update without its optimizer step: at one sequence per step the step's share is far larger than at
+    # JustRL's ~100K tokens per GPU per step with the optimizer sharded over 32 ranks
+    t_fwd_bwd = [u - o for u, o in zip(t_update, t_optimizer)] if len(t_optimizer) == len(t_update) else []
+
     return {
         "phase": "train", "model": model, "parameters": num_parameters(shape),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world,
@@ -220,6 +285,9 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         "tokens_per_step": total_tokens, "seq_len": seq_len, "prompt_len": prompt_len, "num_sequences": len(samples),
         "max_tokens_per_micro_batch": budget, "micro_batches": metrics.get("num_micro_batches"),
         "peak_tflops": peak_tf, "update": phase(t_update, 3 * fwd), "logprob": phase(t_logprob, fwd),
+        "fwd_bwd": phase(t_fwd_bwd, 3 * fwd) if t_fwd_bwd else None,
+        "optimizer_s": statistics.median(t_optimizer) if t_optimizer else None, "optimizer_s_all": t_optimizer,
+        "attention_backend": attention_backend,
         mem_kind: mem, **extra, "grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss"),
     }
 
@@ -269,8 +337,10 @@ def print_report(result: dict) -> None:
                         f"DP{result['dp']})")
     for col in ("phase", "time (s)", "tokens/s", "TFLOP/s/device", "MFU"):
         table.add_column(col, justify="right")
-    for name in ("logprob", "update"):
-        p = result[name]
+    for name in ("logprob", "update", "fwd_bwd"):
+        p = result.get(name)
+        if p is None:
+            continue
         table.add_row(name, f"{p['time_s']:.3f}", f"{p['tokens_per_s']:,.0f}", f"{p['tflops_per_device']:.3f}",
                       "n/a" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%")
     Console().print(table)

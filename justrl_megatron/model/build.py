@@ -13,7 +13,7 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     gather_from_sequence_parallel_region)
 
 from .hf_config import ModelShape, padded_vocab_size
-from .rope import set_rotary
+from .rope import install_packed_rope, set_rotary
 from .spec import block_spec
 
 
@@ -47,6 +47,7 @@ def build_model_chunks(
             vp_stage=stage,
         )
         set_rotary(model, shape)  # the HF config's base and scaling, exactly (rope.py)
+        install_packed_rope()
         chunks.append(model)
     return chunks
 

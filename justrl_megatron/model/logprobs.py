@@ -99,6 +99,85 @@ def _chunk_grad_logits(z, targets, start, lse, entropy, g_logp, g_ent):
     return grad
 
 
+# --- the same chunk math as single kernels (fast path `compiled_head`, CUDA) -------------------------------------------
+# The eager path above makes an fp32 copy of each bf16 chunk of logits and then a dozen elementwise passes over it
+# (mask, max, exp, gather, sums; in backward exp, products, scatter, cast): at 16K x 152K that is ~7% of an update
+# in small memory-bound kernels. Written without in-place writes or gathers, each function below compiles to one or
+# two kernels that read the raw chunk once; the target's logit is picked with a comparison against its column
+# (exact: every other term is 0). The all-reduces over the TP group stay between the kernels.
+
+def _masked(raw, real):
+    z = raw.to(_acc_dtype(raw.dtype))
+    col = torch.arange(z.size(-1), device=z.device)
+    return torch.where(col < real, z, MASKED_LOGIT), col
+
+
+def _fused_max(raw, real):
+    return _masked(raw, real)[0].max(dim=-1).values
+
+
+def _fused_sums(raw, real, local, m, with_entropy: bool):
+    z, col = _masked(raw, real)
+    e = torch.exp(z - m.unsqueeze(-1))
+    parts = [e.sum(-1), torch.where(col == local.unsqueeze(-1), z, 0.0).sum(-1)]
+    if with_entropy:
+        parts.append((e * z).sum(-1))
+    return torch.stack(parts)
+
+
+def _fused_grad(raw, real, local, lse, entropy, g_logp, g_ent, out_dtype):
+    z, col = _masked(raw, real)
+    p = torch.exp(z - lse.unsqueeze(-1))
+    coeff = g_logp.unsqueeze(-1) if g_logp is not None else torch.zeros_like(lse).unsqueeze(-1)
+    if g_ent is not None:
+        coeff = coeff + g_ent.unsqueeze(-1) * (z - lse.unsqueeze(-1) + entropy.unsqueeze(-1))
+    grad = -p * coeff
+    if g_logp is not None:
+        grad = grad + torch.where(col == local.unsqueeze(-1), g_logp.unsqueeze(-1), 0.0)
+    return grad.to(out_dtype)
+
+
+_COMPILED: dict = {}
+
+
+def _fused_kernels_eager():
+    """The fused forms uncompiled (tests compare them with the eager chunk functions on the CPU)."""
+    return _fused_max, _fused_sums, _fused_grad
+
+
+def _kernels(device, compiled: bool | None = None):
+    """(max, sums, grad) as compiled kernels on CUDA with `compiled_head` on (or `compiled=True`); None: the eager
+    chunk functions above."""
+    if compiled is None:
+        from . import fast_paths
+
+        compiled = device.type == "cuda" and fast_paths.enabled("compiled_head")
+    if not compiled:
+        return None
+    if not _COMPILED:
+        # dynamic: the row count changes with every chunk and micro-batch; the vocabulary width does not
+        _COMPILED.update(max=torch.compile(_fused_max, dynamic=True), sums=torch.compile(_fused_sums, dynamic=True),
+                         grad=torch.compile(_fused_grad, dynamic=True))
+    return _COMPILED["max"], _COMPILED["sums"], _COMPILED["grad"]
+
+
+def _forward_stats(raw, targets, start, real, group, with_entropy, kernels):
+    """logp, entropy | None, lse of one raw chunk of logits [n, V_local] (either path)."""
+    if kernels is None:
+        return _chunk_forward(_prepare(raw, real), targets, start, group, with_entropy)
+    fmax, fsums, _ = kernels
+    m = _all_reduce(fmax(raw, real), dist.ReduceOp.MAX, group)
+    stacked = _all_reduce(fsums(raw, real, targets - start, m, with_entropy), dist.ReduceOp.SUM, group)
+    lse = m + torch.log(stacked[0])
+    return stacked[1] - lse, (lse - stacked[2] / stacked[0] if with_entropy else None), lse
+
+
+def _grad_of_chunk(raw, targets, start, real, lse, ent, g_logp, g_ent, out_dtype, kernels):
+    if kernels is None:
+        return _chunk_grad_logits(_prepare(raw, real), targets, start, lse, ent, g_logp, g_ent).to(out_dtype)
+    return kernels[2](raw, real, targets - start, lse, ent, g_logp, g_ent, out_dtype)
+
+
 class _LogprobsFromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size, rows, with_entropy):
@@ -107,9 +186,10 @@ class _LogprobsFromLogits(torch.autograd.Function):
         logp = torch.empty(n, dtype=acc, device=logits.device)
         ent = torch.empty(n if with_entropy else 0, dtype=acc, device=logits.device)
         lse = torch.empty(n, dtype=acc, device=logits.device)
+        kernels = _kernels(logits.device)
         for a in range(0, n, rows):
             b = min(a + rows, n)
-            lp, en, ls = _chunk_forward(_prepare(logits[a:b], real), targets[a:b], start, group, with_entropy)
+            lp, en, ls = _forward_stats(logits[a:b], targets[a:b], start, real, group, with_entropy, kernels)
             logp[a:b], lse[a:b] = lp, ls
             if with_entropy:
                 ent[a:b] = en
@@ -126,12 +206,12 @@ class _LogprobsFromLogits(torch.autograd.Function):
         if g_logp is None and g_ent is None:
             return None, None, None, None, None, None
         grad = torch.empty_like(logits)
+        kernels = _kernels(logits.device)
         for a in range(0, logits.size(0), rows):
             b = min(a + rows, logits.size(0))
-            z = _prepare(logits[a:b], real)
-            grad[a:b] = _chunk_grad_logits(
-                z, targets[a:b], start, lse[a:b], ent[a:b] if g_ent is not None else None,
-                None if g_logp is None else g_logp[a:b], None if g_ent is None else g_ent[a:b]).to(grad.dtype)
+            grad[a:b] = _grad_of_chunk(
+                logits[a:b], targets[a:b], start, real, lse[a:b], ent[a:b] if g_ent is not None else None,
+                None if g_logp is None else g_logp[a:b], None if g_ent is None else g_ent[a:b], grad.dtype, kernels)
         return grad, None, None, None, None, None
 
 
@@ -143,10 +223,11 @@ class _LogprobsFromHidden(torch.autograd.Function):
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=acc, device=hidden.device)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
+        kernels = _kernels(hidden.device)
         for a in range(0, n, rows):
             b = min(a + rows, n)
-            z = _prepare(hidden[a:b] @ weight.t(), real)
-            lp, en, ls = _chunk_forward(z, targets[a:b], start, group, with_entropy)
+            lp, en, ls = _forward_stats(hidden[a:b] @ weight.t(), targets[a:b], start, real, group, with_entropy,
+                                        kernels)
             logp[a:b], lse[a:b] = lp, ls
             if with_entropy:
                 ent[a:b] = en
@@ -165,13 +246,13 @@ class _LogprobsFromHidden(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
+        kernels = _kernels(hidden.device)
         for a in range(0, hidden.size(0), rows):
             b = min(a + rows, hidden.size(0))
             h = hidden[a:b]
-            z = _prepare(h @ weight.t(), real)
-            gz = _chunk_grad_logits(
-                z, targets[a:b], start, lse[a:b], ent[a:b] if g_ent is not None else None,
-                None if g_logp is None else g_logp[a:b], None if g_ent is None else g_ent[a:b]).to(weight.dtype)
+            gz = _grad_of_chunk(
+                h @ weight.t(), targets[a:b], start, real, lse[a:b], ent[a:b] if g_ent is not None else None,
+                None if g_logp is None else g_logp[a:b], None if g_ent is None else g_ent[a:b], weight.dtype, kernels)
             if need_h:
                 grad_h[a:b] = gz @ weight
             if need_w:

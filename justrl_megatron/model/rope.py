@@ -15,6 +15,8 @@ import torch
 
 from .hf_config import ModelShape
 
+PER_TOKEN_ROWS = "_justrl_rope_rows_per_token"  # set on a freqs tensor that holds one rotation row per packed token
+
 
 def inv_freq(shape: ModelShape, device=None) -> torch.Tensor:
     """[head_dim / 2] fp32 inverse frequencies for `shape` (transformers' formulas, same op order)."""
@@ -63,10 +65,41 @@ def rope_at_positions(model, positions):
         return
 
     def per_token(module, args, output):
-        return output.index_select(0, positions)
+        rows = output.index_select(0, positions)
+        setattr(rows, PER_TOKEN_ROWS, True)  # apply_packed_rope applies them as they are: no boundaries read
+        return rows
 
     handle = rotary.register_forward_hook(per_token)
     try:
         yield
     finally:
         handle.remove()
+
+
+def _apply_packed_rope(megatron_apply):
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
+        if (cu_seqlens is not None and getattr(freqs, PER_TOKEN_ROWS, False) and freqs.size(0) == t.size(0)
+                and not config.apply_rope_fusion and not kwargs and (cp_group is None or cp_group.size() == 1)):
+            from megatron.core.models.common.embeddings import rope_utils
+
+            # what megatron's packed "CASE 1" computes once it has cut the rows out per sequence (with one
+            # .item() per sequence and a .tolist(), in every layer): here the rows are already per token
+            return rope_utils._apply_rotary_pos_emb_bshd(
+                t.unsqueeze(1), freqs, rotary_interleaved=config.rotary_interleaved, mscale=mscale).squeeze(1)
+        return megatron_apply(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kwargs)
+
+    apply_rotary_pos_emb.justrl_wraps = megatron_apply
+    return apply_rotary_pos_emb
+
+
+def install_packed_rope() -> None:
+    """Let megatron's attention apply per-token rotation rows (`rope_at_positions`) without reading the packed
+    sequence boundaries on the host. megatron (0.16 and 0.19) applies packed RoPE through
+    `_apply_rotary_pos_emb_thd`, which calls `.tolist()` and one `.item()` per sequence in every layer, for q and k:
+    ~170 device-to-host syncs per forward of a 28-layer model. Rows that are already one per token need none of
+    that; anything else (bshd, TE's fused RoPE, context parallelism) goes to megatron's function unchanged.
+    Idempotent; the wrapper replaces the name megatron's attention module calls."""
+    from megatron.core.transformer import attention
+
+    if not hasattr(attention.apply_rotary_pos_emb, "justrl_wraps"):
+        attention.apply_rotary_pos_emb = _apply_packed_rope(attention.apply_rotary_pos_emb)

@@ -85,6 +85,10 @@ def fused_swiglu_check(device: str) -> str | None:
         (fused * w[..., :32]).sum().backward()
         (plain * w[..., :32]).sum().backward()
         err = max(float((fused - plain).detach().abs().max()), float((fused_in.grad - plain_in.grad).abs().max()))
+        if str(device).startswith("cuda"):
+            # forget the probe's graph: the model's first shape then compiles static; after two shapes torch
+            # compiles a dynamic-shape kernel, and the probe's tiny shape would have been the first
+            torch._dynamo.reset()
     except Exception as exc:  # noqa: BLE001  (any failure keeps the plain op)
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     return None if err <= 1e-4 else f"fused SwiGLU differs from F.silu(gate) * up by {err:.3g}"

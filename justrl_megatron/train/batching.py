@@ -166,12 +166,17 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return MicroBatch(self.sample_ids, move(self.tokens), move(self.position_ids), move(self.cu_seqlens),
-                          self.max_seqlen, move(self.logit_positions), move(self.targets), move(self.row),
-                          move(self.col), self.response_lengths, self.num_real_tokens,
-                          {k: move(v) for k, v in self.extras.items()},
-                          None if self.shared is None else self.shared.to(device),
-                          None if self.padding is None else move(self.padding))
+        moved = MicroBatch(self.sample_ids, move(self.tokens), move(self.position_ids), move(self.cu_seqlens),
+                           self.max_seqlen, move(self.logit_positions), move(self.targets), move(self.row),
+                           move(self.col), self.response_lengths, self.num_real_tokens,
+                           {k: move(v) for k, v in self.extras.items()},
+                           None if self.shared is None else self.shared.to(device),
+                           None if self.padding is None else move(self.padding))
+        if not self.cu_seqlens.is_cuda and moved.cu_seqlens is not self.cu_seqlens:
+            # the packed boundaries on the host as well: attention that needs them (cuDNN per sequence, the exact
+            # fallback) reads these instead of syncing with the device (model/attention.PackedPlan)
+            moved.cu_seqlens.justrl_host_bounds = self.cu_seqlens.tolist()
+        return moved
 
 
 def make_micro_batch(samples: Sequence[Sample], ids: Sequence[int], *, pad_to_multiple_of: int = 1,

@@ -37,6 +37,7 @@ from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
+from ..model import fast_paths
 from ..model.rope import rope_at_positions
 from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, \
     make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, sampled_targets, \
@@ -117,6 +118,18 @@ def _load_routes(policy, samples) -> str | None:
     return "record"
 
 
+def _rope_positions(mb: MicroBatch):
+    """The position ids RoPE rotates by, or None for megatron's segment offsets. Shared-prompt units need them
+    (responses restart at the prompt's end, inside one segment); on CUDA every packed row uses them too
+    (fast path `rope_once`: megatron's packed RoPE reads the boundaries on the host in every layer). The position
+    ids restart at each sample, which is what the segment offsets give, so both rotate a token alike."""
+    if mb.shared is not None:
+        return mb.position_ids[0]
+    if mb.tokens.is_cuda and ps.get_context_parallel_world_size() == 1 and fast_paths.enabled("rope_once"):
+        return mb.position_ids[0]
+    return None
+
+
 def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *, forward_only: bool,
                   routes: str | None = None) -> list:
     """Run all micro-batches through megatron's schedule; returns the loss functions' dicts (last stage only)."""
@@ -125,8 +138,7 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        # shared-prompt units: RoPE from the position ids (responses restart at the prompt's end), not the segments
-        with rope_at_positions(unwrap(model), None if mb.shared is None else mb.position_ids[0]), \
+        with rope_at_positions(unwrap(model), _rope_positions(mb)), \
                 _routes(policy, routes, mb, model):
             out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
                         padding_mask=moe.padding_mask(model, mb))
