@@ -40,6 +40,7 @@ from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
 from .moe import RoutingReplay, install_route_slots, prepare_routers
+from .optimizer_kernels import install_optimizer_kernels
 from .spec import gpu_fusions, resolve_impl
 
 def finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
@@ -197,6 +198,7 @@ class Policy:
                             bf16=torch_dtype == torch.bfloat16, fp16=False, params_dtype=torch_dtype,
                             use_distributed_optimizer=distributed_optimizer),
             chunks)
+        install_optimizer_kernels(optimizer, device)  # foreach grad norm, fused AdamW: CUDA without apex/TE only
         scheduler = ConfigScheduler(
             optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=warmup_steps,
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
