@@ -7,7 +7,7 @@
 #
 # .whl/ is git-ignored: it must travel to the box with the checkout (a device call: carry: [".whl"]).
 #
-#   bash tools/gpu_check.sh                    # call 1 on the GPU box: probe, pytest, mfu
+#   bash tools/gpu_check.sh                    # call 1 on the GPU box: probe, mfu, pytest
 #   bash tools/gpu_check.sh --stages train     # call 2: the train phase under the memory plan
 #   bash tools/gpu_check.sh --stages budget    # call 3: the token-budget search (any stage can be redone alone)
 #   bash tools/gpu_check.sh --dry-run          # anywhere (CI): checks the bundle, prints the calls and the plan

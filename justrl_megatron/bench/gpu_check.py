@@ -4,7 +4,7 @@ A device call has a hard 10-minute limit; the kit plans each call at <= 8 minute
 installing the carried wheels and starting Python, the rest (TOTAL_CAP_S) for the stages. The stages that do not fit
 the first call run in a second one:
 
-    bash tools/gpu_check.sh                    # call 1: probe, pytest, mfu  (40 + 180 + 200 s)
+    bash tools/gpu_check.sh                    # call 1: probe, mfu, pytest  (30 + 90 + 300 s)
     bash tools/gpu_check.sh --stages train     # call 2: the train phase under the memory plan (170 s)
     bash tools/gpu_check.sh --stages budget    # call 3: the token-budget search (300 s)
 
@@ -68,15 +68,15 @@ CALL_PLAN_S = 480  # one device call, all of it (install + stages): 8 minutes, u
 TOTAL_CAP_S = 420  # the stages of one call; the other minute is pip installing .whl/ and Python/torch start-up
 MIN_STAGE_S = 15  # a stage with less time left than this is not started (it is named for a second call)
 STAGES = {  # name -> (time cap in seconds, what it does)
-    "probe": (40, "torch / CUDA / device / megatron-core versions, varlen flash attention probe"),
+    "probe": (30, "torch / CUDA / device / megatron-core versions, varlen flash attention probe"),
     "train": (170, f"train phase, {MODEL} shape, {PROMPT} + {RESPONSE} tokens, bf16, TP=1, under the memory plan"),
-    "pytest": (180, "python -m pytest -m gpu tests/gpu (log: pytest.log, per-test timeout, -rA --durations=0)"),
+    "pytest": (300, "python -m pytest -m gpu tests/gpu (log: pytest.log, per-test timeout, -rA --durations=0)"),
     "budget": (300, "largest tokens per micro-batch that fit (upward from the plan, OOM caught, 1,024-token steps)"),
-    "mfu": (200, "kernel microbenchmarks, then the train phase once per fast path (baseline, each alone, all), "
+    "mfu": (90, "kernel microbenchmarks, then the train phase once per fast path (baseline, each alone, all), "
                  "recompute none, same card; host syncs per update"),
 }
 # each call's stages fit TOTAL_CAP_S; the first is the default
-CALLS = (("probe", "pytest", "mfu"), ("train",), ("budget",))
+CALLS = (("probe", "mfu", "pytest"), ("train",), ("budget",))
 PER_TEST_TIMEOUT_S = 120  # pytest-timeout, per test (setup and teardown included)
 BUDGET_STEP = 1024  # the budget search's resolution in tokens
 

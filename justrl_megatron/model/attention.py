@@ -244,7 +244,10 @@ def cudnn_candidates() -> list:
         outs = []
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             for a, b in zip(bounds[:-1], bounds[1:]):
-                if b > a:
+                if b == a + 1:  # cuDNN takes no 1-token sequence; its softmax over one key is 1: the output is v
+                    rep = q.size(1) // v.size(1)
+                    outs.append(v[a:b].repeat_interleave(rep, dim=1) + q[a:b] * 0)  # (q stays in the graph)
+                elif b > a:
                     qi, ki, vi = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, h, L, d]
                     out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                          enable_gqa=gqa and q.size(1) != k.size(1))

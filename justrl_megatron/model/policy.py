@@ -136,14 +136,16 @@ class Policy:
               distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128, seed: int = 1234,
               max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off",
               cp: int = 1, moe_aux_loss_coef: float | None = None, moe_z_loss_coef: float | None = None,
-              moe_permute_fusion: bool | None = None, routing_replay: str = "off") -> "Policy":
+              moe_permute_fusion: bool | None = None, routing_replay: str = "off",
+              attention_backend: str = "auto") -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
         `shared_prompt` auto | on | off (`resolve_shared_prompt`). `cp`: context-parallel size (the batch split is
         train/batching.split_for_context_parallel; megatron's DDP and distributed optimizer reduce over DP x CP).
         `moe_aux_loss_coef`: MoE models' load-balancing loss weight (None: the HF config's; 0: off; model/moe.py);
         `moe_z_loss_coef`: their router z-loss weight (None or 0: off); `moe_permute_fusion` (`_moe_options`).
-        `routing_replay` off | old | rollout (model/moe.py)."""
+        `routing_replay` off | old | rollout (model/moe.py). `attention_backend` auto | flash | cudnn: packed
+        attention on CUDA (model/attention.attention_backend)."""
         replay = routing_replay != "off" and bool(shape.num_experts)
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
@@ -177,6 +179,7 @@ class Policy:
             **_pipeline_options(pp, vpp), **gpu_fusions(impl), **_context_parallel_options(cp, impl),
             **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
+        config.justrl_attention_backend = attention_backend  # read by model/attention.SDPAttention
         device = compat.default_device()
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -233,7 +236,7 @@ class Policy:
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
             shared_prompt=tr.shared_prompt, cp=par.context, moe_aux_loss_coef=model.moe_aux_loss_coef,
             moe_z_loss_coef=model.moe_z_loss_coef, moe_permute_fusion=model.moe_permute_fusion,
-            routing_replay=cfg.algo.routing_replay)
+            routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend)
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

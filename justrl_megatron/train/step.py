@@ -538,7 +538,8 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
             stats[k] = m[k]
     stats = {k: v.detach().float() for k, v in stats.items()}
     stats["target_logprobs"] = logp.detach()  # per target, not summed: the old logprobs when reused
-    return loss, torch.tensor(mb.num_targets, dtype=torch.int, device=device), stats
+    # torch.full, not torch.tensor: a Python scalar copied to the GPU is a host sync in every micro-batch
+    return loss, torch.full((), mb.num_targets, dtype=torch.int, device=device), stats
 
 
 def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,

@@ -31,11 +31,12 @@ def test_cudnn_attention_equals_the_reference(dtype, heads, groups):
     for a, t in zip(grads, truth_grads):
         assert _rel(a.double().cpu(), t) <= 2 * tol, name
     # with the bounds on the host (as every micro-batch carries them) the cuDNN path makes no host sync
+    w_dev = w.to(device=dev, dtype=dtype)  # (a copy to the device is itself a sync: before the check)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = packed_causal_attention(*ins, cu_dev, max(LENS), scale, backend="cudnn")
-        torch.autograd.grad((out * w.to(device=dev, dtype=dtype)).sum(), ins)
+        torch.autograd.grad((out * w_dev).sum(), ins)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

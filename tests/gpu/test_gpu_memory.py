@@ -1,4 +1,5 @@
-"""The memory plan (model/memory.py) against the allocator: the peak of one bf16 update of 16,384 tokens on a
+"""The memory plan (model/memory.py) against the allocator: the peak of bf16 updates of 16,384 tokens (the second of
+two: Adam's state alive during backward, as in every step after the first) on a
 4-layer model of the 1.5B's width must stay below the plan's prediction, and the plan must not be wildly pessimistic
 (prediction <= 1.5 x measured), without and with full recompute. The plan follows the kernels that run there
 (`gpu_kernels`: the fused SwiGLU and F.rms_norm on CUDA). Measured in a fresh subprocess (tests/gpu/memory_peak.py)
