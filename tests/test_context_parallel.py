@@ -172,6 +172,17 @@ def test_context_parallel_cp2_matches_cp1(cp2, case):
 
 
 @pytest.mark.slow
+def test_context_parallel_trains_tool_samples_as_cp1_does(cp2):
+    """Tool samples (multi-turn rollouts: a tool's output inside the response, `sampled_mask` 0) at CP2: logprobs,
+    loss, gradients and weights equal CP1's, and only the model's tokens are trained (the masked span crosses the
+    CP chunks, so each rank masks its own part)."""
+    per_rank = _case(cp2, "cp2_tool_samples")
+    _check_layout(per_rank)
+    for v in per_rank:
+        assert v["trained_tokens"] == v["ref_trained_tokens"] == v["model_tokens"] < v["response_tokens"], v
+
+
+@pytest.mark.slow
 def test_context_parallel_checkpoint_resumes_at_the_same_cp(cp2):
     for v in _case(cp2, "checkpoint"):
         assert v["step"] == 1 and v["note"] == "cp2"

@@ -3,8 +3,9 @@
     python -m torch.distributed.run --standalone --nproc-per-node N cp_parity.py OUT
 
 N = 2: the CP attention op against plain packed attention (values and input gradients, GQA, odd lengths, a sequence
-shorter than 2 x CP chunks); then CP2 against CP1 (DP2 on the same 2 ranks) for a GQA model with a qkv bias and for
-one with tied embeddings; a CP2 checkpoint's save and resume. N = 4: CP2 x TP2 against TP2 x DP2, CP2 x DP2 against DP4, CP2 x TP2 with sequence parallelism against TP2+SP x DP2,
+shorter than 2 x CP chunks); then CP2 against CP1 (DP2 on the same 2 ranks) for a GQA model with a qkv bias, for
+one with tied embeddings and for tool samples (a tool's output masked out of the loss); a CP2 checkpoint's save and
+resume. N = 4: CP2 x TP2 against TP2 x DP2, CP2 x DP2 against DP4, CP2 x TP2 with sequence parallelism against TP2+SP x DP2,
 CP2 x PP2 against PP2 x DP2.
 A layout comparison builds both policies with the same layout but CP (same TP/PP shards on every rank), gives the
 CP one the reference's weights, and compares logprobs, entropy, the step's loss and metrics, the gradients after
@@ -47,14 +48,21 @@ STEP_KW = dict(clip_low=0.2, clip_high=0.28, dual_clip_c=2.0, loss_agg="token-me
 LR = 1e-6  # JustRL's: Adam's first step moves every weight by ~lr, and ~1e-10 gradient noise cannot flip more
 
 
-def make_samples(n=10, seed=3):
-    """Odd and even lengths, and one sample of 2 tokens: fewer than the 2 x CP = 4 chunks it is cut into."""
+def make_samples(n=10, seed=3, tools=False):
+    """Odd and even lengths, and one sample of 2 tokens: fewer than the 2 x CP = 4 chunks it is cut into.
+    `tools`: responses of 4+ tokens carry a tool's output in the middle (`sampled_mask` 0 there: context, not
+    trained), as multi-turn rollouts produce them; the masked span crosses the CP chunk boundaries."""
     rng = random.Random(seed)
     out = [Sample([rng.randrange(250)], [rng.randrange(250)], advantage=0.9, group=0)]
     for i in range(1, n):
         prompt = [rng.randrange(250) for _ in range(rng.randint(2, 12))]
         response = [rng.randrange(250) for _ in range(rng.randint(1, 24))]
-        out.append(Sample(prompt, response, advantage=rng.uniform(-1.5, 1.5), group=i // 4))
+        mask = None
+        if tools and len(response) >= 4:
+            a = rng.randint(1, len(response) - 2)
+            b = rng.randint(a + 1, len(response) - 1)
+            mask = [1] * a + [0] * (b - a) + [1] * (len(response) - b)
+        out.append(Sample(prompt, response, advantage=rng.uniform(-1.5, 1.5), group=i // 4, sampled_mask=mask))
     return out
 
 
@@ -100,11 +108,11 @@ METRIC_KEYS = ("loss", "pg_loss", "entropy", "logprob_mean", "old_logprob_mean",
                "clip_frac_high", "clip_frac_dual", "ratio_min", "ratio_max", "grad_norm", "num_response_tokens")
 
 
-def compare_layout(shape, **layout):
-    """CP2 x layout against the same layout with CP1 (the freed ranks data-parallel)."""
+def compare_layout(shape, tools=False, **layout):
+    """CP2 x layout against the same layout with CP1 (the freed ranks data-parallel); `tools`: tool samples."""
     from megatron.core import parallel_state as ps
 
-    samples = make_samples()
+    samples = make_samples(tools=tools)
     ref = build(shape, **layout)
     ref_lp, ref_ent = compute_logprobs(ref, samples, max_tokens_per_micro_batch=MAX_TOKENS, with_entropy=True)
     ref_tp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -135,7 +143,10 @@ def compare_layout(shape, **layout):
          "clip_fracs": [ref_m[k] for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual")],
          "grad_diff": max(float((g[k] - ref_g[k]).abs().max()) for k in ref_g),
          "grad_scale": max(float(x.abs().max()) for x in ref_g.values()),
-         "weight_diff_plain_adam": max(float((p - params(ref)[k]).abs().max()) for k, p in params(cp).items())}
+         "weight_diff_plain_adam": max(float((p - params(ref)[k]).abs().max()) for k, p in params(cp).items()),
+         "model_tokens": sum(sum(s.sampled_mask) if s.sampled_mask is not None else len(s.response_ids)
+                             for s in samples), "response_tokens": sum(len(s.response_ids) for s in samples),
+         "trained_tokens": m["num_response_tokens"], "ref_trained_tokens": ref_m["num_response_tokens"]}
 
     # the distributed optimizer (sharded over DP x CP): weights after one Adam step
     ref_d = build(shape, distopt=True, **layout)
@@ -234,7 +245,8 @@ def main(out):
     torch.set_num_threads(1)
     if world == 2:
         cases = {"attention_op": attention_op, "cp2_gqa": lambda: compare_layout("qwen"),
-                 "cp2_tied": lambda: compare_layout("llama"), "checkpoint": lambda: checkpoint_roundtrip(out)}
+                 "cp2_tied": lambda: compare_layout("llama"), "checkpoint": lambda: checkpoint_roundtrip(out),
+                 "cp2_tool_samples": lambda: compare_layout("qwen", tools=True)}
     else:
         cases = {"cp2_tp2": lambda: compare_layout("qwen", tp=2), "cp2_dp2": lambda: compare_layout("qwen"),
                  "cp2_tp2_sp": lambda: compare_layout("llama", tp=2, sp=True),
