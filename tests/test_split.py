@@ -58,6 +58,27 @@ def test_split_sync_trains_with_the_trainers_weights_and_runs_tool_calls_on_the_
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_streaming_runs_tool_turns_in_the_engine_loop(tmp_path):
+    """Streaming with rollout.tools (issue 49): the tool demo's SmolLM2 on 1 trainer + 1 rollout rank whose engine
+    loop runs each sample's turns (calls in its sandbox while the engine steps the others) as weights arrive
+    mid-generation; the samples reach the trainer with their masks (tool outputs counted, not trained), within the
+    staleness bound, and the first step's samples (one weight version) score the trainer's logprobs of the model's
+    tokens equal to vLLM's."""
+    run_dir = tmp_path / "stream"
+    run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", "recipe=cpu_demo_tool",
+            f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT,
+            "rollout.streaming=true", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "rollout.n=4",
+            "trainer.mini_batch_size=4", "rollout.max_response_length=96"], timeout=900)
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rollout/staleness_max"] <= 1 for r in records)
+    assert records[0]["rollout/logprob_diff_mean"] < 1e-3, records[0]["rollout/logprob_diff_mean"]
+    assert sum(r["tool/call_rate"] for r in records) > 0 and any(r["tool/output_tokens_mean"] > 0 for r in records)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
 @pytest.fixture(scope="module")
 def one_step_off_stopped(tmp_path_factory, tiny_llama):
     """One-step-off steps until step 4 is logged, then SIGTERM to every process of the launch (what Slurm sends at

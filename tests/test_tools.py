@@ -276,6 +276,94 @@ def test_the_engine_keeps_stepping_while_a_call_runs(tokenizer):
     assert len(r.token_ids[1]) == len(long) + 1
 
 
+# --- streaming: the engine loop runs tool turns (rollout/engine_loop.py) -----------------------------------------------
+
+class StreamingScriptedEngine(ScriptedEngine):
+    """The scripted engine as the streaming loop drives it: one step for tool turns and whole groups, pause/resume
+    around a weight update."""
+
+    max_num_seqs = 16
+
+    def step_both(self, streamed):
+        out = self.step_tokens()
+        assert all(rid in streamed for rid, *_ in out)  # the loop holds only tool turns here
+        return [], out
+
+    def pause(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def abort_keeping(self, rids):  # the loop's whole groups (none here)
+        assert not rids
+        return {}
+
+
+def _stream_loop(tokenizer, turns=TURNS, n=2):
+    from justrl_megatron.rollout.engine_loop import EngineLoop
+
+    engine = StreamingScriptedEngine(tokenizer, turns)
+    driver = _driver(tokenizer)
+    return engine, driver, EngineLoop(engine, n, SamplingConfig(max_tokens=400), tools=driver)
+
+
+def test_streaming_runs_tool_turns_across_a_weight_update(tokenizer):
+    """rollout.streaming with rollout.tools: each sample's turns run in the engine loop; new weights arrive while a
+    call runs, and the sample's later turns are sampled (and stamped) with them; the masks, outputs and logprobs are
+    what the batch driver gives, and the group keeps its admission version (the staleness bound counts from its
+    first token, tool time included)."""
+    engine, driver, loop = _stream_loop(tokenizer)
+    tool = PythonTool()
+    outputs = [tool.format(Observation("10\n", "ok", 0)), tool.format(Observation("42\n", "ok", 0))]
+    try:
+        loop.admit([(7, PROMPT)])
+        groups, updated = [], False
+        deadline = time.monotonic() + 120
+        while loop.busy and time.monotonic() < deadline:
+            groups += loop.step()
+            if not updated and loop.turns.calls:  # a call runs: the trainer's new weights land now
+                figures = loop.update(lambda: setattr(engine, "weight_version", 4) or {"loaded": 1})
+                assert figures["kept"] == 0 and figures["dropped"] == [] and figures["loaded"] == 1
+                updated = True
+    finally:
+        driver.close()
+    assert updated and len(groups) == 1 and not loop.busy
+    g = groups[0]
+    r = g.rollouts
+    assert g.gid == 7 and g.admitted_version == 3 and r.weight_version == 3
+    assert r.finish_reasons == ["stop", "stop"]
+    for i in range(2):
+        _check_layout(r, tokenizer, i, outputs)
+        assert r.tool_stats[i]["calls"] == 2 and r.tool_stats[i]["turns"] == 3
+        versions = r.token_versions[i]
+        assert len(versions) == len(r.token_ids[i]) and versions == sorted(versions) and set(versions) == {3, 4}
+        # the first turn (up to its call) was sampled by version 3; everything after the update by version 4
+        first_tool = r.sampled_mask[i].index(0)
+        assert all(v == 3 for v in versions[:first_tool])
+    assert len(engine.aborted) == 4  # each call's turn stopped at its closing fence
+
+
+def test_streaming_drops_a_tool_group_too_old_to_train_and_forgets_it_at_a_stop(tokenizer):
+    engine, driver, loop = _stream_loop(tokenizer)
+    try:
+        loop.admit([(1, PROMPT), (2, PROMPT)])
+        for _ in range(3):
+            loop.step()
+        assert set(loop.tool_groups) == {1, 2} and loop.turns.requests
+        engine.weight_version = 4
+        for gid in (2,):  # group 2 as if admitted with newer weights: only group 1 is too old for min_version 4
+            loop.tool_groups[gid][0] = 4
+        figures = loop.update(lambda: {}, min_version=4)
+        assert figures["dropped"] == [(1, 3)] and set(loop.tool_groups) == {2}
+        assert all(key[0] == 2 for key in loop.turns.samples) and loop.stats.dropped == 1
+        assert not [rid for rid in engine.live if rid.startswith("t1x")]  # its turns aborted in the engine
+        kept = loop.harvest()  # a stop: tool turns are not kept; the trainer admits the prompt again
+        assert kept == [] and not loop.busy and not engine.live and not loop.turns.samples
+    finally:
+        driver.close()
+
+
 def test_fences_found_on_the_real_tokenizers(tokenizer):
     tool = PythonTool()
     triggers = trigger_token_ids(tokenizer)
@@ -408,8 +496,6 @@ def test_packing_masks_tool_tokens_target_by_target():
     (["rollout.tools=[shell]"], "rollout.tools: unknown tool(s) ['shell']"),
     (["rollout.tools=[python]", "rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
     (["rollout.tools=[python]", "rollout.tensor_parallel=2"], "rollout.tools needs rollout.tensor_parallel=1"),
-    (["rollout.tools=[python]", "rollout.placement=split", "rollout.num_rollout_ranks=1", "rollout.streaming=true",
-      "rollout.max_staleness=1"], "rollout.tools does not work with rollout.streaming=true yet"),
     (["rollout.tools=[python]", "rollout.tool_timeout_s=0"], "rollout.tool_timeout_s must be > 0"),
     (["rollout.tools=[python]", "algo.tool_error_penalty=-1"], "algo.tool_error_penalty and"),
     (["rollout.tools=[python,python]"], "rollout.tools names python more than once"),

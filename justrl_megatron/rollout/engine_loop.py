@@ -18,6 +18,14 @@ logprobs, per-token versions); the resumed run hands it back with `resume([...])
 as a request of its own whose prompt is the prompt plus its tokens so far (prefilled with the resumed weights, then
 sampled on). Its earlier tokens keep their logprobs and versions, and the group its admission version: the staleness
 bound counts from its first token, across the stop.
+
+With tools (rollout.tools, `tools=`), each of a group's n samples runs its own turns (rollout/multi_turn.Turns): a
+turn is a streamed request, a call runs in the driver's pool while the engine steps everything else, and the sample
+goes on as a new request after the call's output. Weight updates land between engine steps as for any request, so a
+sample's turns may span versions; each token is stamped with the version of the step that sampled it (a tool's
+output with the version current when it was appended: it is context, masked out of the loss). The group keeps its
+admission version: the staleness bound counts from its first token, tool time included. A stop does not keep a tool
+group's turns: `harvest` forgets them and the trainer admits their prompts again.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .base import RolloutInterrupted, Rollouts, SamplingConfig
+from .multi_turn import CALL_WAIT_S, Turns
 
 
 @dataclass
@@ -87,8 +96,14 @@ class _Continued:
 class EngineLoop:
     """Continuous batching over a `VLLMEngine` (add_request / step / pause / resume / abort)."""
 
-    def __init__(self, engine, n: int, sampling: SamplingConfig, *, max_running_seqs: int | None = None):
+    def __init__(self, engine, n: int, sampling: SamplingConfig, *, max_running_seqs: int | None = None,
+                 tools=None):
         self.engine, self.n, self.sampling = engine, n, sampling
+        # rollout.tools: every sample its own turns (`tools` is the multi_turn.ToolRollout driver); CPU engines
+        # sample tool turns unseeded (a seeded CPU generator cannot follow a chunked prefill)
+        self.turns = None if tools is None else Turns(tools, engine, sampling,
+                                                      seeded=getattr(engine, "step_budget", None) is None)
+        self.tool_groups: dict[int, list[int]] = {}  # gid -> [admitted version, samples finished]
         self.max_seqs = int(max_running_seqs or engine.max_num_seqs)
         self.capacity = max(1, self.max_seqs // n)  # groups in the engine at once
         self.waiting: deque[tuple[int, list[int], _Continued | None]] = deque()
@@ -116,6 +131,9 @@ class EngineLoop:
         """Stop, keeping the work: abort every group and return [(gid, its samples so far)] for those that sampled
         anything (finish reason "abort" where a sample still ran). Waiting new prompts are forgotten: the trainer
         admitted them and admits them again."""
+        if self.turns is not None:  # a tool group's turns are not kept (see the module doc): admitted anew
+            self.turns.abort()
+            self.tool_groups.clear()
         kept = self.engine.abort_keeping(self._stream_requests())
         out = [(gid, kept[rid]) for rid, (gid, _) in self.running.items() if rid in kept]
         for c in [*self.continued.values(), *(c for _, _, c in self.waiting if c is not None)]:
@@ -155,17 +173,26 @@ class EngineLoop:
         requests = old + [rid for c in resumed for rid in c.requests]
         if requests:
             self.engine.abort(requests)
-        self.stats.dropped += len(old) + len(resumed)
+        tools = [(g, v) for g, (v, _) in self.tool_groups.items() if v < min_version]
+        if tools:
+            self.turns.abort([(g, k) for g, _ in tools for k in range(self.n)])
+            for g, _ in tools:
+                del self.tool_groups[g]
+        self.stats.dropped += len(old) + len(resumed) + len(tools)
         for c in resumed:
             del self.continued[c.gid]
-        return [self.running.pop(rid) for rid in old] + [(c.gid, c.admitted_version) for c in resumed]
+        return [self.running.pop(rid) for rid in old] + [(c.gid, c.admitted_version) for c in resumed] + tools
 
     def abort_all(self) -> list[int]:
         """Stop: abort every in-flight group; the gids of those (and of the waiting prompts) that never finished."""
-        gids = [g for g, _ in self.running.values()] + [*self.continued] + [g for g, _, _ in self.waiting]
+        gids = ([g for g, _ in self.running.values()] + [*self.continued] + [*self.tool_groups]
+                + [g for g, _, _ in self.waiting])
         requests = [*self._stream_requests(), *self.side]
         if requests:
             self.engine.abort(requests)
+        if self.turns is not None:
+            self.turns.abort()
+            self.tool_groups.clear()
         self.running.clear(), self.continued.clear(), self.side.clear(), self.waiting.clear(), self._ready.clear()
         return gids
 
@@ -174,11 +201,16 @@ class EngineLoop:
     def fill(self) -> int:
         """Start waiting prompts while the engine has room; returns how many started."""
         started = 0
-        while self.waiting and len(self.running) + len(self.continued) < self.capacity:
+        while self.waiting and len(self.running) + len(self.continued) + len(self.tool_groups) < self.capacity:
             gid, ids, resumed = self.waiting.popleft()
             started += 1
             if resumed is not None:
                 self._continue(resumed)
+                continue
+            if self.turns is not None:  # the sample's place in its group seeds each of its turns (GPU)
+                self.tool_groups[gid] = [self.engine.weight_version, 0]
+                for k in range(self.n):
+                    self.turns.add((gid, k), ids, k, f"t{gid}x{k}")
                 continue
             rid = f"g{gid}"
             self.engine.add_request(rid, ids, self.n, self.sampling)
@@ -210,7 +242,7 @@ class EngineLoop:
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting or self.side or self.continued or self._ready)
+        return bool(self.running or self.waiting or self.side or self.continued or self._ready or self.tool_groups)
 
     def add_batch(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> int:
         """A whole batch beside the stream (held-out accuracy, validation): started at once, outside the admission;
@@ -244,12 +276,20 @@ class EngineLoop:
         """Refill, one engine step, and the groups that finished in it."""
         self.fill()
         groups, self._ready = self._ready, []
-        if not self.running and not self.side and not self.continued:
+        turns = self.turns
+        if not self.running and not self.side and not self.continued and not (turns and turns.requests):
+            if turns is not None and turns.calls:  # only tool calls run: wait a little for one
+                turns.wait_calls(CALL_WAIT_S)
+                groups += self._tool_groups_done()
             self.stats.finished += len(groups)
             return groups
         t = time.perf_counter()
         self.stats.occupancy_sum += min(1.0, self.engine.num_unfinished() / self.max_seqs)
-        out = self.engine.step()
+        if turns is None:
+            out = self.engine.step()
+        else:  # the tool turns' new tokens and the whole groups' (side batches) from the same engine step
+            out, deltas = self.engine.step_both(turns.requests)
+            turns.feed(deltas, self.engine.weight_version)
         self.stats.busy_s += time.perf_counter() - t
         self.stats.steps += 1
         resumed = {rid: c for c in self.continued.values() for rid in c.requests}
@@ -269,8 +309,30 @@ class EngineLoop:
                 continue
             gid, admitted = self.running.pop(rid)
             groups.append(Group(gid, rollouts, admitted))
+        if turns is not None:
+            groups += self._tool_groups_done()
         self.stats.finished += len(groups)
         return groups
+
+    def _tool_groups_done(self) -> list[Group]:
+        """Returned calls handled (outputs appended, next turns started); the tool groups whose n samples are all
+        done, as Groups with per-token versions (forgotten by the turns)."""
+        self.turns.poll(self.engine.weight_version)
+        done = []
+        for gid, _ in self.turns.take_done():
+            if gid not in self.tool_groups:
+                continue
+            self.tool_groups[gid][1] += 1
+            admitted, finished = self.tool_groups[gid]
+            if finished < self.n:
+                continue
+            keys = [(gid, k) for k in range(self.n)]
+            versions = [v for k in keys for v in self.turns.samples[k].versions]
+            done.append(Group(gid, self.turns.rollouts(keys, min(versions, default=admitted), with_versions=True),
+                              admitted))
+            self.turns.abort(keys)  # (nothing runs for them: only forgotten)
+            del self.tool_groups[gid]
+        return done
 
     def take_stats(self) -> LoopStats:
         stats, self.stats = self.stats, LoopStats()

@@ -43,10 +43,130 @@ class _Sample:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1: sampled by the model, 0: a tool's output
+    versions: list[int] = field(default_factory=list)  # the engine's weight version when each token was added
     turn_start: int = 0  # where the model's current turn began in `tokens`
     finish: str | None = None
     stats: dict = field(default_factory=lambda: {"calls": 0, "errors": 0, "timeouts": 0, "turns": 0,
                                                  "sandbox_s": 0.0})
+
+
+class Turns:
+    """The turns of tool samples on one engine, for a batch (`ToolRollout.generate`) or a stream of groups
+    (rollout/engine_loop.EngineLoop): each turn is a streamed request; when the model's turn ends in a call, the
+    request is aborted there, the call runs in the driver's pool, its output is appended as context and the sample
+    goes on as a new request. Samples are named by any hashable key (the batch's index, the stream's (gid, k)).
+
+        turns.add(key, prompt_ids, place, name)      # starts turn 1 (request ids `{name}_{turn}`)
+        turns.feed(engine.step_tokens(), version)     # the engine step's new tokens of these requests
+        turns.poll()                                  # returned calls: output appended, next turn started
+        turns.take_done()                             # the keys that finished since the last call
+    """
+
+    def __init__(self, driver: "ToolRollout", engine, sampling: SamplingConfig, *, seeded: bool,
+                 regex: str | None = None, regex_turns: int | None = None):
+        self.driver, self.engine, self.regex, self.regex_turns = driver, engine, regex, regex_turns
+        self.budget = sampling.max_tokens
+        self.sampling = sampling if seeded else dataclasses.replace(sampling, seed=None)
+        self.samples: dict = {}
+        self.places: dict = {}  # key -> (seed place, request name)
+        self.requests: dict[str, object] = {}  # request id -> key
+        self.calls: dict[Future, tuple[object, object]] = {}  # running tool call -> (key, tool)
+        self._done: list = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.requests or self.calls)
+
+    def add(self, key, prompt_ids, place: int, name: str) -> None:
+        self.samples[key] = _Sample(list(map(int, prompt_ids)))
+        self.places[key] = (int(place), name)
+        self._start(key)
+
+    def _start(self, key) -> None:
+        s = self.samples[key]
+        s.stats["turns"] += 1
+        s.turn_start = len(s.tokens)
+        place, name = self.places[key]
+        rid = f"{name}_{s.stats['turns']}"
+        turns = self.driver.max_turns + 1
+        self.engine.add_request(rid, s.prompt + s.tokens, 1,
+                                dataclasses.replace(self.sampling, max_tokens=self.budget - len(s.tokens)),
+                                request_index=place * turns + s.stats["turns"] - 1, stream=True,
+                                regex=self.regex if self.regex_turns is None or s.stats["turns"] <= self.regex_turns
+                                else None)
+        self.requests[rid] = key
+
+    def _finish(self, key, reason: str) -> None:
+        self.samples[key].finish = reason
+        self._done.append(key)
+
+    def feed(self, outputs, version: int) -> None:
+        """New tokens of this engine step [(request id, tokens, logprobs, finish or None)]; others are ignored."""
+        for rid, toks, lps, finish in outputs:
+            key = self.requests.get(rid)
+            if key is None:  # aborted at a call (its last output raced the abort), or not a turn of ours
+                continue
+            s = self.samples[key]
+            s.tokens += toks
+            s.logprobs += lps
+            s.mask += [1] * len(toks)
+            s.versions += [version] * len(toks)
+            found = self.driver._find_call(s) if any(t in self.driver.triggers for t in toks) else None
+            if found is not None:
+                if finish is None:
+                    self.engine.abort([rid])
+                del self.requests[rid]
+                if len(s.tokens) >= self.budget:  # no room left for the output: the response is cut here
+                    self._finish(key, "length")
+                else:
+                    self.calls[self.driver.pool.submit(found[0].run, found[1])] = (key, found[0])
+            elif finish is not None:
+                del self.requests[rid]
+                self._finish(key, finish)
+
+    def wait_calls(self, timeout: float) -> None:
+        """Only calls run: wait up to `timeout` for one (a stop is read between waits)."""
+        wait(list(self.calls), timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def poll(self, version: int) -> None:
+        """The calls that returned: their outputs appended (stamped `version`), the samples' next turns started."""
+        for future in [f for f in self.calls if f.done()]:
+            key, tool = self.calls.pop(future)
+            s = self.samples[key]
+            if self.driver._append_output(s, tool, future, self.budget, version):
+                self._start(key)
+            else:
+                self._done.append(key)
+
+    def take_done(self) -> list:
+        done, self._done = self._done, []
+        return done
+
+    def abort(self, keys=None) -> None:
+        """Abort the turns of `keys` (all when None): their requests, their calls (left to finish unread), and
+        forget them."""
+        keys = set(self.samples) if keys is None else set(keys)
+        rids = [rid for rid, key in self.requests.items() if key in keys]
+        if rids:
+            self.engine.abort(rids)
+        for rid in rids:
+            del self.requests[rid]
+        for future in [f for f, (key, _) in self.calls.items() if key in keys]:
+            future.cancel()
+            del self.calls[future]
+        for key in keys:
+            self.samples.pop(key, None), self.places.pop(key, None)
+        self._done = [k for k in self._done if k not in keys]
+
+    def rollouts(self, keys, weight_version: int, *, with_versions: bool = False) -> Rollouts:
+        """The samples of `keys` (in order) as one prompt's or one batch's Rollouts; `prompt_index` is set by the
+        caller."""
+        picked = [self.samples[k] for k in keys]
+        return Rollouts(prompt_index=[0] * len(picked), token_ids=[s.tokens for s in picked],
+                        logprobs=[s.logprobs for s in picked], finish_reasons=[s.finish or "abort" for s in picked],
+                        weight_version=weight_version, sampled_mask=[s.mask for s in picked],
+                        tool_stats=[s.stats for s in picked],
+                        token_versions=[s.versions for s in picked] if with_versions else None)
 
 
 class ToolRollout:
@@ -85,80 +205,36 @@ class ToolRollout:
         and RolloutInterrupted raised; calls still running finish in the pool, unread."""
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
-        budget = sampling.max_tokens
         seed = sampling.seed if seed is None else seed
         on_cpu = getattr(engine, "step_budget", None) is not None
-        sampling = dataclasses.replace(sampling, seed=None if on_cpu else seed)
+        turns = Turns(self, engine, dataclasses.replace(sampling, seed=seed), seeded=not on_cpu, regex=regex,
+                      regex_turns=regex_turns)
         places = list(range(len(prompt_token_ids))) if request_indices is None else list(request_indices)
-        samples = [_Sample(list(map(int, p))) for p in prompt_token_ids for _ in range(n)]
-        requests: dict[str, int] = {}  # request id -> sample
-        calls: dict[Future, tuple[int, object]] = {}  # running tool call -> (sample, tool)
         check = stop if isinstance(stop, StopCheck) else StopCheck(stop)
         engine.wake_up()
-
-        def start_turn(j: int) -> None:
-            s = samples[j]
-            s.stats["turns"] += 1
-            s.turn_start = len(s.tokens)
-            rid = f"tool{j}_{s.stats['turns']}"
-            place = places[j // n] * n + j % n  # the sample's place in the whole batch
-            engine.add_request(rid, s.prompt + s.tokens, 1,
-                               dataclasses.replace(sampling, max_tokens=budget - len(s.tokens)),
-                               request_index=place * (self.max_turns + 1) + s.stats["turns"] - 1, stream=True,
-                               regex=regex if regex_turns is None or s.stats["turns"] <= regex_turns else None)
-            requests[rid] = j
-
+        count = len(prompt_token_ids) * n
         try:
-            for j in range(len(samples)):
-                start_turn(j)
-            while requests or calls:
-                self._turns(engine, samples, requests, calls, check, start_turn, budget)
+            for j in range(count):  # j: the sample; its place in the whole batch seeds it
+                turns.add(j, prompt_token_ids[j // n], places[j // n] * n + j % n, f"tool{j}")
+            while turns.busy:
+                check.before_step()
+                start = time.perf_counter()
+                if turns.requests:
+                    if engine.num_unfinished() == 0:
+                        raise RuntimeError(f"the engine holds none of the {len(turns.requests)} requests this "
+                                           f"rollout waits for")
+                    turns.feed(engine.step_tokens(), engine.weight_version)
+                else:
+                    turns.wait_calls(CALL_WAIT_S)
+                check.stepped(time.perf_counter() - start)
+                turns.poll(engine.weight_version)
         except BaseException:
-            if requests:
-                engine.abort(list(requests))
-            for future in calls:
-                future.cancel()
+            turns.abort()
             raise
         check.finish()
-        return Rollouts(prompt_index=[j // n for j in range(len(samples))], token_ids=[s.tokens for s in samples],
-                        logprobs=[s.logprobs for s in samples], finish_reasons=[s.finish or "abort" for s in samples],
-                        weight_version=engine.weight_version, sampled_mask=[s.mask for s in samples],
-                        tool_stats=[s.stats for s in samples])
-
-    def _turns(self, engine, samples, requests: dict, calls: dict, check: StopCheck, start_turn, budget: int) -> None:
-        """One engine step (or, while only tool calls run, a short wait for one), then the calls that returned."""
-        check.before_step()
-        start = time.perf_counter()
-        if requests:
-            if engine.num_unfinished() == 0:
-                raise RuntimeError(f"the engine holds none of the {len(requests)} requests this rollout waits for")
-            for rid, toks, lps, finish in engine.step_tokens():
-                j = requests.get(rid)
-                if j is None:  # aborted at a call: its last output raced the abort
-                    continue
-                s = samples[j]
-                s.tokens += toks
-                s.logprobs += lps
-                s.mask += [1] * len(toks)
-                found = self._find_call(s) if any(t in self.triggers for t in toks) else None
-                if found is not None:
-                    if finish is None:
-                        engine.abort([rid])
-                    del requests[rid]
-                    if len(s.tokens) >= budget:  # no room left for the output: the response is cut here
-                        s.finish = "length"
-                    else:
-                        calls[self.pool.submit(found[0].run, found[1])] = (j, found[0])
-                elif finish is not None:
-                    del requests[rid]
-                    s.finish = finish
-        else:
-            wait(list(calls), timeout=CALL_WAIT_S, return_when=FIRST_COMPLETED)
-        check.stepped(time.perf_counter() - start)
-        for future in [f for f in calls if f.done()]:
-            j, tool = calls.pop(future)
-            if self._append_output(samples[j], tool, future, budget):
-                start_turn(j)
+        r = turns.rollouts(range(count), engine.weight_version)
+        r.prompt_index = [j // n for j in range(count)]
+        return r
 
     def _find_call(self, s: _Sample):
         """(tool, call) when the model's current turn ends in a call and calls are left, else None."""
@@ -171,7 +247,7 @@ class ToolRollout:
                 return tool, call
         return None
 
-    def _append_output(self, s: _Sample, tool, future: Future, budget: int) -> bool:
+    def _append_output(self, s: _Sample, tool, future: Future, budget: int, version: int = 0) -> bool:
         """The call's output as context tokens (cut to the budget); True when the sample goes on generating."""
         try:
             obs = future.result()
@@ -185,6 +261,7 @@ class ToolRollout:
         s.tokens += ids
         s.logprobs += [0.0] * len(ids)
         s.mask += [0] * len(ids)
+        s.versions += [version] * len(ids)
         if len(s.tokens) >= budget:
             s.finish = "length"
             return False

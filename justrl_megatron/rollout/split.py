@@ -301,14 +301,16 @@ def _receive_groups(channel, buffer) -> None:
         buffer.fail(RuntimeError(f"the rollout rank's result channel failed: {exc}"))
 
 
-def serve_stream(engine, channel, results, e: int, engines: int, n: int, sampling, max_seqs: int) -> None:
+def serve_stream(engine, channel, results, e: int, engines: int, n: int, sampling, max_seqs: int,
+                 tools=None) -> None:
     """A rollout rank's streaming loop, until the trainer says stop (see the module doc). `max_seqs`: the most
-    sequences the admission lets this engine hold (its occupancy's denominator, with the engine's own maximum)."""
+    sequences the admission lets this engine hold (its occupancy's denominator, with the engine's own maximum).
+    `tools`: rollout.tools' multi-turn driver (each sample's turns run in the loop)."""
     import queue
 
     from .engine_loop import EngineLoop
 
-    loop = EngineLoop(engine, n, sampling, max_running_seqs=min(max_seqs, engine.max_num_seqs))
+    loop = EngineLoop(engine, n, sampling, max_running_seqs=min(max_seqs, engine.max_num_seqs), tools=tools)
     batches: list[tuple[int, list[int], float]] = []  # side batches in progress: (batch id, prompt indices, start)
     inbox: queue.Queue = queue.Queue()
     weights_taken = threading.Event()
@@ -419,7 +421,7 @@ def serve(cfg, model_dir, roles) -> None:
                 channel.send_object((mine, part, {**waits, "generate_s": time.perf_counter() - t}), dst=0)
                 waits = dict.fromkeys(waits, 0.0)
             elif kind == "stream":  # from here on the engine streams until stop
-                serve_stream(engine, channel, result_channel(roles, e), e, engines, *payload)
+                serve_stream(engine, channel, result_channel(roles, e), e, engines, *payload, tools=tools)
                 return
             elif kind == "stop":
                 return

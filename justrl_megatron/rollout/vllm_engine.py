@@ -332,13 +332,14 @@ class VLLMEngine:
         token ids, their logprobs, the finish reason or None while it runs). n = 1 requests only."""
         if self._paused or not self.llm.llm_engine.has_unfinished_requests():
             return []
-        out = []
-        for o in self.llm.llm_engine.step():
-            c = o.outputs[0]
-            toks = list(c.token_ids)
-            out.append((o.request_id, toks, [st[t].logprob for st, t in zip(c.logprobs or [], toks)],
-                        (c.finish_reason or "abort") if o.finished else None))
-        return out
+        return [self._delta(o) for o in self.llm.llm_engine.step()]
+
+    @staticmethod
+    def _delta(o) -> tuple[str, list[int], list[float], str | None]:
+        c = o.outputs[0]
+        toks = list(c.token_ids)
+        return (o.request_id, toks, [st[t].logprob for st, t in zip(c.logprobs or [], toks)],
+                (c.finish_reason or "abort") if o.finished else None)
 
     def step(self) -> list[tuple[str, Rollouts]]:
         """One engine step (blocks until the engine reports one); the groups that finished: (request id, Rollouts
@@ -346,6 +347,20 @@ class VLLMEngine:
         if self._paused or not self.llm.llm_engine.has_unfinished_requests():
             return []
         return [(out.request_id, self._group(out)) for out in self.llm.llm_engine.step() if out.finished]
+
+    def step_both(self, streamed) -> tuple[list[tuple[str, Rollouts]], list]:
+        """One engine step for both kinds of request at once: (the finished groups of requests added without
+        stream, as `step` gives them; the new tokens of the `streamed` request ids, as `step_tokens` gives them).
+        The engine loop runs tool turns (streamed) beside whole groups and side batches."""
+        if self._paused or not self.llm.llm_engine.has_unfinished_requests():
+            return [], []
+        groups, deltas = [], []
+        for out in self.llm.llm_engine.step():
+            if out.request_id in streamed:
+                deltas.append(self._delta(out))
+            elif out.finished:
+                groups.append((out.request_id, self._group(out)))
+        return groups, deltas
 
     def _group(self, out) -> Rollouts:
         """A request's samples (a finished RequestOutput) with per-token versions."""
