@@ -358,8 +358,67 @@ def test_streaming_drops_a_tool_group_too_old_to_train_and_forgets_it_at_a_stop(
         assert figures["dropped"] == [(1, 3)] and set(loop.tool_groups) == {2}
         assert all(key[0] == 2 for key in loop.turns.samples) and loop.stats.dropped == 1
         assert not [rid for rid in engine.live if rid.startswith("t1x")]  # its turns aborted in the engine
-        kept = loop.harvest()  # a stop: tool turns are not kept; the trainer admits the prompt again
-        assert kept == [] and not loop.busy and not engine.live and not loop.turns.samples
+        kept = loop.harvest()  # a stop keeps group 2's turns so far
+        assert [gid for gid, _ in kept] == [2] and kept[0][1].finish_reasons == ["abort", "abort"]
+        assert not loop.busy and not engine.live and not loop.turns.samples
+    finally:
+        driver.close()
+
+
+def test_a_stop_keeps_tool_turns_and_the_resume_goes_on_with_them(tokenizer):
+    """A stop while both samples' calls run: `harvest` hands back their tokens (each turn ends in its call); the
+    resumed loop (a new engine with newer weights) runs each cut call again, appends its output and goes on: the
+    same responses as without the stop, every kept token's logprob and version unchanged, calls counted once. A
+    stop mid-turn: the turn goes on as one request after the kept tokens, with the rest of the budget."""
+    from justrl_megatron.rollout.engine_loop import EngineLoop
+
+    engine, driver, loop = _stream_loop(tokenizer)
+    tool = PythonTool()
+    outputs = [tool.format(Observation("10\n", "ok", 0)), tool.format(Observation("42\n", "ok", 0))]
+    try:
+        loop.admit([(5, PROMPT)])
+        for _ in range(400):
+            loop.step()
+            if len(loop.turns.calls) == 2:
+                break
+        assert len(loop.turns.calls) == 2 and not loop.turns.requests
+        [(gid, so_far)] = loop.harvest()
+        assert gid == 5 and so_far.finish_reasons == ["abort", "abort"] and so_far.sampled_mask == [
+            [1] * len(t) for t in so_far.token_ids]
+        resumed_engine = StreamingScriptedEngine(tokenizer, TURNS)
+        resumed_engine.weight_version = 4
+        resumed = EngineLoop(resumed_engine, 2, SamplingConfig(max_tokens=400), tools=driver)
+        resumed.resume([(5, PROMPT, so_far, 3)])
+        groups = []
+        deadline = time.monotonic() + 120
+        while resumed.busy and time.monotonic() < deadline:
+            groups += resumed.step()
+        [g] = groups
+        r = g.rollouts
+        assert g.gid == 5 and g.admitted_version == 3 and r.finish_reasons == ["stop", "stop"]
+        for i in range(2):
+            _check_layout(r, tokenizer, i, outputs)  # the same layout, outputs and logprobs as without the stop
+            kept = len(so_far.token_ids[i])
+            assert r.token_ids[i][:kept] == so_far.token_ids[i] and r.logprobs[i][:kept] == so_far.logprobs[i]
+            assert r.token_versions[i][:kept] == [3] * kept and set(r.token_versions[i][kept:]) == {4}
+            assert r.tool_stats[i]["calls"] == 2 and r.tool_stats[i]["turns"] == 3
+
+        # a stop mid-turn: the turn goes on after the kept tokens
+        engine, loop2 = StreamingScriptedEngine(tokenizer, TURNS), None
+        loop2 = EngineLoop(engine, 2, SamplingConfig(max_tokens=400), tools=driver)
+        loop2.admit([(6, PROMPT)])
+        for _ in range(3):
+            loop2.step()
+        [(_, mid)] = loop2.harvest()
+        later = StreamingScriptedEngine(tokenizer, TURNS)
+        loop3 = EngineLoop(later, 2, SamplingConfig(max_tokens=400), tools=driver)
+        loop3.resume([(6, PROMPT, mid, 3)])
+        loop3.step()
+        for rid, prompt, max_tokens in later.requests:
+            k = int(rid.split("x")[1].split("r")[0])
+            assert rid.endswith("r_1") and prompt == PROMPT + mid.token_ids[k] and max_tokens == 400 - 3
+        assert all(loop3.turns.samples[(6, k)].stats["turns"] == 1 for k in range(2))
+        loop3.abort_all()
     finally:
         driver.close()
 

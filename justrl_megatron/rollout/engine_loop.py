@@ -24,8 +24,9 @@ turn is a streamed request, a call runs in the driver's pool while the engine st
 goes on as a new request after the call's output. Weight updates land between engine steps as for any request, so a
 sample's turns may span versions; each token is stamped with the version of the step that sampled it (a tool's
 output with the version current when it was appended: it is context, masked out of the loss). The group keeps its
-admission version: the staleness bound counts from its first token, tool time included. A stop does not keep a tool
-group's turns: `harvest` forgets them and the trainer admits their prompts again.
+admission version: the staleness bound counts from its first token, tool time included. A stop keeps a tool group's
+turns too: `harvest` hands back every sample's tokens, masks and call counts; after `resume`, a sample whose turn
+ended in a call that the stop cut short runs that call again, the others go on with their turn.
 """
 
 from __future__ import annotations
@@ -131,7 +132,13 @@ class EngineLoop:
         """Stop, keeping the work: abort every group and return [(gid, its samples so far)] for those that sampled
         anything (finish reason "abort" where a sample still ran). Waiting new prompts are forgotten: the trainer
         admitted them and admits them again."""
-        if self.turns is not None:  # a tool group's turns are not kept (see the module doc): admitted anew
+        tool_kept = []
+        if self.turns is not None:  # each tool sample's tokens so far (its requests stream them as they come)
+            for gid, (admitted, _) in self.tool_groups.items():
+                keys = [(gid, k) for k in range(self.n)]
+                versions = [v for key in keys for v in self.turns.samples[key].versions]
+                tool_kept.append((gid, self.turns.rollouts(keys, min(versions, default=admitted),
+                                                           with_versions=True)))
             self.turns.abort()
             self.tool_groups.clear()
         kept = self.engine.abort_keeping(self._stream_requests())
@@ -140,6 +147,7 @@ class EngineLoop:
             for rid, k in c.requests.items():  # each still running: its part so far ends in "abort"
                 c.extend(k, kept[rid])
             out.append((c.gid, c.samples))
+        out += tool_kept
         out = [(gid, r) for gid, r in out if any(r.token_ids)]  # nothing sampled yet: admitted anew, as fresh
         out += [(g.gid, g.rollouts) for g in self._ready]
         if self.side:
@@ -220,6 +228,11 @@ class EngineLoop:
     def _continue(self, c: _Continued) -> None:
         """A resumed group's unfinished samples, each a request of its own after its earlier tokens (unseeded, as
         a seed's CPU generator cannot follow a chunked prefill; the earlier tokens decide nothing more)."""
+        if self.turns is not None and c.samples.sampled_mask is not None:  # a tool group: its turns go on
+            self.tool_groups[c.gid] = [c.admitted_version, 0]
+            for k in range(self.n):
+                self.turns.restore((c.gid, k), c.prompt_ids, c.samples, k, k, f"t{c.gid}x{k}r")
+            return
         for k, reason in enumerate(c.samples.finish_reasons):
             if reason != "abort":
                 continue
@@ -345,4 +358,6 @@ def _own(samples: Rollouts) -> Rollouts:
     return Rollouts(prompt_index=[0] * n, token_ids=[list(t) for t in samples.token_ids],
                     logprobs=[list(x) for x in samples.logprobs], finish_reasons=list(samples.finish_reasons),
                     weight_version=samples.weight_version,
-                    token_versions=[samples.versions_of(k) for k in range(n)])
+                    token_versions=[samples.versions_of(k) for k in range(n)],
+                    sampled_mask=None if samples.sampled_mask is None else [samples.mask_of(k) for k in range(n)],
+                    tool_stats=None if samples.tool_stats is None else [dict(x) for x in samples.tool_stats])

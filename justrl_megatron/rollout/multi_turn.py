@@ -158,6 +158,30 @@ class Turns:
             self.samples.pop(key, None), self.places.pop(key, None)
         self._done = [k for k in self._done if k not in keys]
 
+    def restore(self, key, prompt_ids, so_far: Rollouts, k: int, place: int, name: str) -> None:
+        """Sample k of `so_far` (a stop's `rollouts(...)`, saved with the checkpoint) goes on as `key`: a finished
+        sample is done at once; an unfinished one re-runs the call its turn ended in (the stop cut the call short),
+        or else continues its turn (or starts the next, after a tool's output) as a new request after its tokens."""
+        s = _Sample(list(map(int, prompt_ids)), tokens=list(so_far.token_ids[k]), logprobs=list(so_far.logprobs[k]),
+                    mask=so_far.mask_of(k), versions=so_far.versions_of(k),
+                    stats=dict(so_far.tool_stats[k]) if so_far.tool_stats is not None else _Sample([]).stats)
+        self.samples[key], self.places[key] = s, (int(place), name)
+        if so_far.finish_reasons[k] != "abort":
+            self._finish(key, so_far.finish_reasons[k])
+            return
+        zeros = [i for i, m in enumerate(s.mask) if m == 0]
+        s.turn_start = zeros[-1] + 1 if zeros else 0
+        if len(s.tokens) >= self.budget:
+            self._finish(key, "length")
+            return
+        found = self.driver._find_call(s) if s.turn_start < len(s.tokens) else None
+        if found is not None:
+            self.calls[self.driver.pool.submit(found[0].run, found[1])] = (key, found[0])
+            return
+        if s.turn_start < len(s.tokens):  # the same turn goes on: counted once
+            s.stats["turns"] -= 1
+        self._start(key)
+
     def rollouts(self, keys, weight_version: int, *, with_versions: bool = False) -> Rollouts:
         """The samples of `keys` (in order) as one prompt's or one batch's Rollouts; `prompt_index` is set by the
         caller."""
