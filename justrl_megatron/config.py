@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,7 +277,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> None:
     """Check what the schema cannot. `shape` (a model.hf_config.ModelShape) enables the model-dependent checks;
     `also`: problems the caller found elsewhere (model, data, resume), reported in the same message."""
-    problems: list[str] = [*also, *unknown_keys(cfg), *value_problems(cfg, world_size)]
+    problems: list[str] = [*also, *unknown_keys(cfg), *config_file_problems(), *value_problems(cfg, world_size)]
     par, ro, tr, algo = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algo
     tp, pp, cp = par.tensor, par.pipeline, par.context
     from .rollout import problems as rollout_problems  # placement, batch source, tools, sampling: each its own
@@ -426,6 +427,55 @@ def value_type_problem(key: str, value) -> str | None:
     except Exception as exc:  # noqa: BLE001  (OmegaConf's ValidationError / ConfigKeyError: the value does not fit)
         return wanted if words else f"{key}={_written(value)}: {str(exc).splitlines()[0]}"
     return None
+
+
+def config_file_problems() -> list[str]:
+    """`yaml_bool_problems` for the files hydra.main composed this run from (its primary config and each group's
+    choice, in its search path: the package's configs/ and any --config-dir); [] outside hydra.main (`compose`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    hc = HydraConfig.get()
+    folders = [str(source.path) for source in hc.runtime.config_sources if source.schema == "file"]
+    files = [("", hc.job.config_name)] + [(group, option) for group, option in hc.runtime.choices.items()
+                                          if isinstance(option, str) and not group.startswith("hydra")]
+    return yaml_bool_problems(folders, files)
+
+
+def yaml_bool_problems(folders, files) -> list[str]:
+    """A line for every value of a bool key in these YAML files that is not true / false (null where the key is
+    Optional): OmegaConf reads a YAML 2 or 1 into a bool field as true, where the command line refuses it
+    (value_type_problem). `files`: (group, option) pairs, each read from the first of `folders` that holds
+    group/option.yaml; its keys are under its package (the group's, or the one its `# @package` line names).
+    Other types need no check here: a value that does not fit them fails at composition."""
+    keys, out = schema_keys(), []
+    for group, option in files:
+        path = next((Path(f, group, f"{option}.yaml") for f in folders if Path(f, group, f"{option}.yaml").is_file()),
+                    None)
+        if path is None:
+            continue
+        text = path.read_text()
+        header = re.search(r"^#\s*@package\s+(\S+)", text, re.MULTILINE)
+        package = header.group(1) if header else "_group_"
+        package = "" if package == "_global_" else package.replace("_group_", group.replace("/", "."))
+        raw = OmegaConf.to_container(OmegaConf.create(text), resolve=False) or {}
+        if not isinstance(raw, dict):
+            continue
+        stack = [(f"{package}.{k}" if package else str(k), v) for k, v in raw.items() if k not in ("defaults", "hydra")]
+        while stack:
+            key, value = stack.pop()
+            kind = keys.get(key)
+            if kind == "section" and isinstance(value, dict):
+                stack += [(f"{key}.{k}", v) for k, v in value.items()]
+            elif kind == "value" and not (isinstance(value, str) and "${" in value):
+                field_type = _field_type(key)
+                optional = type(None) in typing.get_args(field_type)
+                if bool in (field_type, *typing.get_args(field_type)) and not isinstance(value, bool) \
+                        and not (optional and value is None):
+                    out.append(f"{path}: {key} must be true or false{' (or null)' if optional else ''}, "
+                               f"got {_written(value)}")
+    return sorted(out)
 
 
 def _written(value) -> str:

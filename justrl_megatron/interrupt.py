@@ -14,7 +14,12 @@ saves this step, which first commits the pending one, and waits for its own writ
 writers, reward workers, sandbox runners, vLLM's engine core and workers) leaves these signals to the ranks
 (lifeline.leave_stop_signals_to_the_trainer), so a Ctrl-C to the terminal's whole process group, or Slurm's SIGTERM to
 every process of the step, neither cuts a write short nor kills an engine under a rank that is finishing its step;
-the second Ctrl-C kills them with the rest and removes the staging folder.
+the second Ctrl-C kills them with the rest and removes the staging folder. It spares multiprocessing's resource
+tracker: the tracker ignores SIGINT / SIGTERM, ends by itself once every process holding its pipe has, and unlinks the
+shared memory and semaphores the killed helpers left. Killed, it leaked them, and a thread or helper that unregistered
+one in the last moments relaunched it, whose `KeyError` traceback (a name it never saw) followed the one line. The
+tracker a rank starts (at `install`) drops its shutdown warnings ("leaked shared_memory objects"): after an abort they
+are expected, and it cleans them up all the same.
 Both act when Python next runs the main thread (between bytecodes: a long C call finishes first); `kill -9` always works
 and leaves no helpers behind either (lifeline.py).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from . import run_lock
@@ -32,6 +38,7 @@ INTERRUPTED = ("justrl-train: interrupted: finishing this step (a rollout stops 
                "and exiting (Ctrl-C again aborts without saving)")
 ABORTED = "justrl-train: aborted by a second Ctrl-C: {what}; `latest` is unchanged"
 NOTHING_SAVED = "stopped during the first step's rollout: nothing to save (a rerun starts over, as this run began)"
+TRACKER_WARNINGS = "resource_tracker"  # how the tracker process's warnings begin (no colon: -W splits on it)
 REPEAT_S = 1.0  # SIGINTs this close to the first are one press (a terminal's and torchrun's copy of it)
 
 
@@ -41,6 +48,11 @@ class Interruptible(StopSignal):
     def __init__(self):
         super().__init__((*STOP_SIGNALS, signal.SIGINT))
         self.first_interrupt: float | None = None  # time.monotonic() of the first SIGINT
+
+    def install(self) -> "Interruptible":
+        super().install()
+        _start_quiet_resource_tracker()
+        return self
 
     def _handle(self, signum, frame) -> None:
         if signum != signal.SIGINT:
@@ -79,8 +91,40 @@ def _say(line: str) -> None:
         os.write(2, (line + "\n").encode())
 
 
+def _start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker now (the one every helper of this process shares, started anyway by
+    the first shared memory, semaphore or spawned process) without its shutdown warnings (its command line takes
+    sys.warnoptions, read only at the start) and with the stop signals blocked: it ignores SIGINT / SIGTERM itself,
+    and a SIGUSR1 to every process (Slurm) would otherwise kill it, which leaks what it tracks. Already running: left
+    as it is."""
+    try:
+        from multiprocessing import resource_tracker
+
+        from .lifeline import stop_signals_blocked
+
+        saved = list(sys.warnoptions)
+        sys.warnoptions.append(f"ignore:{TRACKER_WARNINGS}:UserWarning")
+        try:
+            with stop_signals_blocked():
+                resource_tracker.ensure_running()
+        finally:
+            sys.warnoptions[:] = saved
+    except Exception:  # noqa: BLE001  (no tracker on this platform: nothing to quiet)
+        pass
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """Whether `pid` is a multiprocessing resource tracker (its command line imports resource_tracker's main)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def _kill_children() -> None:
-    """SIGKILL this process' direct children (their own children follow through lifeline.py)."""
+    """SIGKILL this process' direct children (their own children follow through lifeline.py), except the resource
+    tracker (see the module's docstring)."""
     me = os.getpid()
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
         if not entry.name.isdigit():
@@ -88,7 +132,7 @@ def _kill_children() -> None:
         try:
             with open(f"/proc/{entry.name}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid == me:
+            if ppid == me and not _is_resource_tracker(int(entry.name)):
                 os.kill(int(entry.name), signal.SIGKILL)
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile

@@ -10,7 +10,8 @@ The Python tool recognises the format Qwen / DeepSeek-R1-Distill models write by
     print(3 + 7)
     ```
 
-and answers in kind (ToRL / ReTool style):
+(the call is made once the block closes: at a line of just ``` (Markdown's rule: `fenced_block_at_end`), so a fence
+inside the code, e.g. `print("```")`, does not end it early) and answers in kind (ToRL / ReTool style):
 
     ```output
     10
@@ -27,6 +28,7 @@ sandbox that fails during a rollout (crashed) gives the model an error message, 
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -87,6 +89,32 @@ class Tool(Protocol):
         """What this machine lacks for the tool to run (config validation asks, before the model loads)."""
 
 
+_CLOSING_FENCE = re.compile(r"^[ \t]*```[ \t]*\r?$", re.MULTILINE)
+
+
+def fenced_block_at_end(text: str) -> tuple[str, str] | None:
+    """(header, code) of the fenced block `text` ends in (nothing after its closing fence but whitespace), else None.
+
+    Markdown's rule for the closing fence: a line of its own, ``` with nothing but spaces or tabs around it. A fence
+    inside the code, e.g. in a string literal (`print("```")`, `s = "```python"`), does not close the block; a
+    line of just ``` inside a multi-line string still does, as in any Markdown reader. An opening fence may stand
+    anywhere outside a block (a model may write "Let me check:```python"); its header is the rest of its line."""
+    pos = 0
+    while True:
+        start = text.find(FENCE, pos)
+        if start < 0:
+            return None
+        eol = text.find("\n", start)
+        if eol < 0:
+            return None  # the header line is still being written
+        close = _CLOSING_FENCE.search(text, eol + 1)
+        if close is None:
+            return None  # the block is still open
+        if not text[close.end():].strip():
+            return text[start + len(FENCE):eol], text[eol + 1:close.start()]
+        pos = close.end()
+
+
 def trigger_token_ids(tokenizer) -> set[int]:
     """Token ids that carry a backtick: only after one of them can a fence have closed. Any backtick, not only "```":
     Qwen2's tokenizer writes a closing "```\\n" as "``" + "`\\n" (byte-level BPE keeps "`" as itself; a byte-fallback
@@ -107,13 +135,12 @@ class PythonTool:
         self.packages = tuple(str(p) for p in packages)  # import packages the code may use (rollout.tool_packages)
 
     def find_call(self, text: str) -> str | None:
-        """The code of the block `text` ends in: an even number of fences, the last pair opened with a Python tag
-        (text after the closing fence on its line is allowed: a token may carry the newline)."""
-        parts = text.split(FENCE)
-        if len(parts) < 3 or len(parts) % 2 == 0 or parts[-1].strip():
+        """The code of the block `text` ends in, when that block was opened with a Python tag (text after the closing
+        fence on its line is whitespace: a token may carry the newline). See `fenced_block_at_end` for the rule."""
+        block = fenced_block_at_end(text)
+        if block is None:
             return None
-        block = parts[-2]
-        header, _, code = block.partition("\n")
+        header, code = block
         if header.strip().lower() not in self.languages or not code.strip():
             return None
         return code
