@@ -232,9 +232,6 @@ def problems(cfg) -> list[str]:
                    f">= 0, got {cfg.algo.tool_error_penalty} and {cfg.algo.tool_timeout_penalty}")
     if not tools:
         return out
-    if ro.streaming:
-        out.append("rollout.tools does not work with rollout.streaming=true yet (the engine loop runs single-turn "
-                   "groups); drop one of them, or keep the tools on rollout.placement=split without streaming")
     if ro.tensor_parallel > 1:
         out.append(f"rollout.tools needs rollout.tensor_parallel=1 (the ranks of one engine would have to see tool "
                    f"results in the same order), got {ro.tensor_parallel}")
