@@ -25,7 +25,8 @@ statistics are thus those of the real tokens at every layout.
 
 Routing replay (`RoutingReplay`, `RouteSlot`): megatron's router asks the object in its `router_replay` slot for
 every top-k; ours replays recorded or given experts, and keeps what a checkpointed layer chose for its recomputation
-in backward. Recorded routes are gathered after the recording pass, so they travel with their samples.
+in backward. Each rank holds the routes of its own samples only: those it recorded, and those of the mini-batch it
+trains, fetched from the DP rank that recorded them (docs/architecture.md, "Routing replay memory").
 """
 
 from __future__ import annotations
@@ -347,16 +348,22 @@ def training_pass(chunks, training: bool):
 class RoutingReplay:
     """Record each token's experts in the old-logprob pass and replay them in the update (`RouteSlot`).
 
-    Routes travel with their samples, as log-probs do: after the recording pass they are gathered so that every
-    rank holds every sample's experts at this rank's MoE layers (`routes[i]`: [tokens of sample i, these layers,
-    top-k] int16, CPU), so the update may split and pack the samples over DP ranks and micro-batches any way. A
-    micro-batch is one packed row of whole samples; under sequence parallelism each TP rank's routers see its slice
-    of the row, and record and replay that slice. Padding tokens take experts 0..k-1 (a segment of their own:
-    nothing real attends to them). Shared-prompt packing and context parallelism are refused by validation
-    (`problems`).
+    Each rank holds the routes of its own samples only (`routes[i]`: [tokens of sample i, this rank's MoE layers,
+    top-k], uint8 for up to 256 experts, else int16; CPU): those its old-logprob pass recorded (`recorded`), and,
+    while a mini-batch is replayed, those of the samples its micro-batches hold that another DP rank recorded
+    (`fetch`, point-to-point over the DP group: only the samples that change rank move). The old-logprob pass and
+    the update split the samples over DP ranks differently (the update per mini-batch), so routes still travel with
+    their samples and the update may pack them any way; what a rank holds is O(samples / DP). A micro-batch is one
+    packed row of whole samples; under sequence parallelism each TP rank's routers see its slice of the row, and
+    record and replay that slice (the TP ranks of a replica combine their slices into whole samples after the
+    recording pass). Padding tokens take experts 0..k-1 (a segment of their own: nothing real attends to them).
+    Shared-prompt packing and context parallelism are refused by validation (`problems`).
 
     `source`: old (the old-logprob pass records, the update replays) or rollout (the routes vLLM returned with each
-    sample, `use_rollout_routes`, are replayed in both passes)."""
+    sample, `use_rollout_routes`, are replayed in both passes; read from the samples per micro-batch, never
+    copied whole)."""
+
+    PIECE_BYTES = 64 << 20  # the largest message of `fetch` per peer and round, over (DP - 1) peers
 
     def __init__(self, chunks, source: str = "old"):
         self.source = source
@@ -369,21 +376,30 @@ class RoutingReplay:
         self.top_k = routers[0].topk if routers else 0
         self.sequence_parallel = bool(routers and routers[0].config.sequence_parallel)
         self.num_layers = max(self.layers, default=-1) + 1  # vLLM's arrays must reach this stage's last MoE layer
-        self.routes: dict = {}  # sample index -> [length, len(self.layers), k] int16 (CPU)
-        self._buffer = self._offsets = None  # while recording: [tokens of all samples, layers, k], 0 = unknown
+        self.dtype = torch.uint8 if self.num_experts <= 256 else torch.int16  # one expert index
+        self.clear()
 
     def clear(self) -> None:
-        self.routes, self._buffer, self._offsets = {}, None, None
+        self.routes: dict = {}  # sample index -> [length, len(self.layers), k] self.dtype (CPU): this rank's samples
+        self.recorded: set = set()  # the samples this rank's recording pass saw (the rest of `routes`: fetched)
+        self._lengths: list = []  # every sample's length (the exchange's sizes)
+        self._rollout = None  # source rollout: the samples, whose routed experts are read per micro-batch
+        self._buffer = self._offsets = None  # while recording: [tokens of this rank's samples, layers, k], 0 = unknown
+
+    def nbytes(self) -> int:
+        """Host bytes of the routes this rank holds."""
+        return sum(r.numel() * r.element_size() for r in self.routes.values())
 
     def use_rollout_routes(self, samples) -> None:
         """The experts vLLM chose for each sample (`Sample.routed_experts`: [tokens, layers, k], its rows the prompt
         and response tokens but the last, which vLLM never forwards) as the routes to replay, keyed by the
-        sample's index. The last token takes its predecessor's experts: nothing attends to it after."""
+        sample's index; each is checked here (on every rank alike) and read when a micro-batch of this rank holds it.
+        The last token takes its predecessor's experts: nothing attends to it after."""
         self.clear()
         for i, s in enumerate(samples):
             if s.routed_experts is None:
                 raise ValueError(f"algo.routing_replay=rollout: sample {i} carries no routed experts from vLLM")
-            rows = torch.as_tensor(s.routed_experts).long()
+            rows = torch.as_tensor(s.routed_experts)
             if rows.dim() != 3 or rows.shape[1] < self.num_layers or not s.length - 1 <= rows.shape[0] <= s.length:
                 raise ValueError(f"algo.routing_replay=rollout: sample {i} has {s.length} tokens and "
                                  f"{self.num_layers}+ MoE layers, but vLLM's routed experts are {list(rows.shape)} "
@@ -391,21 +407,30 @@ class RoutingReplay:
             if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < self.num_experts:
                 raise ValueError(f"algo.routing_replay=rollout: sample {i} routes to experts outside "
                                  f"0..{self.num_experts - 1} (another model's routes?)")
-            if rows.shape[0] < s.length:
-                rows = torch.cat([rows, rows[-1:]])
-            self.routes[i] = rows[:, self.layers].to(torch.int16).contiguous()
+        self._rollout = samples
 
-    # -- recording: begin, one context per micro-batch, end (the gather) --------------------------------------------
+    def _route(self, key: int) -> torch.Tensor:
+        if key in self.routes:
+            return self.routes[key]
+        s = self._rollout[key]
+        rows = torch.as_tensor(s.routed_experts)[:, self.layers]
+        if rows.shape[0] < s.length:
+            rows = torch.cat([rows, rows[-1:]])
+        return rows
 
-    def begin_recording(self, samples) -> None:
+    # -- recording: begin, one context per micro-batch, end (the TP ranks' slices combined) -----------------------
+
+    def begin_recording(self, samples, ids) -> None:
+        """Before the recording pass: `ids`, the samples this rank's micro-batches hold (its DP rank's share)."""
         self.clear()
-        lengths = [s.length for s in samples]
-        self._offsets = [0]
-        for n in lengths:
-            self._offsets.append(self._offsets[-1] + n)
+        self._lengths = [s.length for s in samples]
+        self._offsets, total = {}, 0
+        for i in sorted(set(ids)):
+            self._offsets[i] = total
+            total += samples[i].length
         # experts + 1 (0: not routed on this rank), in a type every backend all-reduces with MAX
         dtype = torch.uint8 if self.num_experts < 255 else torch.int32
-        self._buffer = torch.zeros(self._offsets[-1], len(self.layers), self.top_k, dtype=dtype)
+        self._buffer = torch.zeros(total, len(self.layers), self.top_k, dtype=dtype)
 
     @contextlib.contextmanager
     def recording(self, model, mb):
@@ -428,39 +453,107 @@ class RoutingReplay:
                         self._buffer.dtype)
 
     def end_recording(self) -> None:
-        """Every sample's experts at this rank's layers on every rank of this pipeline stage (collective over the
-        DP and TP groups)."""
+        """This rank's samples' experts at its layers, whole (collective over the TP group: under sequence
+        parallelism each TP rank recorded its slice of every row; the TP ranks of a DP replica ran the same
+        samples). Nothing crosses DP ranks here: the update fetches what it needs (`fetch`)."""
         from megatron.core import parallel_state as ps
 
         buf, offsets = self._buffer, self._offsets
-        groups = [g for size, g in ((ps.get_data_parallel_world_size(), ps.get_data_parallel_group),
-                                    (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group))
-                  if size > 1]
-        device = _device()
-        rows = max(1, (64 << 20) // max(buf[0].numel() * buf.element_size(), 1) if len(buf) else 1)
-        for a in range(0, len(buf), rows):  # in 64 MB pieces: the whole step's routes need not fit the device
-            part = buf[a:a + rows].to(device)
-            for group in groups:
-                dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group())
-            buf[a:a + rows] = part.to("cpu")
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            device = _device()
+            rows = max(1, (64 << 20) // max(buf[0].numel() * buf.element_size(), 1) if len(buf) else 1)
+            for a in range(0, len(buf), rows):  # in 64 MB pieces: the routes need not fit the device
+                part = buf[a:a + rows].to(device)
+                dist.all_reduce(part, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+                buf[a:a + rows] = part.to("cpu")
         if len(self.layers) and len(buf) and int(buf.min()) == 0:
             raise RuntimeError("routing replay: some tokens were routed on no rank while recording")
-        self.routes = {i: (buf[a:b].long() - 1).to(torch.int16) for i, (a, b) in enumerate(zip(offsets[:-1],
-                                                                                               offsets[1:]))}
+        if buf.dtype == self.dtype:  # views of the one buffer: no copy
+            buf -= 1
+            self.routes = {i: buf[a:a + self._lengths[i]] for i, a in offsets.items()}
+        else:
+            self.routes = {i: (buf[a:a + self._lengths[i]].long() - 1).to(self.dtype) for i, a in offsets.items()}
+        self.recorded = set(offsets)
         self._buffer = self._offsets = None
+
+    # -- the update: fetch each mini-batch's routes, replay them ----------------------------------------------------
+
+    def fetch(self, needed) -> None:
+        """Before replaying micro-batches that hold the samples `needed` (this rank's): their routes onto this rank
+        from the DP rank that recorded each, point to point (collective over the DP group; every DP rank calls it
+        with its own samples of the same mini-batch). Routes fetched for an earlier mini-batch are dropped first:
+        a rank holds what it recorded and the current mini-batch's samples. Source rollout: nothing to move."""
+        if self._rollout is not None:
+            return
+        for key in [k for k in self.routes if k not in self.recorded]:
+            del self.routes[key]
+        from megatron.core import parallel_state as ps
+
+        dp = ps.get_data_parallel_world_size()
+        if dp == 1 or not self.layers:
+            return
+        if not self._lengths:  # no recording pass ran (on any rank: it is collective)
+            raise RuntimeError("routing replay: no experts recorded (the old-logprob pass must run before the update)")
+        group = ps.get_data_parallel_group()
+        ranks, me, n = dist.get_process_group_ranks(group), ps.get_data_parallel_rank(), len(self._lengths)
+        device = _device()
+        flags = torch.zeros(n, dtype=torch.uint8)
+        flags[torch.tensor(sorted(self.recorded), dtype=torch.long)] = 1
+        flags[torch.tensor(sorted(set(needed)), dtype=torch.long)] += 2
+        table = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(dp)]
+        dist.all_gather(table, flags.to(device), group=group)
+        table = torch.stack(table).cpu()  # [DP rank, sample]: 1 recorded there, 2 needed there
+        has, wants = (table & 1).bool(), (table & 2).bool()
+        lost = (wants.any(0) & ~has.any(0)).nonzero().flatten().tolist()
+        if lost:  # the same table on every rank: every rank raises
+            raise RuntimeError(f"routing replay: no experts recorded for samples {lost[:5]} (the old-logprob pass "
+                               "must see the same samples first)")
+        holder = has.to(torch.uint8).argmax(0).tolist()  # the lowest DP rank that recorded each sample
+        moves = {}  # (from, to) -> sample ids, in order
+        for dst in range(dp):
+            for i in (wants[dst] & ~has[dst]).nonzero().flatten().tolist():
+                moves.setdefault((holder[i], dst), []).append(i)
+        row = len(self.layers) * self.top_k * self.dtype.itemsize
+        piece = max(1, self.PIECE_BYTES // (row * (dp - 1)))  # rows per message: <= 64 MB in flight per round
+        total = {pair: sum(self._lengths[i] for i in ids) for pair, ids in moves.items()}
+        outgoing = {dst: ids for (src, dst), ids in moves.items() if src == me}
+        incoming = {src: torch.empty(total[(src, dst)], len(self.layers), self.top_k, dtype=self.dtype)
+                    for (src, dst) in moves if dst == me}
+        rounds = max((-(-t // piece) for t in total.values()), default=0)
+        for j in range(rounds):
+            a = j * piece
+            ops, received = [], []
+            for dst, ids in outgoing.items():
+                if a < total[(me, dst)]:
+                    part = _rows(self.routes, ids, self._lengths, a, a + piece)
+                    ops.append(dist.P2POp(dist.isend, part.view(torch.uint8).to(device), ranks[dst], group))
+            for src, buf in incoming.items():
+                if a < len(buf):
+                    part = torch.empty_like(buf[a:a + piece], device=device)
+                    ops.append(dist.P2POp(dist.irecv, part.view(torch.uint8), ranks[src], group))
+                    received.append((buf, a, part))
+            if ops:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            for buf, a, part in received:
+                buf[a:a + len(part)] = part.to("cpu")
+        for src, buf in incoming.items():
+            a = 0
+            for i in moves[(src, me)]:
+                self.routes[i], a = buf[a:a + self._lengths[i]], a + self._lengths[i]
 
     @contextlib.contextmanager
     def replaying(self, model, mb):
         slots = _slots(model)
         if slots:
-            missing = [k for k in mb.sample_ids if k not in self.routes]
+            missing = [k for k in mb.sample_ids if k not in self.routes and self._rollout is None]
             if missing:
                 raise RuntimeError(f"routing replay: no experts for samples {missing[:5]} of this micro-batch "
                                    "(the old-logprob pass, or use_rollout_routes, must see the same samples first)")
             row = mb.tokens.size(1)
             target = torch.arange(self.top_k).repeat(row, len(self.layers), 1)  # padding: experts 0..k-1
             for key, (a, b) in _segments(mb):
-                target[a:b] = self.routes[key]
+                target[a:b] = self._route(key)
             lo, hi = _visible_slice(row, self.sequence_parallel)
             target = target[lo:hi].to(_device())
             for layer, slot in slots:
@@ -470,6 +563,19 @@ class RoutingReplay:
         finally:
             for _, slot in slots:
                 slot.target, slot.mode = None, None
+
+
+def _rows(routes: dict, ids, lengths, a: int, b: int) -> torch.Tensor:
+    """Rows a..b of the samples `ids`' routes laid end to end (one message's piece, copied from those rows only)."""
+    parts, start = [], 0
+    for i in ids:
+        end = start + lengths[i]
+        if end > a and start < b:
+            parts.append(routes[i][max(a - start, 0):min(b, end) - start])
+        start = end
+        if start >= b:
+            break
+    return torch.cat(parts).contiguous()
 
 
 def _segments(mb):

@@ -105,17 +105,26 @@ def _routes(policy, routes: str | None, mb: MicroBatch, model):
     return replay.recording(model, mb) if routes == "record" else replay.replaying(model, mb)
 
 
-def _load_routes(policy, samples) -> str | None:
-    """Before a pass over `samples`: algo.routing_replay=rollout replays vLLM's experts ("replay"); old records
-    this pass's experts for the update that follows ("record"); off: None."""
+def _load_routes(policy, samples, micro_batches: list[MicroBatch]) -> str | None:
+    """Before a pass over `samples` (this rank's share: `micro_batches`): algo.routing_replay=rollout replays vLLM's
+    experts ("replay"); old records this pass's experts of this rank's samples for the update that follows
+    ("record"); off: None."""
     replay = getattr(policy, "routing_replay", None)
     if replay is None:
         return None
     if replay.source == "rollout":
         replay.use_rollout_routes(samples)
         return "replay"
-    replay.begin_recording(samples)
+    replay.begin_recording(samples, [k for mb in micro_batches for k in mb.sample_ids])
     return "record"
+
+
+def _fetch_routes(policy, routes: str | None, micro_batches: list[MicroBatch]) -> None:
+    """Before replaying `micro_batches`: their samples' recorded experts onto this rank, from the DP rank whose
+    old-logprob pass recorded each (collective over the DP group; model/moe.RoutingReplay.fetch)."""
+    replay = getattr(policy, "routing_replay", None)
+    if replay is not None and routes == "replay":
+        replay.fetch([k for mb in micro_batches for k in mb.sample_ids])
 
 
 def _rope_positions(mb: MicroBatch):
@@ -134,6 +143,7 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
                   routes: str | None = None) -> list:
     """Run all micro-batches through megatron's schedule; returns the loss functions' dicts (last stage only)."""
     device = policy.device
+    _fetch_routes(policy, routes, micro_batches)
     mbs = [mb.to(device) for mb in micro_batches]
 
     def forward_step(data_iterator, model):
@@ -194,9 +204,9 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
         return zero, torch.tensor(mb.num_targets, dtype=torch.int, device=output.device), \
             {"logprobs": logp, "entropy": ent}
 
-    routes = _load_routes(policy, samples)
+    routes = _load_routes(policy, samples, micro_batches)
     results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes=routes)
-    if routes == "record":  # every sample's experts to every rank: the update may place it anywhere
+    if routes == "record":  # this rank's samples' experts, whole (the update fetches the ones it trains)
         policy.routing_replay.end_recording()
     logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
                                    policy.device)

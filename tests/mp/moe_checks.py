@@ -23,6 +23,7 @@ Each case writes its own verdict; every rank writes OUT/rank{r}.json.
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 
 import json
+import os
 import sys
 import traceback
 
@@ -159,14 +160,20 @@ def _per_sample(calls, plans):
 def case_replay_dp2(hf_dir, shape):
     """routing_replay=old at EP2 (DP2), unequal lengths, two mini-batches of several micro-batches: a sample's
     update may run on another DP rank than its old-logprob pass; after the routers move, every token of the update
-    still takes exactly the experts the old pass chose for it (on whichever rank that pass ran)."""
+    still takes exactly the experts the old pass chose for it (on whichever rank that pass ran, fetched in pieces of
+    a few tokens). After the old pass a rank holds the routes of its own samples only."""
     from justrl_megatron.train.step import plan_micro_batches
+
+    from justrl_megatron.model.moe import RoutingReplay
 
     samples = random_samples(shape.vocab_size)
     policy = build(hf_dir, shape, ep=2, routing_replay="old", shared_prompt="auto")
+    policy.routing_replay.PIECE_BYTES = 12  # the fetch in messages of 3 tokens' routes: many rounds
+    assert RoutingReplay.PIECE_BYTES == 64 << 20
     calls, hooks = _routing_maps(policy)
     old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=MAX_TOKENS)
     mine = _per_sample(calls, plan_micro_batches(policy, samples, range(len(samples)), MAX_TOKENS))
+    stored_after_recording = sorted(policy.routing_replay.routes)  # this rank's samples only
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     recorded = {k: v for part in everyone for k, v in part.items()}
@@ -181,11 +188,80 @@ def case_replay_dp2(hf_dir, shape):
     moved = sorted({sid for (_, sid) in replayed if (0, sid) not in mine})  # recorded on the other rank
     differ = sum(int((replayed[k] != recorded[k]).any(-1).sum()) for k in replayed)
     lengths = sorted({s.length for s in samples})
+    recorded_here = sorted({sid for (_, sid) in mine})
     out = {"moved_samples": moved, "replayed": len(replayed), "tokens_not_replayed": differ,
            "shared_prompt": policy.shared_prompt, "optimizer_steps": m["num_optimizer_steps"],
-           "micro_batches": m["num_micro_batches"], "distinct_lengths": len(lengths)}
+           "micro_batches": m["num_micro_batches"], "distinct_lengths": len(lengths),
+           "stored_after_recording": stored_after_recording, "recorded_here": recorded_here}
     out["ok"] = (differ == 0 and bool(moved) and len(replayed) > 0 and not policy.shared_prompt
-                 and m["num_optimizer_steps"] == 2 and m["num_micro_batches"] > 2 and len(lengths) > 2)
+                 and m["num_optimizer_steps"] == 2 and m["num_micro_batches"] > 2 and len(lengths) > 2
+                 and stored_after_recording == recorded_here and len(recorded_here) < len(samples))
+    return out
+
+
+def case_replay_store_dp2_vs_dp1(hf_dir, shape):
+    """Routing replay (old) holds each rank's own samples only: at DP2 (TP1) a rank's store holds the samples its
+    old-logprob pass recorded (its bytes: their tokens x MoE layers x top-k x 1 byte), and during each of the two
+    mini-batches those plus the ones its micro-batches train, fetched from the other rank (dropped at the next
+    mini-batch); at DP1 (TP2 x EP2, sequence parallel: the same samples, one replica) the store holds every sample. The
+    routers move between the old-logprob pass and the update, and the DP2 update equals the DP1 one: loss, grad
+    norm and every gradient of both optimizer steps. Aux loss off (its value depends on the micro-batch packing)."""
+    from megatron.core import parallel_state as ps
+    from justrl_megatron.train.step import plan_micro_batches
+
+    samples = random_samples(shape.vocab_size, n=12, seed=9)
+    half, g = len(samples) // 2, torch.Generator().manual_seed(6)
+    old, runs = None, {}
+    for name, layout in (("dp1", dict(tp=2, ep=2)), ("dp2", {})):
+        policy = build(hf_dir, shape, routing_replay="old", moe_aux_loss_coef=0.0, **layout)
+        store = policy.routing_replay
+        lp = compute_logprobs(policy, samples, max_tokens_per_micro_batch=MAX_TOKENS)
+        if old is None:
+            old = [x + 0.3 * torch.randn(x.shape, generator=g) for x in lp]
+        mine = sorted({k for mb in plan_micro_batches(policy, samples, range(len(samples)), MAX_TOKENS)
+                       for k in mb.sample_ids})
+        row = len(store.layers) * store.top_k  # bytes per token (uint8 experts)
+        recorded = {"ids": sorted(store.routes), "expected": mine, "bytes": store.nbytes(),
+                    "expected_bytes": sum(samples[i].length for i in mine) * row}
+        _move_routers(policy)
+        live = live_parameters(policy.chunks)
+        grads, held = [], []
+
+        def capture(pol, step, live=live, grads=grads, held=held, store=store):
+            ids = range(step * half, min((step + 1) * half, len(samples)))
+            trains = {k for mb in plan_micro_batches(pol, samples, list(ids), MAX_TOKENS) for k in mb.sample_ids}
+            held.append({"ids": sorted(store.routes), "bytes": store.nbytes(), "trains": sorted(trains),
+                         "fetched": sorted(set(store.routes) - store.recorded)})
+            grads.append({n: p.main_grad.detach().clone() for n, p in live.items()})
+
+        m = grpo_update(policy, samples, old, mini_batch_size=half, max_tokens_per_micro_batch=MAX_TOKENS,
+                        on_grads=capture, **STEP_KW)
+        runs[name] = m, grads, recorded, held, ps.get_tensor_model_parallel_rank(), policy.config.sequence_parallel
+        del policy, store
+    (m1, g1, rec1, held1, tp_rank, sp), (m2, g2, rec2, held2, _, _) = runs["dp1"], runs["dp2"]
+    diff = 0.0
+    for a, b in zip(g1, g2):  # a TP-split tensor of the DP1 run: this rank's contiguous part of the DP2 one (experts:
+        # this EP rank's, whole)
+        for n, grad in a.items():
+            ref = b[n]
+            split = [d for d in range(grad.dim()) if grad.shape[d] != ref.shape[d]]
+            ref = ref.chunk(2, dim=split[0])[tp_rank] if split else ref
+            diff = max(diff, float((grad - ref).abs().max()))
+    every = list(range(len(samples)))
+    total = sum(s.length for s in samples) * (rec2["bytes"] // max(sum(samples[i].length for i in rec2["ids"]), 1))
+    out = {"loss": (m1["loss"], m2["loss"]), "grad_norm": (m1["grad_norm"], m2["grad_norm"]), "grad_diff": diff,
+           "steps": (len(g1), len(g2)), "sequence_parallel_dp1": sp, "dp1_recorded": rec1, "dp2_recorded": rec2,
+           "dp2_held": held2, "dp1_held_ids": [h["ids"] for h in held1],
+           # what this rank held before (every sample, a uint8 buffer and an int16 copy): 3 bytes per route
+           "bytes_all_samples_before": 3 * total, "bytes_dp2_recorded": rec2["bytes"],
+           "bytes_dp2_peak": max((h["bytes"] for h in held2), default=0)}
+    out["ok"] = (sp and len(g1) == len(g2) == 2 and diff <= 1e-6 and m1["grad_norm"] > 1e-3
+                 and abs(m1["loss"] - m2["loss"]) <= 1e-6 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-6
+                 and rec1["ids"] == every and all(h["ids"] == every for h in held1)
+                 and rec2["ids"] == rec2["expected"] and rec2["bytes"] == rec2["expected_bytes"] > 0
+                 and len(rec2["ids"]) < len(samples)
+                 and all(set(h["ids"]) == set(rec2["ids"]) | set(h["trains"]) for h in held2)
+                 and any(h["fetched"] for h in held2))
     return out
 
 
@@ -368,7 +444,14 @@ def case_resume(hf_dir, shape, out):
             "logprob_diff_after": diff, "weights_unequal": unequal[:5], "weights_compared": len(weights_live)}
 
 
+def _wanted(key):
+    only = os.environ.get("MOE_CHECKS_ONLY")  # substrings of case keys (a local run of some cases); unset: all
+    return not only or any(part in key for part in only.split(","))
+
+
 def run_case(verdict, key, fn, *args):
+    if not _wanted(key):
+        return
     try:
         verdict[key] = fn(*args)
     except Exception:  # noqa: BLE001  (each case its own verdict; the others still run)
@@ -389,6 +472,8 @@ def main():
         tokens = random_tokens(shape.vocab_size, batch=2, seq_len=48, seed=7)
         ref_logits = hf_logits(hf_dir, tokens)
         for name, layout in LAYOUTS[world].items():
+            if not (_wanted(f"{family}/{name}/logits") or _wanted(f"{family}/{name}/roundtrip")):
+                continue
             try:
                 policy = build(hf_dir, shape, **layout)
             except Exception:  # noqa: BLE001
@@ -403,6 +488,7 @@ def main():
             run_case(verdict, f"{family}/ep2_vs_ep1/grpo", case_grpo, hf_dir, shape)
     if world == 2:  # one model is enough for these: routing and router losses do not depend on the family
         run_case(verdict, f"{family}/ep2/replay_dp2", case_replay_dp2, hf_dir, shape)
+        run_case(verdict, f"{family}/dp2_vs_dp1/replay_store", case_replay_store_dp2_vs_dp1, hf_dir, shape)
         run_case(verdict, f"{family}/cp2_vs_cp1/router_losses", case_cp_router_losses, hf_dir, shape)
     if world == 4:
         run_case(verdict, f"{family}/tp2ep2_vs_tp1ep1/replay_grpo", case_tp2ep2_replay, hf_dir, shape)
