@@ -16,7 +16,11 @@ traceback after waiting up to 30 s for the ranks to stop. This launcher, in orde
    code, in one line (nothing more when the rank already said why: a refused config exits 2, an abort 130); a
    refused config leaves nothing: a run dir the launch created holds only the lock file, and goes.
 
-One machine; several nodes run torchrun under srun (launch/slurm/train.sbatch), where the ranks die with torchrun too.
+Several nodes (launch/slurm/train.sbatch: one launcher per node under srun, `--nnodes --node-rank --master-addr
+--master-port`): `launch_node`, the same promises over the nodes (no lock of its own: rank 0 takes the run dir's, as
+under torchrun). The node launchers keep a connection to node 0's: a rank that fails ends every rank of every node at
+once (SIGKILL, never a SIGTERM that a rank would take for Slurm's stop request) and node 0 prints the one line that
+names it, its node and its signal; a launcher that vanishes (a lost node) ends the others too.
 """
 
 from __future__ import annotations
@@ -173,16 +177,322 @@ def launch(nproc: int, overrides: list[str]) -> int:
         from .train_entry import remove_unused
 
         remove_unused(run_dir, created)
-    if code in OWN_CODES:
+    line = failure_line(rank, code, nproc, received)
+    if line is None:
         return code
-    others = f"; the other {nproc - 1} rank(s) were stopped" if nproc > 1 else ""
+    _exit(_exit_code(code), line)
+
+
+# --- several nodes (launch/slurm/train.sbatch: one of these per node, under srun) ------------------------------------
+
+NODE_FLAGS = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--run-id")
+VERDICT_WAIT_S = 5.0  # how long a node whose rank failed waits for node 0's verdict before it speaks for itself
+CONNECT_S = 300.0  # how long a node keeps trying to reach node 0's launcher
+
+
+def split_node_flags(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """({flag: value} of NODE_FLAGS given as --flag=value or --flag value; the other arguments)."""
+    flags, rest, i = {}, [], 0
+    while i < len(args):
+        name, _, value = args[i].partition("=")
+        if name in NODE_FLAGS and not value and i + 1 < len(args):
+            flags[name], i = args[i + 1], i + 2
+            continue
+        if name in NODE_FLAGS and value:
+            flags[name] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return flags, rest
+
+
+def failure_line(rank: int, code: int, world: int, received: list[int], node: str | None = None) -> str | None:
+    """The one line that names a failed rank (None when the rank said why itself: OWN_CODES)."""
+    if code in OWN_CODES:
+        return None
+    where = f" on node {node}" if node else ""
+    others = f"; the other {world - 1} rank(s) were stopped" if world > 1 else ""
     if code < 0 and -code in received:
-        _exit(128 - code, f"stopped by {signal.Signals(-code).name} before training started; nothing was saved")
+        return f"stopped by {signal.Signals(-code).name} before training started; nothing was saved"
     if code < 0:
         name = signal.Signals(-code).name
         why = " (the out-of-memory killer?)" if -code == signal.SIGKILL and not received else ""
-        _exit(128 - code, f"error: rank {rank} was killed by {name}{why}{others}")
-    _exit(code, f"error: rank {rank} exited with code {code} (its output above says why){others}")
+        return f"error: rank {rank}{where} was killed by {name}{why}{others}"
+    return f"error: rank {rank}{where} exited with code {code} (its output above says why){others}"
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+class _Link:
+    """Line messages between the node launchers: node 0 listens (hub), every other node connects to it.
+
+    node -> node 0: `hello NODE HOST`, `fail CODE LINE` (a rank of that node failed; LINE is what to print, `-` for
+    nothing), `done` (its ranks all exited 0). node 0 -> every node: `stop CODE` (the verdict: kill your ranks and
+    exit CODE without a word; node 0 prints the line)."""
+
+    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int):
+        import socket
+
+        self.node_rank, self.nnodes, self.addr, self.port = node_rank, nnodes, addr, port
+        self.server = self.conn = None
+        self.peers: dict[object, dict] = {}  # node 0: socket -> {"node", "host", "done", "buf"}
+        self.buf = b""
+        self.done_nodes: set = set()  # node 0: the nodes that said done (or fail)
+        self.connect_until = time.monotonic() + CONNECT_S
+        self.next_try = 0.0
+        if node_rank == 0:
+            self.server = socket.create_server(("", port), reuse_port=False, backlog=max(nnodes, 8))
+            self.server.setblocking(False)
+
+    def sockets(self) -> list:
+        if self.server is not None:
+            return [self.server, *self.peers]
+        return [self.conn] if self.conn is not None else []
+
+    def try_connect(self) -> None:
+        import socket
+
+        if self.server is not None or self.conn is not None or time.monotonic() < self.next_try:
+            return
+        self.next_try = time.monotonic() + 0.2
+        try:
+            conn = socket.create_connection((self.addr, self.port), timeout=0.5)
+        except OSError:
+            return
+        conn.setblocking(True)
+        conn.sendall(f"hello {self.node_rank} {_host()}\n".encode())
+        self.conn = conn
+
+    def send(self, text: str) -> None:
+        targets = list(self.peers) if self.server is not None else [self.conn]
+        for sock in targets:
+            if sock is None:
+                continue
+            try:
+                sock.sendall((text + "\n").encode())
+            except OSError:
+                pass
+
+    def read(self, sock) -> list[str] | None:
+        """Complete lines from `sock` (None at EOF)."""
+        if sock is self.server:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return []
+            conn.setblocking(True)
+            self.peers[conn] = {"node": None, "host": "?", "done": False, "buf": b""}
+            return []
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            return None
+        state = self.peers[sock] if self.server is not None else None
+        buf = (state["buf"] if state else self.buf) + data
+        *lines, rest = buf.split(b"\n")
+        if state:
+            state["buf"] = rest
+        else:
+            self.buf = rest
+        return [line.decode(errors="replace") for line in lines]
+
+
+def _host() -> str:
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def launch_node(nproc: int, overrides: list[str], nnodes: int, node_rank: int, master_addr: str, master_port: int,
+                run_id: str | None = None) -> int:
+    """One node's share of a several-node launch: ranks node_rank*nproc ... (node_rank+1)*nproc-1 of nnodes*nproc,
+    rendezvous at master_addr:master_port (rank 0's store); the node launchers talk over master_port+1.
+
+    A rank that fails ends every rank of every node within a second: its launcher SIGKILLs its other ranks and tells
+    node 0's launcher, which tells every node to SIGKILL theirs, and prints the one line that names the rank, its node
+    and its signal or exit code. No rank ever takes a peer's death for a stop request (no SIGTERM goes round: a
+    SIGTERM is always Slurm's or the user's, and means "finish the step, save, exit")."""
+    import select
+
+    from . import lifeline
+
+    world = nnodes * nproc
+    host = _host()
+    if node_rank == 0:
+        print(f"justrl-train: {nnodes} node(s) x {nproc} process(es)", file=sys.stderr, flush=True)
+    entry = shlex.split(os.environ.get(ENTRY_ENV, "")) or ["-m", "justrl_megatron.cli", "train"]
+    try:
+        link = _Link(node_rank, nnodes, master_addr, master_port + 1)
+    except OSError as exc:
+        _exit(1, f"error: node 0 cannot listen on port {master_port + 1} for the other nodes' launchers "
+                 f"({exc.strerror or exc}); nothing was started: pick another MASTER_PORT")
+    ranks: dict[int, subprocess.Popen] = {}
+    received: list[int] = []
+    verdict: list[int] = []  # the code every node exits with, once decided
+
+    def forward(signum, frame):
+        received.append(signum)
+        if verdict:
+            return
+        for proc in ranks.values():
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    base = {k: v for k, v in os.environ.items() if k not in (lifeline.TRAINER_ENV, "TORCHELASTIC_RUN_ID")}
+    for local in range(nproc):
+        rank = node_rank * nproc + local
+        env = dict(base, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
+                   GROUP_RANK=str(node_rank), NODE_RANK=str(node_rank), MASTER_ADDR=master_addr,
+                   MASTER_PORT=str(master_port), **{lifeline.LAUNCHER_ENV: str(os.getpid())})
+        if run_id:
+            env["TORCHELASTIC_RUN_ID"] = run_id  # the launch's id (run_lock.launch_id): one per job and restart
+        ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=env, preexec_fn=_ignore_usr1)
+    pids = {proc.pid: rank for rank, proc in ranks.items()}
+    pidfds = {}
+    for proc in ranks.values():
+        try:
+            pidfds[os.pidfd_open(proc.pid)] = proc
+        except (AttributeError, OSError):  # no pidfd: the 50 ms poll below
+            pass
+
+    failed: tuple[int, int] | None = None  # (rank, code) of this node's first failed rank
+    kill_at = None
+    asked_at = None  # another node: when it told node 0 of its failure
+    said_done = False
+    verdict_at = 0.0
+
+    def decide(code: int, line: str | None, grace: bool) -> None:
+        """Node 0: the first failure anywhere is the verdict; every node stops its ranks."""
+        nonlocal kill_at, verdict_at
+        verdict.append(code)
+        verdict_at = time.monotonic()
+        if line:
+            print(f"justrl-train: {line}", file=sys.stderr, flush=True)
+        link.send(f"stop {code} {int(grace)}")
+        kill_at = min(kill_at or float("inf"), time.monotonic() + (GRACE_S if grace else 0.0))
+
+    while True:
+        now = time.monotonic()
+        if kill_at is not None and now >= kill_at:
+            _kill_all(ranks)
+        running = any(proc.returncode is None for proc in ranks.values())
+        if not running:
+            # the other nodes leave after node 0 (once it has printed its line): srun's --kill-on-bad-exit, which
+            # the first task to exit sets off, cannot cut node 0 short before it has
+            if verdict and (node_rank == 0 or link.conn is None or now >= verdict_at + VERDICT_WAIT_S):
+                break
+            if failed is None and node_rank != 0:
+                if link.conn is None and now < link.connect_until:
+                    link.try_connect()
+                if link.conn is not None and not said_done:
+                    link.send("done")
+                    said_done = True
+                if said_done or now >= link.connect_until:
+                    break
+            if failed is None and node_rank == 0:
+                if len(link.done_nodes) >= nnodes - 1 or (now >= link.connect_until and not any(
+                        not p["done"] for p in link.peers.values())):
+                    break
+            if failed is not None and node_rank != 0 and (link.conn is None or now - asked_at >= VERDICT_WAIT_S):
+                break  # nobody to hear it: speak for this node
+        link.try_connect()
+        timeout = 0.05 if not pidfds or kill_at is not None else 0.5
+        try:
+            ready, _, _ = select.select([*pidfds, *link.sockets()], [], [], timeout)
+        except InterruptedError:
+            ready = []
+        while True:  # reap
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid not in pids:
+                continue
+            rank = pids[pid]
+            ranks[rank].returncode = code = os.waitstatus_to_exitcode(status)
+            for fd, proc in list(pidfds.items()):
+                if proc.pid == pid:
+                    os.close(fd)
+                    del pidfds[fd]
+            if code != 0 and failed is None and not verdict:
+                failed = (rank, code)
+                grace = code in OWN_CODES
+                kill_at = time.monotonic() + (GRACE_S if grace else 0.0)
+                if not grace:
+                    _kill_all(ranks)  # at once: they cannot finish a step without it
+                line = failure_line(rank, code, world, received, host)
+                if node_rank == 0:
+                    decide(code, line, grace)
+                else:
+                    link.send(f"fail {code} {int(grace)} {line or '-'}")
+                    asked_at = time.monotonic()
+        for sock in ready:
+            if isinstance(sock, int):  # a pidfd (reaped above)
+                continue
+            lines = link.read(sock)
+            if node_rank == 0 and sock is not link.server:
+                state = link.peers[sock]
+                if lines is None:
+                    link.peers.pop(sock)
+                    sock.close()
+                    if not state["done"] and not verdict:  # that node's launcher is gone without a word
+                        decide(1, f"error: the launcher of node {state['node']} ({state['host']}) ended without a "
+                                  f"word (a lost node, or kill -9?); the other ranks were stopped", False)
+                    continue
+                for text in lines:
+                    kind, _, rest = text.partition(" ")
+                    if kind == "hello":
+                        node, _, state["host"] = rest.partition(" ")
+                        state["node"] = int(node)
+                    elif kind == "done":
+                        state["done"] = True
+                        link.done_nodes.add(state["node"])
+                    elif kind == "fail":
+                        code, grace, line = rest.split(" ", 2)
+                        state["done"] = True  # it exits once it has the verdict
+                        link.done_nodes.add(state["node"])
+                        if not verdict:
+                            decide(int(code), None if line == "-" else line, grace == "1")
+            elif node_rank != 0:
+                if lines is None:
+                    link.conn.close()
+                    link.conn = None
+                    link.connect_until = 0.0  # no second connection
+                    if not verdict and failed is None and any(p.returncode is None for p in ranks.values()):
+                        print(f"justrl-train: error: the launcher of node 0 ({master_addr}) ended without a word (a "
+                              f"lost node, or kill -9?); the {nproc} rank(s) of node {host} were stopped",
+                              file=sys.stderr, flush=True)
+                        _kill_all(ranks)
+                        verdict.append(1)
+                    continue  # (a failure of this node's own, not yet judged: it speaks for itself below)
+                for text in lines:
+                    kind, _, rest = text.partition(" ")
+                    if kind == "stop" and not verdict:
+                        code, grace = rest.split(" ")
+                        verdict.append(int(code))
+                        verdict_at = time.monotonic()
+                        kill_at = time.monotonic() + (GRACE_S if grace == "1" else 0.0)
+                        if grace != "1":
+                            _kill_all(ranks)
+    if verdict:
+        return _exit_code(verdict[0])
+    if failed is not None:  # another node that heard no verdict
+        line = failure_line(failed[0], failed[1], world, received, host)
+        if line:
+            print(f"justrl-train: {line}", file=sys.stderr, flush=True)
+        return _exit_code(failed[1])
+    return 0
 
 
 def main(nproc: int, overrides: list[str]) -> None:
@@ -193,6 +503,13 @@ def main(nproc: int, overrides: list[str]) -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":  # python -m justrl_megatron.launch --nproc-per-node=N [overrides]
+if __name__ == "__main__":  # python -m justrl_megatron.launch --nproc-per-node=N [--nnodes=M ...] [overrides]
     n, rest = split_nproc(sys.argv[1:])
-    main(n or 1, rest)
+    flags, rest = split_node_flags(rest)
+    if "--nnodes" not in flags:
+        main(n or 1, rest)
+    missing = [f for f in NODE_FLAGS[:4] if f not in flags]
+    if missing:
+        _exit(2, f"--nnodes needs {', '.join(missing)} too")
+    sys.exit(launch_node(n or 1, rest, int(flags["--nnodes"]), int(flags["--node-rank"]), flags["--master-addr"],
+                         int(flags["--master-port"]), flags.get("--run-id")))

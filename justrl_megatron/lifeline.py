@@ -16,8 +16,10 @@ A killed trainer cannot clean up, so the helpers must notice by themselves:
   main module, so every spawned helper does) finds the trainer's pid in JUSTRL_TRAINER_PID and watches it from the
   package's import. multiprocessing's resource tracker ends by itself once every process that holds its pipe has.
 - the ranks of a multi-process launch (`watch_launcher`, from the package's import, so before the slow imports): a rank
-  SIGKILLs itself when its launcher exits, justrl's (launch.py, JUSTRL_LAUNCHER_PID) or torchrun's agent (its parent,
-  recognised by its command line). A launcher killed with SIGKILL (a lost Slurm step, `kill -9`) leaves no rank
+  SIGKILLs itself when its launcher exits, justrl's (launch.py, JUSTRL_LAUNCHER_PID: `justrl-train --nproc-per-node`,
+  and each node's launcher under launch/slurm/train.sbatch) or torchrun's agent (its parent, recognised by its command
+  line). A peer's death reaches a rank the same way, never as a signal it could take for a stop request: its launcher
+  SIGKILLs it (launch.py; across nodes, at node 0's launcher's word). A launcher killed with SIGKILL (a lost Slurm step, `kill -9`) leaves no rank
   training headless, holding the run dir's lock.
 A helper stuck in C code that holds the GIL is killed when it lets go of it.
 

@@ -3,7 +3,8 @@
 Cluster tooling (needs nothing but Slurm): node names and hostnames, GPU gres placeholders, a 2-node srun + torchrun
 gloo all-reduce, the requeue of a job script that traps USR1, and the real launch/slurm/train.sbatch driving a
 2-node program that honours the trainer's stop/resume contract (tests/slurm/step_worker.py) through
-`scancel --signal=USR1 --batch` -> checkpoint -> requeue -> resume.
+`scancel --signal=USR1 --batch` -> checkpoint -> requeue -> resume, and a rank of it SIGKILLed (every rank of both
+nodes gone at once, one line naming it, no stop-save).
 
 The real commands (the names say which issue each one waits on): train.sbatch running `justrl-train` on a tiny
 model, with and without a requeue (issue 7), and convert.sbatch HF -> Megatron -> HF (issue 5).
@@ -132,6 +133,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -253,6 +262,65 @@ def test_train_sbatch_requeue_resumes_without_losing_a_step(cluster, tmp_path):
     assert [re.search(r"restart=(\d+)", line).group(1) for line in launches] == ["0", "1"]
 
 
+def _ranks_of(run_dir: Path) -> dict[int, int]:
+    """{rank: pid} of the step_worker.py processes (any node) that run in `run_dir`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            env = dict(v.split("=", 1) for v in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in v)
+        except OSError:
+            continue
+        if any(a.endswith(b"step_worker.py") for a in args) and f"trainer.run_dir={run_dir}".encode() in args:
+            found[int(env.get("RANK", "-1"))] = int(entry.name)
+    return found
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.parametrize("dead", [1, 0])
+def test_train_sbatch_a_killed_rank_ends_every_rank_in_one_line(cluster, tmp_path, dead):
+    """Issue 47: SIGKILL of one rank of a 2-node train.sbatch job (rank 1 on n2, or rank 0 on the first node): every
+    rank of every node is gone within seconds (bound: 30 s), the job's output has one line that names the rank, its
+    node and its signal, no traceback (torchrun's ChildFailedError per node, a rank's collective error), and no
+    rank takes its peer's death for a stop request: no stop-save, the checkpoint it resumed from untouched."""
+    log, run_dir = tmp_path / "job.out", tmp_path / "run"
+    run_dir.mkdir()
+    ckpt = run_dir / "checkpoint.json"
+    ckpt.write_text(json.dumps({"step": 2, "world": 2}))
+    proc, job_id = cluster.submit(
+        "-t", "30", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
+        f"trainer.run_dir={run_dir}", "trainer.total_steps=1000", "step_seconds=0.3", cwd=tmp_path,
+        env_extra={"JUSTRL_ENTRY": str(REPO / "tests/slurm/step_worker.py")})
+    steps = run_dir / f"steps-rank{1 - dead}.jsonl"
+    wait_for(lambda: steps.exists() and steps.read_text().count("\n") >= 2, 90, "two steps", proc, log)
+    ranks = _ranks_of(run_dir)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[dead], 9)
+    killed_at = time.monotonic()
+    survivor = ranks[1 - dead]
+    while _running(survivor) and time.monotonic() - killed_at < 30:
+        time.sleep(0.01)
+    peer_gone = time.monotonic() - killed_at
+    rc = cluster.finish(proc, timeout=60)
+    ended = time.monotonic() - killed_at
+    text = log.read_text()
+    assert rc == 128 + 9 and peer_gone < 30 and ended < 30, (rc, peer_gone, ended, text[-3000:])
+    assert not any(_running(pid) for pid in ranks.values()) and not _ranks_of(run_dir)
+    lines = [line for line in text.splitlines() if line.startswith("justrl-train: error")]
+    assert lines == [f"justrl-train: error: rank {dead} on node n{dead + 1} was killed by SIGKILL (the out-of-memory "
+                     f"killer?); the other 1 rank(s) were stopped"], text[-3000:]
+    for bad in ("Traceback", "ChildFailedError", "exiting for requeue"):
+        assert bad not in text, text[-3000:]
+    assert json.loads(ckpt.read_text()) == {"step": 2, "world": 2}  # no stop-save for a peer's death
+    job = cluster.job(job_id)
+    assert job["JobState"] == "FAILED" and job["Restarts"] == "0", job
+    print(f"rank {dead} killed: rank {1 - dead} gone in {peer_gone:.2f} s, the job over in {ended:.1f} s; {lines[0]}")
+
+
 @pytest.mark.slow
 def test_local_train_sh_stops_all_ranks_together_and_resumes(tmp_path):
     """launch/local/train.sh: 2 ranks under justrl's launcher; rank 1 alone gets SIGUSR1 in step 2, both stop
@@ -290,6 +358,41 @@ def test_local_train_sh_stops_all_ranks_together_and_resumes(tmp_path):
         records = [json.loads(line) for line in (tmp_path / f"steps-rank{rank}.jsonl").read_text().split("\n") if line]
         assert [r["step"] for r in records] == [1, 2, 3, 4]
         assert [r["signal"] for r in records] == [None, "SIGUSR1" if rank == 1 else None, None, None]
+
+
+@pytest.mark.slow
+def test_node_launchers_a_lost_node_ends_the_others_in_one_line(tmp_path):
+    """The node launchers of train.sbatch without Slurm (2 "nodes" on this machine): node 1's launcher SIGKILLed (a
+    lost node; its rank dies with it) -> node 0 stops its rank at once and says which node went, in one line."""
+    from justrl_megatron.ports import free_port
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "JUSTRL_ENTRY": str(REPO / "tests/slurm/step_worker.py")}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    nodes = [subprocess.Popen([sys.executable, "-m", "justrl_megatron.launch", "--nproc-per-node=1", "--nnodes=2",
+                               f"--node-rank={k}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                               f"trainer.run_dir={run_dir}", "trainer.total_steps=1000", "step_seconds=0.3"],
+                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in range(2)]
+    try:
+        steps = run_dir / "steps-rank0.jsonl"
+        wait_for(lambda: steps.exists() and steps.read_text().count("\n") >= 2, 90, "two steps", nodes[0])
+        ranks = _ranks_of(run_dir)
+        assert sorted(ranks) == [0, 1], ranks
+        nodes[1].kill()
+        killed_at = time.monotonic()
+        out, _ = nodes[0].communicate(timeout=30)
+        ended = time.monotonic() - killed_at
+    finally:
+        for node in nodes:
+            node.kill()
+    assert nodes[0].returncode == 1 and ended < 10, (nodes[0].returncode, ended, out[-3000:])
+    # node 1's rank dies with its launcher (lifeline), orphaned: a zombie until this machine's init reaps it
+    wait_for(lambda: not any(_running(pid) for pid in ranks.values()), 5, "the ranks to die")
+    lines = [line for line in out.splitlines() if line.startswith("justrl-train: error")]
+    assert len(lines) == 1 and lines[0].startswith("justrl-train: error: the launcher of node 1 ("), out[-3000:]
+    assert "ended without a word" in lines[0] and "Traceback" not in out and "exiting for requeue" not in out
 
 
 def test_slurm_job_from_env():
