@@ -93,6 +93,16 @@ def _lock_for_the_launch(overrides: list[str]) -> tuple[int | None, str | None, 
     return fd, run_dir, created
 
 
+def _signal_running(ranks: dict, signum: int) -> None:
+    """Pass a stop signal on to every rank still running (the launcher's own handler: ranks decide what it means)."""
+    for proc in ranks.values():
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
 def _rank_env(rank: int, world: int, port: int, lock_fd: int | None) -> dict:
     from . import lifeline
 
@@ -135,12 +145,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
 
     def forward(signum, frame):
         received.append(signum)
-        for proc in ranks.values():
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+        _signal_running(ranks, signum)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
@@ -336,14 +341,8 @@ def launch_node(nproc: int, overrides: list[str], nnodes: int, node_rank: int, m
 
     def forward(signum, frame):
         received.append(signum)
-        if verdict:
-            return
-        for proc in ranks.values():
-            if proc.poll() is None:
-                try:
-                    os.kill(proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+        if not verdict:
+            _signal_running(ranks, signum)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
