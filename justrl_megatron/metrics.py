@@ -1,8 +1,14 @@
 """Where a run's numbers go: metrics.jsonl in the run dir, wandb (offline by default), a console table, a live
-progress bar, GPU memory / utilisation / power through nvidia-ml-py, and curves.png at the end."""
+progress bar, GPU memory / utilisation / power through nvidia-ml-py, and curves.png at the end.
+
+A full disk (or quota) on any of these writers ends the run with the one line every run-dir writer uses
+(checkpoint/save.full_disk_error: where, the free space, what was undone; a checkpoint still being written is
+abandoned), never a traceback, and leaves nothing torn: a metrics row is appended whole or cut back to the file's
+previous length, rewrites and curves.png go through a temp file that a failure removes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -58,16 +64,25 @@ class MetricsLogger:
         self._progress = None
         if not enabled:
             return
-        lost = drop_rows_after(self.path, start_step)  # a resumed run logs the steps after its checkpoint again
+        try:
+            lost = drop_rows_after(self.path, start_step)  # a resumed run logs the steps after its checkpoint again
+        except OSError as exc:
+            _raise_if_full(exc, self.path, f"{self.path.name} (dropping the rows after step {start_step})",
+                           "the file is unchanged")
+            raise
         if lost:
             print(f"justrl-train: warning: {lost}", file=sys.stderr, flush=True)
         if logging_cfg.wandb_mode != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(project=logging_cfg.wandb_project, name=logging_cfg.wandb_name,
-                                     mode=logging_cfg.wandb_mode, dir=str(run_dir), config=config,
-                                     resume="allow", id=_wandb_id(run_dir))
+            try:
+                self._wandb = wandb.init(project=logging_cfg.wandb_project, name=logging_cfg.wandb_name,
+                                         mode=logging_cfg.wandb_mode, dir=str(run_dir), config=config,
+                                         resume="allow", id=_wandb_id(run_dir))
+            except Exception as exc:  # noqa: BLE001 - wandb wraps what failed in its own errors
+                _raise_if_full(exc, Path(run_dir) / "wandb", "wandb's start", "wandb's run was not started")
+                raise
         if logging_cfg.progress:
             self._progress = Progress(
                 TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
@@ -79,10 +94,20 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            append_row(self.path, json.dumps(record) + "\n")
+        except OSError as exc:
+            self._stop_display()
+            _raise_if_full(exc, self.path, f"{self.path.name} row of step {step}", "the partial row was removed")
+            raise
         if self._wandb is not None:
-            self._wandb.log(record, step=step)
+            try:
+                self._wandb.log(record, step=step)
+            except Exception as exc:  # noqa: BLE001 - wandb wraps what failed in its own errors
+                self._stop_display()
+                _raise_if_full(exc, self.path.parent / "wandb", f"wandb's log of step {step}",
+                               f"{self.path.name} has the row")
+                raise
         if self._progress is not None and "reward/mean" in metrics:  # not for step 0's validation-only record
             self._progress.update(self._task, completed=step, stats=(
                 f"reward {metrics.get('reward/mean', float('nan')):+.3f}  acc {metrics.get('reward/accuracy', 0):.2f}  "
@@ -95,10 +120,48 @@ class MetricsLogger:
             self.console.print(*args)
 
     def close(self) -> None:
+        self._stop_display()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception as exc:  # noqa: BLE001 - wandb wraps what failed in its own errors
+                _raise_if_full(exc, self.path.parent / "wandb", "wandb's finish", f"{self.path.name} has every row")
+                raise
+
+    def _stop_display(self) -> None:
+        """The progress bar ends before any last line (a full disk's) is printed under it."""
         if self._progress is not None:
             self._progress.stop()
-        if self._wandb is not None:
-            self._wandb.finish()
+            self._progress = None
+
+
+def append_row(path: Path, text: str) -> None:
+    """Append one row to `path` whole: one unbuffered write (repeated only after a short write), so the row is in
+    the file when this returns; a write that fails (a full disk) cuts the file back to its previous length, so no
+    torn row stays and the next run's rows start on a fresh line."""
+    data = memoryview(text.encode())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _raise_if_full(exc: BaseException, target: Path, what: str, left: str) -> None:
+    """A full disk under a metrics writer: the run dir's one line (CheckpointWriteError, printed by justrl-train);
+    another failure returns (the caller re-raises it)."""
+    from .checkpoint.save import full_disk_error  # (megatron: only when a write failed)
+
+    error = full_disk_error(exc, target, what, left=left)
+    if error is not None:
+        raise error from None
 
 
 def drop_rows_after(path: Path, step: int) -> str | None:
@@ -119,8 +182,12 @@ def drop_rows_after(path: Path, step: int) -> str | None:
     keep = [by_step[s] for s in sorted(by_step)]
     if keep != lines or not text.endswith("\n"):  # (a last line without one would glue to the next row)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (a full disk: nothing half-written stays beside the file)
+            raise
     torn = [what for row_step, what in torn if row_step is None or row_step <= step]  # later ones are logged again
     missing = [s for s in range(1, step + 1) if s not in by_step]
     if not torn and not missing:
@@ -172,7 +239,13 @@ def _wandb_id(run_dir) -> str:
     if not marker.exists():
         import uuid
 
-        marker.write_text(uuid.uuid4().hex[:12])
+        tmp = marker.with_name(f".{marker.name}.tmp")
+        try:
+            tmp.write_text(uuid.uuid4().hex[:12])
+            os.replace(tmp, marker)  # (never an empty id after a full disk)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return marker.read_text().strip()
 
 
@@ -247,8 +320,16 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(run_dir) / "curves.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        _raise_if_full(exc, out, out.name, "the partial file was removed")
+        raise
+    finally:
+        plt.close(fig)
     return out
 
 

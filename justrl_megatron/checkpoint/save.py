@@ -13,7 +13,16 @@ only its staging folder, removed when the next run starts (`remove_stale_staging
 
 A full disk: the free space is checked before a save against the last checkpoint's size; a save that still fails
 for lack of space (or fails in any way) removes its staging folder, leaves `latest` alone and raises
-CheckpointWriteError, whose one-line message names the folder and the space needed.
+CheckpointWriteError, whose one-line message names the folder and the space needed. Every other writer of the run
+dir (metrics.jsonl, wandb, HF snapshots) ends on a full disk with the same line (`full_disk_error`), and a save
+still being written then is abandoned (`Checkpointer.abandon`: its writer stopped, its staging folder removed).
+
+A dying writer: an async save whose background writer process dies (killed: the out-of-memory killer picks it, it
+has the trainer's footprint) is skipped: its staging folder is removed, `latest` stays, one warning line, and the
+training goes on (the writer is a fork: the trainer's state is untouched; the next save writes a complete
+checkpoint). So is a save one of whose write workers (forked by the writer) is killed: megatron's writer would wait
+for it forever, so it is stopped (`_watch_workers`). At a stop or the last step, where no next save comes, a skipped
+save is written again at once, synchronously.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ import errno
 import logging
 import os
 import shutil
+import signal
+import sys
+import time
+import weakref
 from pathlib import Path
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
@@ -144,6 +157,8 @@ class Checkpointer:
         self.run_dir, self.async_save, self.keep_last = run_dir, async_save, keep_last
         self.shape, self.hf_source = shape, hf_source
         self._pending: _Pending | None = None
+        self.skipped: int | None = None  # the step of the last save skipped because its writer died
+        _CHECKPOINTERS.add(self)  # (a full disk on another writer abandons the save in progress: full_disk_error)
 
     @property
     def pending_step(self) -> int | None:
@@ -160,9 +175,33 @@ class Checkpointer:
         """Commit the pending save if every rank's write has finished (all ranks; never blocks on the write)."""
         return self._finish(blocking=False)
 
-    def wait(self) -> Path | None:
-        """Block until the pending save (if any) is written and committed; returns its folder."""
-        return self._finish(blocking=True)
+    def wait(self, *, rewrite_skipped: bool = False) -> Path | None:
+        """Block until the pending save (if any) is written and committed; returns its folder. A save skipped because
+        its writer died is written again at once (synchronously) with `rewrite_skipped`: the caller says the state
+        is still the one it saved (a stop, the last step)."""
+        pending = self._pending
+        done = self._finish(blocking=True)
+        if done is None and pending is not None and self.skipped == pending.step and rewrite_skipped:
+            chunks, optimizer, scheduler, extra = pending.state
+            self._pending = _start(self.run_dir, pending.step, chunks, optimizer, scheduler, extra, self.keep_last,
+                                   self.shape, self.hf_source, async_save=False)
+            done = self._finish(blocking=True)
+            if _rank() == 0:
+                print(f"justrl-train: checkpoint step {pending.step} written again (synchronously)", file=sys.stderr,
+                      flush=True)
+        return done
+
+    def abandon(self) -> int | None:
+        """This process only (no collective; for a run ending on an error, e.g. a full disk on another writer): stop
+        the pending save's writer and remove its staging folder, so nothing half-written stays. `latest` stays.
+        Returns the abandoned save's step (None: nothing was pending)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        _kill_writer(pending.writer)
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+        pending.staging.close()
+        return pending.step
 
     def _finish(self, blocking: bool) -> Path | None:
         pending = self._pending
@@ -170,17 +209,41 @@ class Checkpointer:
             return None
         try:
             if pending.queue is not None:
-                if not pending.queue.maybe_finalize_async_calls(blocking=blocking):
-                    return None  # still writing on some rank
+                _watch_workers(pending, blocking)  # (local: a killed worker would keep the writer waiting forever)
+                try:
+                    if not pending.queue.maybe_finalize_async_calls(blocking=blocking):
+                        return None  # still writing on some rank
+                except BaseException as exc:  # (torch's CheckpointException is a BaseException)
+                    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    # megatron raises a failed write on every rank alike: a collective is safe here
+                    dead = _agreed(pending.death or _writer_death(pending.writer))
+                    if dead is None:
+                        raise
+                    self._pending = None
+                    _failed(exc, self.run_dir, pending)  # (a full disk is still that one line)
+                    self._skip(pending, dead)
+                    return None
             self._pending = None
             return _commit(self.run_dir, pending.step, pending.tmp, self.keep_last)
         except BaseException as exc:
             self._pending = None
-            _failed(exc, self.run_dir, pending)
+            if not isinstance(exc, CheckpointWriteError):  # (one is _failed's own line already)
+                _failed(exc, self.run_dir, pending)
             raise
         finally:
-            if self._pending is None:
+            if self._pending is not pending:
                 pending.staging.close()
+
+    def _skip(self, pending: _Pending, dead: str) -> None:
+        """A save whose writer died: skipped (staging already removed), said once, the training goes on."""
+        self.skipped = pending.step
+        if _rank() == 0:
+            last = latest_step(self.run_dir)
+            kept = f"`latest` still points to step {last}" if last is not None else "no checkpoint exists yet"
+            print(f"justrl-train: warning: checkpoint step {pending.step} skipped: {dead}; its staging folder was "
+                  f"removed and {kept}; training goes on (the next save writes a complete checkpoint)",
+                  file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -190,6 +253,9 @@ class _Pending:
     needed: int | None  # the last checkpoint's size (None: a first save)
     staging: contextlib.ExitStack  # keeps `tmp` registered as this process' staging folder (an abort removes it)
     queue: object | None  # megatron's AsyncCallsQueue writing the tensors (None: written already)
+    writer: object | None = None  # its writer process (multiprocessing.Process), to tell a dead one
+    state: tuple = ()  # (chunks, optimizer, scheduler, extra): what a skipped save writes again (Checkpointer.wait)
+    death: str | None = None  # how one of the writer's own workers died (the writer was stopped for it)
 
 
 def _start(run_dir, step, chunks, optimizer, scheduler, extra, keep_last, shape, hf_source, *,
@@ -217,7 +283,7 @@ def _start(run_dir, step, chunks, optimizer, scheduler, extra, keep_last, shape,
     tmp = root / _from_rank0(run_lock.staging_name(f"{TMP_PREFIX}{STEP_PREFIX}{step:08d}"))
     staging = contextlib.ExitStack()
     staging.enter_context(run_lock.staging(tmp))
-    pending = _Pending(step, tmp, needed, staging, None)
+    pending = _Pending(step, tmp, needed, staging, None, state=(chunks, optimizer, scheduler, extra))
     try:
         request = _stage(run_dir, step, tmp, chunks, optimizer, scheduler, extra, shape, hf_source,
                          async_save=async_save)
@@ -227,6 +293,8 @@ def _start(run_dir, step, chunks, optimizer, scheduler, extra, keep_last, shape,
             pending.queue = AsyncCallsQueue(persistent=False)
             with _writer_errors_raised_only(), _writers_ignore_stop_signals():
                 pending.queue.schedule_async_request(request)
+            calls = getattr(pending.queue, "async_calls", None)
+            pending.writer = getattr(calls[-1].async_caller, "process", None) if calls else None
     except BaseException as exc:
         _failed(exc, run_dir, pending)
         staging.close()
@@ -246,6 +314,82 @@ def _failed(exc: BaseException, run_dir, pending: _Pending) -> None:
     if full:
         raise CheckpointWriteError(_full_message(run_dir, pending.step, pending.needed, free=free,
                                                  written=written)) from None
+
+
+def _writer_death(writer) -> str | None:
+    """How this rank's async writer process died (killed by a signal, or exited non-zero), or None: it lives, or
+    ended normally (a write that failed in it is reported through megatron's queue, exit code 0)."""
+    code = None if writer is None else writer.exitcode
+    if code is None or code == 0:
+        return None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the out-of-memory killer's usual choice: it has the trainer's footprint)" if name == "SIGKILL" else ""
+        return f"its writer process (pid {writer.pid}) was killed by {name}{why}"
+    return f"its writer process (pid {writer.pid}) exited with code {code}"
+
+
+def _watch_workers(pending: _Pending, blocking: bool) -> None:
+    """megatron's writer forks one worker per write bucket and waits for each to say it is done: a worker killed
+    (the out-of-memory killer may pick it as well) would keep it waiting forever, and the trainer with it. Such a
+    death stops the writer (this rank only, no collective); the save is then skipped as for a dead writer. With
+    `blocking`, watched until the writer ends."""
+    writer = pending.writer
+    while writer is not None and pending.death is None and writer.is_alive():
+        pending.death = _killed_worker(writer)
+        if pending.death is not None:
+            _kill_writer(writer)
+        elif not blocking:
+            return
+        else:
+            time.sleep(0.2)
+
+
+def _killed_worker(writer) -> str | None:
+    """A worker of `writer` that was killed by a signal: an unreaped child whose exit status (field 52 of
+    /proc/<pid>/stat, Linux >= 3.5) says so; None otherwise (also where that cannot be read)."""
+    try:
+        import psutil
+
+        children = psutil.Process(writer.pid).children()
+    except Exception:  # noqa: BLE001 - gone meanwhile, or no psutil
+        return None
+    for child in children:
+        try:
+            fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" or len(fields) < 50 or not (status := int(fields[49])) & 0x7F:
+            continue
+        try:
+            name = signal.Signals(status & 0x7F).name
+        except ValueError:
+            name = f"signal {status & 0x7F}"
+        why = " (the out-of-memory killer's usual choice: it has the trainer's footprint)" if name == "SIGKILL" else ""
+        return f"a worker of its writer process (pid {child.pid}) was killed by {name}{why}"
+    return None
+
+
+def _kill_writer(writer) -> None:
+    """SIGKILL an async writer process and the workers it forked (it writes nothing more)."""
+    if writer is None or writer.pid is None:
+        return
+    try:
+        import psutil
+
+        procs = psutil.Process(writer.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - gone already, or no psutil: the writer alone
+        procs = []
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            proc.kill()
+    with contextlib.suppress(Exception):
+        if writer.is_alive():
+            writer.kill()
+        writer.join(10)
 
 
 _STOP_SIGNALS_IGNORED = False  # set while megatron forks its checkpoint writers
@@ -336,16 +480,40 @@ def _full_message(run_dir, step: int, needed: int | None, *, free: int, written:
             f"{kept}: free some space (or move trainer.run_dir) and rerun the same command to resume")
 
 
-def disk_full_message(exc: BaseException, folder: Path, what: str) -> str | None:
-    """One line for a write into `folder` that failed for lack of space (None: another failure). For writers
-    without a previous size to go by (HF snapshots)."""
+def disk_full_message(exc: BaseException, folder: Path, what: str, *,
+                      left: str = "the partial folder was removed") -> str | None:
+    """One line for a write into `folder` (a folder, or a file such as metrics.jsonl) that failed for lack of space
+    (None: another failure): the line every writer of the run dir ends with on a full disk (HF snapshots, metrics,
+    wandb; checkpoints say the same with the space a save needs). `left`: what was undone."""
     if not _disk_full(exc, folder.parent):
         return None
     written = _folder_bytes(folder) if folder.is_dir() else 0
-    free = shutil.disk_usage(folder.parent).free
-    return (f"{what} in {folder.parent}: stopped: the disk is full ({_size(free)} free, more than the "
-            f"{_size(written)} written before it filled are needed); the partial folder was removed: free some space "
+    try:
+        free = f"{_size(shutil.disk_usage(folder.parent).free)} free"
+    except OSError:
+        free = "free space unknown"
+    need = f", more than the {_size(written)} written before it filled are needed" if written else ""
+    return (f"{what} in {folder.parent}: stopped: the disk is full ({free}{need}); {left}: free some space "
             f"(or move trainer.run_dir) and rerun the same command to resume")
+
+
+_CHECKPOINTERS: weakref.WeakSet = weakref.WeakSet()  # this process' Checkpointers
+
+
+def full_disk_error(exc: BaseException, target: Path, what: str, *,
+                    left: str = "the partial folder was removed") -> CheckpointWriteError | None:
+    """The rule for every writer of the run dir but the checkpoint itself (HF snapshots, metrics.jsonl, wandb): a
+    write that failed for lack of space ends the run with one line (`disk_full_message`: raise what this returns),
+    and a checkpoint still being written in this process is abandoned (its staging folder would keep the disk
+    full; `latest` stays). None: another failure (the caller re-raises it)."""
+    message = disk_full_message(exc, target, what, left=left)
+    if message is None:
+        return None
+    steps = [step for saver in list(_CHECKPOINTERS) if (step := saver.abandon()) is not None]
+    if steps:
+        message = message.replace(f"; {left}:", f"; {left}, and so was the unfinished save of checkpoint step "
+                                  f"{steps[0]} (`latest` is unchanged):", 1)
+    return CheckpointWriteError(message)
 
 
 def _size(nbytes: float) -> str:

@@ -9,9 +9,11 @@ PP broadcast, vocabulary padding stripped), so no conversion step is needed. Ato
 
 The rules of training checkpoints hold here too: a snapshot is never seen half-written (staging, then rename); a
 process killed while writing one leaves its staging folder, which the next start removes (also when hf_every is now
-0); a full disk is one line (CheckpointWriteError) with the staging folder removed. Snapshots are written in the
-step, not in the background: the export gathers full tensors over TP / PP / EP (collectives), and a background
-writer would have to hold a host copy of the whole model; a stop signal takes effect after a snapshot in progress.
+0); a full disk is one line (CheckpointWriteError, the line of every writer: checkpoint/save.full_disk_error) with
+the staging folder removed, and a checkpoint still being written in the background abandoned. Snapshots are
+written in the step, not in the background: the export gathers full tensors over TP / PP / EP (collectives), and a
+background writer would have to hold a host copy of the whole model; a stop signal takes effect after a snapshot in
+progress.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .. import run_lock
-from ..checkpoint import CheckpointWriteError, disk_full_message, fsync_path
+from ..checkpoint import fsync_path
+from ..checkpoint.save import full_disk_error
 from ..convert.export import save_hf
 
 HF_DIR = "hf"
@@ -68,10 +71,10 @@ class HFSnapshots:
                     self._retain(final)
             except BaseException as exc:
                 if _rank0():
-                    full = disk_full_message(exc, tmp, f"HF snapshot step {step}")
+                    full = full_disk_error(exc, tmp, f"HF snapshot step {step}")  # (also ends a pending save)
                     shutil.rmtree(tmp, ignore_errors=True)
                     if full is not None:
-                        raise CheckpointWriteError(full) from None
+                        raise full from None
                 raise
         return final if _rank0() else None
 
