@@ -125,6 +125,21 @@ def test_buffer_raises_what_its_producer_raised_and_when_every_producer_ended():
     assert ended.ends == [[7]]
 
 
+def test_waits_for_an_answer_are_bounded():
+    """A side batch's or a harvest's answer: a producer gone ends the wait, and a harvest (at a stop) gives up after
+    its limit instead of holding the stop forever on a stuck engine."""
+    buffer = GroupBuffer(capacity=4, producers=1)
+    t = time.perf_counter()
+    with pytest.raises(TimeoutError, match="no harvest answer from the rollout ranks in 0 s"):
+        buffer.take_batch("harvest", timeout=0.3)
+    assert 0.25 <= time.perf_counter() - t < 5
+    threading.Timer(0.2, buffer.put_batch, args=({1: "kept"}, "harvest")).start()
+    assert buffer.take_batch("harvest", timeout=30) == {1: "kept"}
+    buffer.end(None)
+    with pytest.raises(BufferError, match="stopped streaming while the trainer waits for its batch"):
+        buffer.take_batch()
+
+
 # --- the trainer's admission, the bound, the checkpoint rule ----------------------------------------------------------
 
 class ScriptedEngines:

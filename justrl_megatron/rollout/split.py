@@ -223,8 +223,8 @@ class SplitPlacement:
         with self._lock:
             self._channel.broadcast_object(("harvest", None), 0)
         kept = {}
-        for _ in range(self.roles.num_rollout_ranks):
-            kept.update(self._buffer.take_batch("harvest"))
+        for _ in range(self.roles.num_rollout_ranks):  # bounded: a stop must end even with an engine stuck
+            kept.update(self._buffer.take_batch("harvest", timeout=HARVEST_TIMEOUT_S))
         return kept
 
     # -- the trainer's turn, weights, the end -----------------------------------------------------------------------
@@ -299,6 +299,9 @@ def _receive_groups(channel, buffer) -> None:
             buffer.put(groups, figures)
     except BaseException as exc:  # noqa: BLE001  (raised to the trainer by buffer.take)
         buffer.fail(RuntimeError(f"the rollout rank's result channel failed: {exc}"))
+
+
+HARVEST_TIMEOUT_S = 300.0  # at a stop, an engine's samples so far: an abort and one message (seconds, not minutes)
 
 
 def serve_stream(engine, channel, results, e: int, engines: int, n: int, sampling, max_seqs: int,

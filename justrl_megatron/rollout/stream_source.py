@@ -314,12 +314,20 @@ class GroupBuffer:
             self._answers[kind].append(part)
             self._cond.notify_all()
 
-    def take_batch(self, kind: str = "batch"):
+    def take_batch(self, kind: str = "batch", *, timeout: float | None = None):
+        """The next answer of `kind`; blocks until one is in. Raises what a producer raised, BufferError when every
+        producer has stopped, TimeoutError after `timeout` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._answers[kind]:
                 if self._error is not None:
                     raise self._error
-                self._cond.wait(timeout=1.0)
+                if self._open <= 0:
+                    raise BufferError(f"every rollout rank stopped streaming while the trainer waits for its {kind}")
+                left = 1.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {kind} answer from the rollout ranks in {timeout:.0f} s")
+                self._cond.wait(timeout=min(1.0, left))
             return self._answers[kind].popleft()
 
     def put(self, items, stats: dict | None = None) -> None:
