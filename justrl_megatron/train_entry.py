@@ -263,8 +263,14 @@ def _run_dir_of(args: list[str]) -> str | None:
 
 
 def _task_overrides(args: list[str]) -> list[str]:
-    """The command line's overrides of the config itself (hydra's flags, their values and hydra.* left out)."""
-    return [a for a in args if not a.startswith("-") and "=" in a and not a.lstrip("+~").startswith("hydra.")]
+    """The command line's overrides of the config itself (hydra's flags, their values and hydra.* left out), and
+    hydra's `--config-dir` as a search path: what a launch composes, without hydra's run context."""
+    from hydra._internal.utils import get_args_parser
+
+    known, _ = get_args_parser().parse_known_args(args)
+    extra = [f"hydra.searchpath=[file://{os.path.abspath(known.config_dir)}]"] if known.config_dir else []
+    return [a for a in args if not a.startswith("-") and "=" in a
+            and not a.lstrip("+~").startswith("hydra.")] + extra
 
 
 def prompt_length_problems(cfg, model_dir) -> list[str]:

@@ -178,3 +178,6 @@ def test_justrl_train_refuses_a_yaml_bool_in_one_line(tmp_path, monkeypatch, cap
     line = (f"  - {tmp_path / 'configs' / 'parallel' / 'mine.yaml'}: parallel.distributed_optimizer must be true or "
             f"false, got 2")
     assert exit_.value.code == 2 and line in err.splitlines(), err
+    # the refused launch leaves nothing: the run dir it would have created (its name composed with --config-dir's
+    # files too) is gone
+    assert not (tmp_path / "run").exists()
