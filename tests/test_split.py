@@ -36,36 +36,13 @@ def metrics(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_split_sync_trains_with_the_trainers_weights_and_runs_tool_calls_on_the_rollout_rank(tmp_path):
-    """Split sync with rollout.tools (issue 49): the tool demo's SmolLM2 on 1 trainer + 1 rollout rank, which runs
-    each sample's turns and its Python calls in its own sandbox; the trainer's logprobs of the model's tokens equal
-    vLLM's (the masks and the token ids crossed the channel exactly; a misplaced tool token would show), tool tokens
-    are context, and the engine samples from the trainer's weights after every sync."""
-    run_dir = tmp_path / "sync"
-    run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", "recipe=cpu_demo_tool",
-            f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT,
-            "trainer.prompts_per_step=4", "rollout.n=4", "trainer.mini_batch_size=4",
-            "rollout.max_response_length=96"], timeout=900)
-    records = metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2]
-    assert [r["rollout/weight_version"] for r in records] == [0, 1]  # the sync after step 1 reached the engine
-    assert [r["rollout/staleness"] for r in records] == [0, 0]
-    # the engine samples from the trainer's weights, tool outputs excluded from the comparison
-    assert all(r["rollout/logprob_diff_mean"] < 1e-3 for r in records), [r["rollout/logprob_diff_mean"] for r in records]
-    assert sum(r["tool/call_rate"] for r in records) > 0 and any(r["tool/output_tokens_mean"] > 0 for r in records)
-    for key in ("time/wait_rollout_s", "time/rollout_s", "time/rollout_wait_weights_s", "time/sync_s"):
-        assert key in records[-1], key
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
 def test_streaming_runs_tool_turns_in_the_engine_loop(tmp_path):
-    """Streaming with rollout.tools (issue 49): the tool demo's SmolLM2 on 1 trainer + 1 rollout rank whose engine
-    loop runs each sample's turns (calls in its sandbox while the engine steps the others) as weights arrive
+    """Tools on split placement (issue 49), streaming: the tool demo's SmolLM2 on 1 trainer + 1 rollout rank whose
+    engine loop runs each sample's turns (calls in its sandbox while the engine steps the others) as weights arrive
     mid-generation; the samples reach the trainer with their masks (tool outputs counted, not trained), within the
     staleness bound, and the first step's samples (one weight version) score the trainer's logprobs of the model's
-    tokens equal to vLLM's."""
+    tokens equal to vLLM's (a misplaced tool token or mask would show). Split sync and one-step-off run the same
+    `ToolRollout.generate` as colocated (rollout/split.py `serve`), tested there (tests/test_tools.py)."""
     run_dir = tmp_path / "stream"
     run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", "recipe=cpu_demo_tool",
             f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT,
