@@ -127,6 +127,12 @@ def _fetch_routes(policy, routes: str | None, micro_batches: list[MicroBatch]) -
         replay.fetch([k for mb in micro_batches for k in mb.sample_ids])
 
 
+def _num_targets(mb: MicroBatch, device) -> torch.Tensor:
+    """The micro-batch's target count as the loss function hands it to megatron's schedule. torch.full, not
+    torch.tensor: a Python scalar copied to the GPU is a host sync in every micro-batch."""
+    return torch.full((), mb.num_targets, dtype=torch.int, device=device)
+
+
 def _rope_positions(mb: MicroBatch):
     """The position ids RoPE rotates by, or None for megatron's segment offsets. Shared-prompt units need them
     (responses restart at the prompt's end, inside one segment); on CUDA every packed row uses them too
@@ -201,8 +207,7 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
     def loss_fn(mb, model, output):
         logp, ent = _target_logprobs(policy, mb, model, output, with_entropy)
         zero = torch.zeros((), device=output.device)
-        return zero, torch.tensor(mb.num_targets, dtype=torch.int, device=output.device), \
-            {"logprobs": logp, "entropy": ent}
+        return zero, _num_targets(mb, output.device), {"logprobs": logp, "entropy": ent}
 
     routes = _load_routes(policy, samples, micro_batches)
     results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes=routes)
@@ -548,8 +553,7 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
             stats[k] = m[k]
     stats = {k: v.detach().float() for k, v in stats.items()}
     stats["target_logprobs"] = logp.detach()  # per target, not summed: the old logprobs when reused
-    # torch.full, not torch.tensor: a Python scalar copied to the GPU is a host sync in every micro-batch
-    return loss, torch.full((), mb.num_targets, dtype=torch.int, device=device), stats
+    return loss, _num_targets(mb, device), stats
 
 
 def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
