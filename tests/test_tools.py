@@ -353,7 +353,7 @@ def test_streaming_drops_a_tool_group_too_old_to_train_and_forgets_it_at_a_stop(
         assert set(loop.tool_groups) == {1, 2} and loop.turns.requests
         engine.weight_version = 4
         for gid in (2,):  # group 2 as if admitted with newer weights: only group 1 is too old for min_version 4
-            loop.tool_groups[gid][0] = 4
+            loop.tool_groups[gid] = 4
         figures = loop.update(lambda: {}, min_version=4)
         assert figures["dropped"] == [(1, 3)] and set(loop.tool_groups) == {2}
         assert all(key[0] == 2 for key in loop.turns.samples) and loop.stats.dropped == 1

@@ -104,7 +104,7 @@ class EngineLoop:
         # sample tool turns unseeded (a seeded CPU generator cannot follow a chunked prefill)
         self.turns = None if tools is None else Turns(tools, engine, sampling,
                                                       seeded=getattr(engine, "step_budget", None) is None)
-        self.tool_groups: dict[int, list[int]] = {}  # gid -> [admitted version, samples finished]
+        self.tool_groups: dict[int, int] = {}  # gid -> admitted version
         self.max_seqs = int(max_running_seqs or engine.max_num_seqs)
         self.capacity = max(1, self.max_seqs // n)  # groups in the engine at once
         self.waiting: deque[tuple[int, list[int], _Continued | None]] = deque()
@@ -134,11 +134,7 @@ class EngineLoop:
         admitted them and admits them again."""
         tool_kept = []
         if self.turns is not None:  # each tool sample's tokens so far (its requests stream them as they come)
-            for gid, (admitted, _) in self.tool_groups.items():
-                keys = [(gid, k) for k in range(self.n)]
-                versions = [v for key in keys for v in self.turns.samples[key].versions]
-                tool_kept.append((gid, self.turns.rollouts(keys, min(versions, default=admitted),
-                                                           with_versions=True)))
+            tool_kept = [(gid, self._tool_rollouts(gid)) for gid in self.tool_groups]
             self.turns.abort()
             self.tool_groups.clear()
         kept = self.engine.abort_keeping(self._stream_requests())
@@ -181,7 +177,7 @@ class EngineLoop:
         requests = old + [rid for c in resumed for rid in c.requests]
         if requests:
             self.engine.abort(requests)
-        tools = [(g, v) for g, (v, _) in self.tool_groups.items() if v < min_version]
+        tools = [(g, v) for g, v in self.tool_groups.items() if v < min_version]
         if tools:
             self.turns.abort([(g, k) for g, _ in tools for k in range(self.n)])
             for g, _ in tools:
@@ -216,7 +212,7 @@ class EngineLoop:
                 self._continue(resumed)
                 continue
             if self.turns is not None:  # the sample's place in its group seeds each of its turns (GPU)
-                self.tool_groups[gid] = [self.engine.weight_version, 0]
+                self.tool_groups[gid] = self.engine.weight_version
                 for k in range(self.n):
                     self.turns.add((gid, k), ids, k, f"t{gid}x{k}")
                 continue
@@ -229,7 +225,7 @@ class EngineLoop:
         """A resumed group's unfinished samples, each a request of its own after its earlier tokens (unseeded, as
         a seed's CPU generator cannot follow a chunked prefill; the earlier tokens decide nothing more)."""
         if self.turns is not None and c.samples.sampled_mask is not None:  # a tool group: its turns go on
-            self.tool_groups[c.gid] = [c.admitted_version, 0]
+            self.tool_groups[c.gid] = c.admitted_version
             for k in range(self.n):
                 self.turns.restore((c.gid, k), c.prompt_ids, c.samples, k, k, f"t{c.gid}x{k}r")
             return
@@ -332,20 +328,19 @@ class EngineLoop:
         done, as Groups with per-token versions (forgotten by the turns)."""
         self.turns.poll(self.engine.weight_version)
         done = []
-        for gid, _ in self.turns.take_done():
-            if gid not in self.tool_groups:
-                continue
-            self.tool_groups[gid][1] += 1
-            admitted, finished = self.tool_groups[gid]
-            if finished < self.n:
-                continue
+        for gid in dict.fromkeys(gid for gid, _ in self.turns.take_done()):
             keys = [(gid, k) for k in range(self.n)]
-            versions = [v for k in keys for v in self.turns.samples[k].versions]
-            done.append(Group(gid, self.turns.rollouts(keys, min(versions, default=admitted), with_versions=True),
-                              admitted))
+            if gid not in self.tool_groups or any(self.turns.samples[key].finish is None for key in keys):
+                continue
+            done.append(Group(gid, self._tool_rollouts(gid), self.tool_groups.pop(gid)))
             self.turns.abort(keys)  # (nothing runs for them: only forgotten)
-            del self.tool_groups[gid]
         return done
+
+    def _tool_rollouts(self, gid: int) -> Rollouts:
+        """A tool group's samples so far, with per-token versions; its weight version the oldest token's."""
+        keys = [(gid, k) for k in range(self.n)]
+        versions = [v for key in keys for v in self.turns.samples[key].versions]
+        return self.turns.rollouts(keys, min(versions, default=self.tool_groups[gid]), with_versions=True)
 
     def take_stats(self) -> LoopStats:
         stats, self.stats = self.stats, LoopStats()
