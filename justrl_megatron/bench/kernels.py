@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
@@ -24,17 +23,10 @@ import torch
 
 
 def _time(fn, repeats: int = 5, warmup: int = 2) -> float:
-    """Median seconds of fn() on the current CUDA stream."""
-    times = []
-    for i in range(warmup + repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+    """Median seconds of fn() on the current CUDA stream (the attention probe's clock, more repeats)."""
+    from ..model.attention import cuda_seconds
+
+    return cuda_seconds(fn, repeats=repeats, warmup=warmup)
 
 
 def _maxdiff(a, b) -> float:

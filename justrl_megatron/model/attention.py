@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -205,12 +206,17 @@ _VARLEN: dict = {}  # (device, dtype, heads, groups, head_dim) -> (name, fn) or 
 _WARNED: set = set()
 
 
+def _device(device) -> torch.device:
+    """The device as the probes' caches key it: "cuda" and "cuda:0" are one kernel choice."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def varlen_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int):
     """(name, fn) of the varlen form this device/dtype/head layout uses, probed once; (None, None) = fallback."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one kernel choice
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, dtype, num_heads, num_groups, head_dim)
+    key = (_device(device), dtype, num_heads, num_groups, head_dim)
     if key not in _VARLEN:
         name, fn, errors = probe_varlen(varlen_candidates(), key[0], dtype, num_heads, num_groups, head_dim)
         _VARLEN[key] = (name, fn)
@@ -268,16 +274,14 @@ _CUDNN: dict = {}  # (device, dtype, heads, groups, head_dim) -> (name, fn) or (
 
 def cudnn_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int):
     """(name, fn) of the cuDNN form that computes the reference answer here, probed once; (None, None): none does."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, dtype, num_heads, num_groups, head_dim)
+    key = (_device(device), dtype, num_heads, num_groups, head_dim)
     if key not in _CUDNN:
+        forms = {name: fn for name, fn, _ in cudnn_candidates()}
+        # the probe calls forms as varlen does (cu_seqlens on the device): read its bounds once per probe call
         adapted = [(name, (lambda fn: lambda q, k, v, cu, mx, scale: fn(q, k, v, cu.tolist(), scale))(fn), exp)
                    for name, fn, exp in cudnn_candidates()]
-        name, _, errors = probe_varlen(adapted, device, dtype, num_heads, num_groups, head_dim)
-        fn = dict((n, f) for n, f, _ in cudnn_candidates()).get(name)
-        _CUDNN[key] = (name, fn)
+        name, _, errors = probe_varlen(adapted, key[0], dtype, num_heads, num_groups, head_dim)
+        _CUDNN[key] = (name, forms.get(name))
         if name is None and "cudnn" not in _WARNED:
             _WARNED.add("cudnn")
             logger.warning("cuDNN attention is not usable here (tried: %s); packed rows use flash attention",
@@ -285,19 +289,25 @@ def cudnn_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int):
     return _CUDNN[key]
 
 
-def _timed(fn, args, repeats: int = 3) -> float:
-    """Median seconds of forward + backward of fn(*args) on CUDA (after one warm-up call)."""
+def cuda_seconds(fn, repeats: int = 3, warmup: int = 1) -> float:
+    """Median seconds of fn() on the current CUDA stream, by CUDA events, after `warmup` calls (the `auto` backend's
+    choice here; bench/kernels.py's microbenchmarks)."""
     times = []
-    for i in range(repeats + 1):
-        inputs = [x.detach().requires_grad_() for x in args[:3]]
+    for i in range(warmup + repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(*inputs, *args[3:]).sum().backward()
+        fn()
         end.record()
         end.synchronize()
-        if i:
+        if i >= warmup:
             times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
+
+
+def _forward_backward(fn, q, k, v, *rest):
+    def run():
+        fn(*(x.detach().requires_grad_() for x in (q, k, v)), *rest).sum().backward()
+    return run
 
 
 _AUTO: dict = {}
@@ -332,8 +342,8 @@ def _auto_pick(device, dtype, num_heads, num_groups, head_dim, tokens: int = 819
                    for h in (num_heads, num_groups, num_groups))
         cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         scale = 1.0 / math.sqrt(head_dim)
-        t_flash = _timed(flash, (q, k, v, cu, tokens, scale))
-        t_cudnn = _timed(cudnn, (q, k, v, [0, tokens], scale))
+        t_flash = cuda_seconds(_forward_backward(flash, q, k, v, cu, tokens, scale))
+        t_cudnn = cuda_seconds(_forward_backward(cudnn, q, k, v, [0, tokens], scale))
     pick = "cudnn" if t_cudnn <= 0.95 * t_flash else "flash"
     logger.info("model.attention_backend=auto: %s (forward+backward of %d tokens: cudnn %.2f ms, flash %.2f ms)",
                 pick, tokens, t_cudnn * 1e3, t_flash * 1e3)
