@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import random
 import resource
 import statistics
@@ -122,39 +123,51 @@ def _time_optimizer_steps(policy) -> list[float]:
     return times
 
 
-def sync_counts(policy, fn) -> dict:
-    """{"update": device-to-host syncs while fn() runs, "optimizer_step": those inside policy.optimizer.step()},
-    counted by torch's sync debug mode (it warns at every synchronizing call)."""
+SYNC_MESSAGE = "synchronizing CUDA operation"  # what torch's sync debug mode warns at each device-to-host sync
+
+
+def count_syncs(fn, *args, **kwargs):
+    """Runs `fn(*args, **kwargs)` under `torch.cuda.set_sync_debug_mode("warn")`: (its result, the number of
+    device-to-host syncs it made, where each came from as 'file:line'). Work queued before is drained first, so that
+    none of it is charged to `fn` (not inside another count, which would be charged the drain)."""
     import warnings
 
+    before = torch.cuda.get_sync_debug_mode()
+    if not before:
+        torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the default filter would show each call site once
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    where = [f"{w.filename}:{w.lineno}" for w in caught if SYNC_MESSAGE in str(w.message)]
+    return result, len(where), where
+
+
+def sync_counts(policy, fn) -> dict:
+    """{"update": device-to-host syncs while fn() runs, "optimizer_step": those inside policy.optimizer.step(),
+    "where": the most frequent call sites}."""
     timed = policy.optimizer.step
-    step, inside = getattr(policy.optimizer, "justrl_untimed_step", timed), []
+    step = getattr(policy.optimizer, "justrl_untimed_step", timed)  # without the timer's own synchronizations
+    inside: list[str] = []
 
     def counted_step(*args, **kwargs):
-        before = len(caught)
-        out = step(*args, **kwargs)
-        inside.append(len(caught) - before)
+        out, _, where = count_syncs(step, *args, **kwargs)  # (a count of its own: the outer one does not see them)
+        inside.extend(where)
         return out
 
     policy.optimizer.step = counted_step
-    torch.cuda.synchronize()
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            previous = torch.cuda.get_sync_debug_mode()  # a count inside another count leaves it on
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
+        _, _, outside = count_syncs(fn)
     finally:
         policy.optimizer.step = timed
-    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     where = {}
-    for w in syncs:
-        key = f"{w.filename.rsplit('/', 3)[-1]}:{w.lineno}"
+    for site in outside + inside:
+        key = os.path.basename(site)
         where[key] = where.get(key, 0) + 1
-    return {"update": len(syncs), "optimizer_step": sum(inside),
+    return {"update": len(outside) + len(inside), "optimizer_step": len(inside),
             "where": dict(sorted(where.items(), key=lambda kv: -kv[1])[:12])}
 
 

@@ -1,37 +1,19 @@
 """Device-to-host syncs of the training step on CUDA (model/optimizer_kernels.py; fast_paths).
 
-`count_syncs(fn)` counts them with torch's sync debug mode: in mode "warn" every synchronizing CUDA call (`.item()`,
-`float(t)`, `.tolist()`, a blocking copy to or from the host, `torch.cuda.synchronize()`) emits one UserWarning
+`count_syncs(fn)` (bench/train.py; the mfu stage counts with it too) counts them with torch's sync debug mode: in
+mode "warn" every synchronizing CUDA call (`.item()`, `float(t)`, `.tolist()`, a blocking copy to or from the host,
+`torch.cuda.synchronize()`) emits one UserWarning
 ("called a synchronizing CUDA operation"); `test_count_syncs_sees_each_sync` checks that on this torch. A
 forward/backward count belongs here too (wrap `compute_logprobs` or `forward_backward` in `count_syncs`).
 """
 
 import os
-import warnings
 
 import pytest
 import torch
 
+from justrl_megatron.bench.train import count_syncs
 from step_parity import MAX_TOKENS, SHAPES, STEP_KW, make_samples, old_from
-
-SYNC_MESSAGE = "synchronizing CUDA operation"
-
-
-def count_syncs(fn, *args, **kwargs):
-    """Runs `fn(*args, **kwargs)` under `torch.cuda.set_sync_debug_mode("warn")`: (its result, the number of
-    device-to-host syncs it made, where each came from as 'file:line'). Work queued before the call is drained
-    first, so that none of it is charged to `fn`."""
-    torch.cuda.synchronize()
-    before = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # the default filter would show each call site once
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
-    where = [f"{w.filename}:{w.lineno}" for w in caught if SYNC_MESSAGE in str(w.message)]
-    return result, len(where), where
 
 
 def test_count_syncs_sees_each_sync():
