@@ -56,6 +56,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from ..model.fast_paths import SWITCHES  # (imports nothing but os: the driver stays free of torch)
+
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS_TXT = ROOT / "tools" / "gpu_wheels.txt"
 BUNDLE_LIMIT_BYTES = 20 * 1000 * 1000
@@ -402,12 +404,10 @@ def stage_train(progress, cap_s: float, out_dir: Path) -> dict:
             "peak_over_prediction": None if peak is None or oom else peak * 2**30 / plan.peak_bytes}
 
 
-# the mfu stage's A/B: each fast path alone on the baseline (every one off, flash attention), then all of them
+# the mfu stage's A/B, (name, JUSTRL_FAST_PATHS_OFF, model.attention_backend): the baseline (every fast path off,
+# flash attention), all of them, then each alone on the baseline
 MFU_VARIANTS = (("baseline", "all", "flash"), ("all", "", "auto"), ("cudnn_attention", "all", "cudnn"),
-                ("rope_once", "foreach_grad_norm,fused_adamw,compiled_head", "flash"),
-                ("foreach_grad_norm", "rope_once,fused_adamw,compiled_head", "flash"),
-                ("fused_adamw", "rope_once,foreach_grad_norm,compiled_head", "flash"),
-                ("compiled_head", "rope_once,foreach_grad_norm,fused_adamw", "flash"))
+                *((name, ",".join(s for s in SWITCHES if s != name), "flash") for name in SWITCHES))
 
 
 def stage_mfu(progress, cap_s: float, out_dir: Path) -> dict:
