@@ -1,7 +1,7 @@
 """Writers of the run dir (issue 50 item 2): a dying async checkpoint writer skips that save, said once, and the
 training goes on; a full disk under any writer (metrics.jsonl, wandb, HF snapshots, checkpoints) is the same one
-line, with no torn row and no staging folder left. Full disks are real where a tmpfs can be mounted (root), else
-the test is skipped with the reason; wandb and HF snapshots get the error from a stand-in."""
+line, with no torn row and no staging folder left. Full disks are real (a tiny tmpfs: root, as CI has); wandb and HF
+snapshots get the error from a stand-in."""
 
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ def _logger(run_dir, start_step=0):
 
 @contextlib.contextmanager
 def _tiny_disk(path: Path, size: str):
-    """A real filesystem of `size` at `path` (tmpfs); the test is skipped where mounting is not allowed."""
+    """A real filesystem of `size` at `path` (tmpfs). Mounting needs root, which CI has (as test_run_safety's
+    full-disk checks, these fail rather than skip without it: a skip would hide them)."""
     path.mkdir(parents=True, exist_ok=True)
     got = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
                          text=True)
     if got.returncode != 0:
         why = got.stderr.strip() or got.returncode
-        pytest.skip(f"a tiny tmpfs cannot be mounted here ({why}): full disks untested")
+        pytest.fail(f"the full-disk checks need a tiny tmpfs (root: mount -t tmpfs), as CI has; mounting failed: {why}")
     try:
         yield path
     finally:
@@ -193,26 +194,29 @@ def test_an_hf_snapshot_on_a_full_disk_also_removes_a_checkpoint_being_written(t
 
 # --- real async saves of a tiny policy: a killed writer, a disk that fills while one writes ------------------------
 
-HOLD = "JUSTRL_TEST_HOLD_WRITER"
-
-
-@pytest.fixture
-def held_writers(monkeypatch, tmp_path):
-    """megatron's async writer waits while the file named by $JUSTRL_TEST_HOLD_WRITER exists (so that a test acts
-    on a writer that is surely still writing)."""
+def _hold(monkeypatch, method: str, hold: Path, on_entry=None) -> Path:
+    """megatron's FileSystemWriterAsync.`method` waits (up to 60 s) while the file `hold` exists, after calling
+    `on_entry()` (so that a test acts on a process that is surely still writing)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    original = FileSystemWriterAsync.write_preloaded_data_multiproc
-    hold = tmp_path / "hold"
+    original = getattr(FileSystemWriterAsync, method)
 
     def held(*args, **kwargs):
+        if on_entry is not None:
+            on_entry()
         deadline = time.monotonic() + 60
         while hold.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data_multiproc", staticmethod(held))
+    monkeypatch.setattr(FileSystemWriterAsync, method, staticmethod(held))
     return hold
+
+
+@pytest.fixture
+def held_writers(monkeypatch, tmp_path):
+    """megatron's async writer waits while tmp_path/hold exists."""
+    return _hold(monkeypatch, "write_preloaded_data_multiproc", tmp_path / "hold")
 
 
 @pytest.fixture(scope="module")
@@ -310,20 +314,8 @@ def test_a_disk_that_fills_during_an_async_save_ends_on_the_next_metrics_row(tmp
 def held_workers(monkeypatch, tmp_path):
     """megatron's write workers (one per write bucket, forked by the writer) wait while tmp_path/hold_workers exists;
     each leaves tmp_path/worker.<pid>."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    original = FileSystemWriterAsync.write_preloaded_data
-    hold = tmp_path / "hold_workers"
-
-    def held(*args, **kwargs):
-        (tmp_path / f"worker.{os.getpid()}").touch()
-        deadline = time.monotonic() + 60
-        while hold.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data", staticmethod(held))
-    return hold
+    return _hold(monkeypatch, "write_preloaded_data", tmp_path / "hold_workers",
+                 on_entry=lambda: (tmp_path / f"worker.{os.getpid()}").touch())
 
 
 def test_a_killed_write_worker_does_not_hang_the_trainer(tmp_path, policy, held_workers, capfd):
