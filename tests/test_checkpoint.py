@@ -277,17 +277,19 @@ def test_a_dead_hf_snapshot_staging_folder_goes_at_the_next_start_even_without_h
     assert not dead.exists() and kept.is_dir()
 
 
-def test_an_hf_snapshot_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+def save_hf_onto_a_full_disk(chunks, shape, folder, model_dir, progress):
+    """hf_snapshots.save_hf as it ends on a full disk: part of the folder written, then ENOSPC."""
     import errno
 
+    folder.mkdir(parents=True)
+    (folder / "model-00001.safetensors").write_bytes(b"x" * 1000)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_an_hf_snapshot_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     from justrl_megatron.train import hf_snapshots
 
-    def save_hf(chunks, shape, folder, model_dir, progress):
-        folder.mkdir(parents=True)
-        (folder / "model-00001.safetensors").write_bytes(b"x" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(hf_snapshots, "save_hf", save_hf)
+    monkeypatch.setattr(hf_snapshots, "save_hf", save_hf_onto_a_full_disk)
     snaps = hf_snapshots.HFSnapshots(tmp_path, 1, 2, 10, None, None, None)
     with pytest.raises(ckpt.CheckpointWriteError) as err:
         snaps.save(3)

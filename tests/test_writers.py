@@ -173,13 +173,9 @@ def _fake_pending(run_dir, step):
 
 def test_an_hf_snapshot_on_a_full_disk_also_removes_a_checkpoint_being_written(tmp_path, monkeypatch):
     from justrl_megatron.train import hf_snapshots
+    from test_checkpoint import save_hf_onto_a_full_disk
 
-    def save_hf(chunks, shape, folder, model_dir, progress):
-        folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(b"x" * 1000)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(hf_snapshots, "save_hf", save_hf)
+    monkeypatch.setattr(hf_snapshots, "save_hf", save_hf_onto_a_full_disk)
     saver = ckpt.Checkpointer(tmp_path, async_save=True)
     saver._pending = _fake_pending(tmp_path, 4)
     with pytest.raises(ckpt.CheckpointWriteError) as err:
