@@ -404,7 +404,7 @@ def optimizer_step_if_finite(policy) -> tuple[bool, float]:
     optimizer = policy.optimizer
     params = _trainable_params(policy)
     grads = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
-    flags = torch.stack([_largest_norm(grads, policy.device), _largest_norm(params, policy.device)])
+    flags = _largest_norms(grads, params, policy.device)
     largest_grad, largest_weight = _reduce_over_training_ranks(flags, dist.ReduceOp.MAX).tolist()
     if not math.isfinite(largest_grad):
         optimizer.prepare_grads()  # the norm megatron would have logged (NaN / inf), for the metrics
@@ -428,13 +428,15 @@ def _trainable_params(policy) -> list[torch.Tensor]:
     return [p for chunk in policy.chunks for p in chunk.parameters() if p.requires_grad]
 
 
-def _largest_norm(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """The largest per-tensor 2-norm over ``tensors`` (>= every |x|; finite iff every element is finite and no sum of
-    squares overflows) as a 0-d fp32 tensor on the device, +inf if any is not finite: one fused multi-tensor pass
-    (the inf-norm has no fused CPU kernel: 200x slower there)."""
-    if not tensors:
-        return torch.zeros((), device=device)
-    worst = torch.stack([n.float() for n in torch._foreach_norm([t.detach() for t in tensors], 2)]).max()
+def _largest_norms(grads: list[torch.Tensor], params: list[torch.Tensor], device) -> torch.Tensor:
+    """[largest per-tensor 2-norm of ``grads``, of ``params``] (each >= every |x| of its list; finite iff every
+    element is finite and no sum of squares overflows; +inf if not finite; 0 for an empty list) as a 2-vector of fp32
+    on the device: both lists in one fused multi-tensor pass, the guard's whole cost on the device (the inf-norm has
+    no fused CPU kernel: 200x slower there)."""
+    norms = torch._foreach_norm([t.detach() for t in (*grads, *params)], 2) if grads or params else []
+    parts = (norms[:len(grads)], norms[len(grads):])
+    worst = torch.stack([torch.stack([n.float() for n in part]).max() if part else torch.zeros((), device=device)
+                         for part in parts])
     return torch.where(torch.isfinite(worst), worst, torch.full_like(worst, float("inf")))
 
 

@@ -1,6 +1,6 @@
 """The non-finite step guard on CUDA (train/step.py::optimizer_step_if_finite): no host copy of the weights in a
-normal step, and at most 2% of an update (guard on vs megatron's bare step, side by side), on 4 layers of the 1.5B's
-width in bf16 (tests/gpu/guard_device.py in a fresh subprocess)."""
+normal step, and at most 2% of an update (guard on vs megatron's bare step, side by side), on the 1.5B's whole shape
+in bf16 at 16K tokens per update (tests/gpu/guard_device.py in a fresh subprocess)."""
 
 import json
 import os
