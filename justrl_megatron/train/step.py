@@ -431,13 +431,14 @@ def _trainable_params(policy) -> list[torch.Tensor]:
 def _largest_norms(grads: list[torch.Tensor], params: list[torch.Tensor], device) -> torch.Tensor:
     """[largest per-tensor 2-norm of ``grads``, of ``params``] (each >= every |x| of its list; finite iff every
     element is finite and no sum of squares overflows; +inf if not finite; 0 for an empty list) as a 2-vector of fp32
-    on the device: both lists in one fused multi-tensor pass, the guard's whole cost on the device (the inf-norm has
-    no fused CPU kernel: 200x slower there)."""
-    norms = torch._foreach_norm([t.detach() for t in (*grads, *params)], 2) if grads or params else []
-    parts = (norms[:len(grads)], norms[len(grads):])
-    worst = torch.stack([torch.stack([n.float() for n in part]).max() if part else torch.zeros((), device=device)
-                         for part in parts])
-    return torch.where(torch.isfinite(worst), worst, torch.full_like(worst, float("inf")))
+    on the device. Both lists in one fused multi-tensor pass that writes fp32 norms, and one kernel each to reduce
+    them: hundreds of per-tensor launches (a cast each) would cost more than the pass itself on a GPU. (The
+    inf-norm has no fused CPU kernel: 200x slower there.)"""
+    with torch.no_grad():
+        norms = torch._foreach_norm([*grads, *params], 2, dtype=torch.float32) if grads or params else []
+        parts = (norms[:len(grads)], norms[len(grads):])
+        worst = torch.stack([torch.stack(part).max() if part else torch.zeros((), device=device) for part in parts])
+        return torch.where(torch.isfinite(worst), worst, torch.full_like(worst, float("inf")))
 
 
 @functools.lru_cache(maxsize=None)
