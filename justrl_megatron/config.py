@@ -316,11 +316,13 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
             f"trainer.mini_batch_size x rollout.n ({tr.mini_batch_size} x {ro.n}); make prompts_per_step a multiple "
             f"of mini_batch_size"
         )
+    # any DP size works: a mini-batch is split over the replicas by tokens, not by sample count (train/batching.py),
+    # and the loss denominator is global; fewer samples than replicas only leaves a replica nothing to train
     dp = max(train_world // max(tp * pp * cp, 1), 1)
-    if (tr.mini_batch_size * ro.n) % dp:
+    if 1 <= tr.mini_batch_size * ro.n < dp:  # (n or the mini-batch < 1 have their own line)
         problems.append(
-            f"a mini-batch of {tr.mini_batch_size} x {ro.n} samples cannot be split over {dp} data-parallel ranks; "
-            f"make trainer.mini_batch_size x rollout.n a multiple of {dp}"
+            f"a mini-batch of {tr.mini_batch_size} x {ro.n} samples leaves some of the {dp} data-parallel ranks "
+            f"without a sample; make trainer.mini_batch_size x rollout.n at least {dp}, or use fewer trainer ranks"
         )
     if par.sequence_parallel and tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tensor > 1")

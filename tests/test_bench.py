@@ -236,6 +236,19 @@ def test_plan_colocated_sync_is_the_sum_of_its_phases():
     assert split["step_s"] == pytest.approx(p["step_s"] - 0.3) and split["gpus"] == 2
     assert predict(_plan_inputs(optimizer_steps=4, logprob_s_per_token=0.0005), "split sync")["step_s"] \
         == pytest.approx(split["step_s"] + 3 * 2.0 + 0.0005 * tokens)  # per mini-batch fixed cost, old logprobs
+    shared = predict(_plan_inputs(shared_prompt=True), "split sync")  # each group's prompt computed once, not n times
+    assert shared["step_s"] == pytest.approx(split["step_s"] - 0.001 * 4 * 10 * (2 - 1))
+    assert shared["tokens_per_step"] == tokens  # the trained tokens still count every sample's prompt
+
+
+def test_plan_update_point_from_a_loop_step_counts_computed_tokens():
+    """A loop step's update in the planner's unit: 8 groups x 4 responses of mean 20 after 50-token prompts."""
+    from justrl_megatron.bench.longtail import loop_update_point
+
+    record = {"throughput/tokens_per_s": 100.0, "time/step_s": 32 * 70 / 100.0, "response/length_mean": 20.0,
+              "time/update_s": 3.0}
+    assert loop_update_point(record, 8, 4, shared_prompt=False) == pytest.approx((32 * 70, 3.0))
+    assert loop_update_point(record, 8, 4, shared_prompt=True) == pytest.approx((32 * 20 + 8 * 50, 3.0))
 
 
 def test_plan_one_step_off_hides_the_shorter_side():

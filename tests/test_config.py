@@ -74,6 +74,17 @@ def test_prompts_times_rollouts_divisible_by_mini_batch():
     assert "not divisible by the mini-batch" in msg and "multiple of mini_batch_size" in msg
 
 
+def test_any_data_parallel_size_that_has_a_sample_per_rank():
+    """14 trainers + 18 engines of 32 GPUs (the planner's balance for JustRL): 64 x 8 samples over 14 replicas is
+    accepted (the split is by tokens; tests/test_step.py's uneven mini-batches check the update); fewer samples than
+    replicas is refused in one line."""
+    split = ["rollout.placement=split", "rollout.num_rollout_ranks=18"]
+    validate(compose(["recipe=justrl_deepseek_1p5b", *split]), world_size=32, shape=DEEPSEEK_1P5B)
+    msg = _problems([*split, "trainer.mini_batch_size=1", "trainer.prompts_per_step=1", "rollout.n=8"],
+                    world_size=32)
+    assert "a mini-batch of 1 x 8 samples leaves some of the 14 data-parallel ranks without a sample" in msg
+
+
 def test_lengths_fit_the_model_context():
     msg = _problems(["model.max_context=8192"])
     assert "exceeds the model context 8192" in msg

@@ -447,7 +447,8 @@ def run_plan(a, argv) -> int:
             print(f"{workload}: predicted (lengths: the initial sample | reshaped to the run) against measured")
             for name, r in report[workload]["rows"].items():
                 m, s, u = r["measured"], r["sample"], r["run"]
-                print(f"  {name:16s} step s measured {m['step_s']:7.1f}  predicted {s['step_s']:7.1f} "
+                print(f"  {name:16s} step s measured {r['measured_mean_step_s']:7.1f} (mean; median {m['step_s']:.1f})"
+                      f"  predicted {s['step_s']:7.1f} "
                       f"({100 * s['step_error']:+.0f}%) | {u['step_s']:7.1f} ({100 * u['step_error']:+.0f}%)   "
                       f"trainer idle {m['trainer_idle_frac']:.2f} vs {u['trainer_idle_frac']:.2f}")
     else:

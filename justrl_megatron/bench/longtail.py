@@ -87,12 +87,11 @@ def sample_lengths(model: str | None, prompts: int = 16, n: int = 4, seed: int =
     from transformers import AutoTokenizer
 
     from .. import assets
-    from ..config import compose
     from ..rollout import SamplingConfig
     from ..rollout.vllm_engine import VLLMEngine
     from ..data.sampler import load_training_rows, tokenize_prompts
 
-    cfg = compose([w for w in workload if not w.startswith("rollout.placement") and "num_rollout" not in w])
+    cfg = workload_config(workload)
     model = model or str(assets.smollm2_135m_instruct())
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows, _ = tokenize_prompts(load_training_rows(cfg.data, seed=cfg.trainer.seed), tokenizer, cfg.data)
@@ -148,13 +147,11 @@ def measure_decode(model: str | None, overrides=WORKLOAD, n: int = 4) -> dict:
     from transformers import AutoTokenizer
 
     from .. import assets
-    from ..config import compose
     from ..data.sampler import load_training_rows, tokenize_prompts
     from ..rollout import SamplingConfig
     from ..rollout.vllm_engine import make_engine
 
-    cfg = compose([w for w in overrides if not w.startswith("rollout.placement") and "num_rollout" not in w]
-                  + ["rollout.streaming=true"])
+    cfg = workload_config([*overrides, "rollout.streaming=true"])
     model = model or str(assets.smollm2_135m_instruct())
     tokenizer = AutoTokenizer.from_pretrained(model)
     rows, _ = tokenize_prompts(load_training_rows(cfg.data, seed=cfg.trainer.seed), tokenizer, cfg.data)
@@ -215,31 +212,71 @@ def _update_points(out: str, prompt_len: int) -> None:
     open(out, "w").write(json.dumps(points))
 
 
+LOOP_RESPONSE_CAPS = (8, 64)  # the loop's calibration runs: two update sizes, the step's other costs from the first
+
+
+def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) -> tuple[float, float]:
+    """(computed tokens, seconds) of one step's update from its metrics: every response token, and the prompts n
+    times or, with the shared prompt, once per group (what the planner's `update_s_per_token` is per)."""
+    tokens = record["throughput/tokens_per_s"] * record["time/step_s"]  # prompt + response tokens, per sample
+    response = record["response/length_mean"] * groups * n
+    prompts = max(0.0, tokens - response)
+    return response + (prompts / n if shared_prompt else prompts), record["time/update_s"]
+
+
 def measure_loop(model: str | None, overrides=WORKLOAD) -> dict:
-    """The loop's own per-step costs from a split synchronous run with 8-token responses (1 + 2 steps): the weight
-    sync, scoring per group, the rest of a step besides rollout, update and sync, and the update at that size."""
+    """The loop's own per-step costs from split synchronous runs (1 + 2 steps each) with short responses (at most
+    LOOP_RESPONSE_CAPS tokens): the weight sync, scoring per group and the rest of a step besides rollout, update
+    and sync from the first; the update's cost per computed token fitted through both runs' steps. The loop's update
+    is the planner's input, not the train phase's: on this CPU the two differ by 1.5-5x per token (docs/benchmarks.md,
+    the planner's check), so only the loop's own update predicts the loop."""
     from .step import bench_step
 
-    run = bench_step(model=model, warmup=0, repeats=3, nproc=2, progress=False, keep_records=True,
-                     overrides=[*overrides, "rollout.max_staleness=0", "rollout.max_response_length=8"])
-    records, groups = run["records"], run["prompts"]
-    timed = [(records[i - 1], records[i]) for i in range(1, len(records))]  # step 1 warms up
+    cfg = workload_config(overrides)
+    shared = workload_shared_prompt(cfg)
+    points, first = [], None
+    for cap in LOOP_RESPONSE_CAPS:
+        run = bench_step(model=model, warmup=0, repeats=3, nproc=2, progress=False, keep_records=True,
+                         overrides=[*overrides, "rollout.max_staleness=0", f"rollout.max_response_length={cap}"])
+        records, groups = run["records"], run["prompts"]
+        timed = [(records[i - 1], records[i]) for i in range(1, len(records))]  # step 1 warms up
+        points += [loop_update_point(r, groups, cfg.rollout.n, shared) for _, r in timed]
+        first = first or (timed, groups)
+    timed, groups = first
     return {"sync_s": statistics.median(r["time/sync_s"] for _, r in timed),
             "reward_s_per_group": statistics.median(r.get("time/reward_s", 0.0) for _, r in timed) / groups,
             "overhead_s": statistics.median(max(0.0, r["time"] - p["time"] - r.get("time/wait_rollout_s", 0.0)
                                                 - r["time/update_s"] - r["time/sync_s"]) for p, r in timed),
-            "update_points": [(r["throughput/tokens_per_s"] * r["time/step_s"], r["time/update_s"]) for _, r in timed]}
+            "shared_prompt": shared, "update_points": points}
+
+
+def workload_config(overrides):
+    from ..config import compose
+
+    return compose([w for w in overrides if not w.startswith("rollout.placement") and "num_rollout" not in w])
+
+
+def workload_shared_prompt(cfg) -> bool:
+    """Whether the workload's trainer shares each group's prompt (the CPU runs the local spec)."""
+    from ..model.attention import resolve_shared_prompt
+
+    return resolve_shared_prompt(cfg.trainer.shared_prompt, "local")
 
 
 def measure_plan_inputs(model: str | None = None) -> dict:
-    """Everything bench/plan.py needs from this machine, the workload's sizes aside."""
+    """Everything bench/plan.py needs from this machine, the workload's sizes aside. The train phase's update
+    points (every prompt computed: its tokens are computed tokens) are measured and reported beside the loop's,
+    which alone give the update input."""
     decode = measure_decode(model)
-    points = measure_update(round(decode["prompt_len"]))
+    train_points = measure_update(round(decode["prompt_len"]))
     loop = measure_loop(model)
-    slope, intercept = statistics.linear_regression([t for t, _ in points + loop["update_points"]],
-                                                    [s for _, s in points + loop["update_points"]])
-    return {"decode": decode, "update_points": points, "loop": loop, "update_fixed_s": max(0.0, intercept),
-            "update_s_per_token": slope}
+    xs, ys = [t for t, _ in loop["update_points"]], [s for _, s in loop["update_points"]]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    if intercept < 0:  # noise: no fixed cost then, the mean rate per computed token
+        slope, intercept = sum(ys) / sum(xs), 0.0
+    train_slope = statistics.linear_regression([t for t, _ in train_points], [s for _, s in train_points])[0]
+    return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": intercept,
+            "update_s_per_token": slope, "train_phase_s_per_token": train_slope}
 
 
 def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
@@ -254,7 +291,8 @@ def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
                       sync_s=measured["loop"]["sync_s"], lengths=list(lengths), prompt_len=round(d["prompt_len"]),
                       prompts_per_step=int(sizes["trainer.prompts_per_step"]), n=int(sizes["rollout.n"]),
                       max_response_length=cap, reward_s_per_group=measured["loop"]["reward_s_per_group"],
-                      overhead_s=measured["loop"]["overhead_s"])
+                      overhead_s=measured["loop"]["overhead_s"],
+                      shared_prompt=workload_shared_prompt(workload_config(overrides)))
 
 
 def lengths_like_run(lengths: list[int], records: list[dict], cap: int) -> list[int]:
@@ -285,13 +323,17 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
     for name, m in raw["modes"].items():
         mode, eta = mode_plan(name)
         measured = {k: statistics.median(v) for k, v in m["figures"].items()}
-        row = {"measured": measured}
+        # the planner's step_s is a mean over its simulated steps: the measured mean is its counterpart (the median
+        # of a few steps of temperature-1 sampling is reported beside it)
+        mean_step = statistics.mean(m["figures"]["step_s"])
+        row = {"measured": measured, "measured_mean_step_s": mean_step}
         for label, lengths in (("sample", raw["lengths"]),
                                ("run", lengths_like_run(raw["lengths"], m["records"][warmup:], raw["cap"]))):
             p = predict(plan_inputs_for(measured_inputs, workload, lengths), mode, eta=eta)
             row[label] = {**{k: p[k] for k in ("step_s", "trained_tokens_per_s", "trainer_idle_frac",
                                                "engine_idle_frac", "staleness_max")},
-                          "step_error": p["step_s"] / measured["step_s"] - 1}
+                          "step_error": p["step_s"] / mean_step - 1,
+                          "step_error_vs_median": p["step_s"] / measured["step_s"] - 1}
         rows[name] = row
     return rows
 

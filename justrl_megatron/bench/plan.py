@@ -51,7 +51,7 @@ class PlanInputs:
 
     decode: DecodeCost
     update_fixed_s: float  # one optimizer step's fixed cost (optimizer, launches) per mini-batch
-    update_s_per_token: float  # forward + backward per trained token (prompt + response), one trainer device
+    update_s_per_token: float  # forward + backward per computed token (see shared_prompt), one trainer device
     sync_s: float  # one weight sync: trainer and engines busy
     lengths: list[int]  # the response-length distribution (samples of it)
     prompt_len: int
@@ -64,11 +64,20 @@ class PlanInputs:
     overhead_s: float = 0.0  # the rest of a step on the trainer (bookkeeping, transfers, logging)
     engine_max_seqs: int = 256
     colocated_switch_s: float = 0.0  # colocated: sleep / wake of the engine around the trainer's turn
+    # trainer.shared_prompt on: a group's n responses attend to one copy of its prompt, so the update computes
+    # prompt_len once per group, not n times (the trained tokens counted in tokens/s stay prompt + response per sample)
+    shared_prompt: bool = False
     notes: dict = field(default_factory=dict)
 
-    def update_s(self, tokens: float, trainers: int) -> float:
+    def update_s(self, computed: float, trainers: int) -> float:
+        """One step's update on `trainers` devices, for `computed` tokens (`computed_tokens`)."""
         per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
-        return self.optimizer_steps * self.update_fixed_s + per_token * tokens / trainers
+        return self.optimizer_steps * self.update_fixed_s + per_token * computed / trainers
+
+    def computed_tokens(self, response_tokens: float, groups: int) -> float:
+        """Token positions the update runs its layers over: every response, and each prompt n times or, with the
+        shared prompt, once per group."""
+        return response_tokens + self.prompt_len * groups * (1 if self.shared_prompt else self.n)
 
     @classmethod
     def from_dict(cls, d: dict) -> "PlanInputs":
@@ -250,9 +259,10 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         t = max(t, ready)
         staleness = version - gen_version
         tokens, response = _tokens(x, groups)
+        computed = x.computed_tokens(response, len(groups))
         if ahead:  # step k+1's batch starts now, with the current weights
             groups, gen_version = submit(t), version
-        update = x.update_s(tokens, trainers)
+        update = x.update_s(computed, trainers)
         reward = x.reward_s_per_group * x.prompts_per_step
         t += update + x.overhead_s + (x.colocated_switch_s if mode == "colocated sync" else 0.0)
         if ahead:
@@ -321,7 +331,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         groups = [lengths for _, lengths in kept]
         staleness = max(version - v for v, _ in kept)
         tokens, response = _tokens(x, groups)
-        update = x.update_s(tokens, trainers)
+        update = x.update_s(x.computed_tokens(response, len(groups)), trainers)
         t += update + x.overhead_s
         advance(t)
         sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps
@@ -344,12 +354,12 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
 
 def best_split(inputs: PlanInputs, mode: str, *, gpus: int, eta: int = 1, **kw) -> dict:
     """The rollout:trainer split of `gpus` devices with the most trained tokens/s: every split with >= 1 of each
-    whose trainer count divides a mini-batch's samples (config.validate refuses the others)."""
+    and at most a mini-batch's samples per trainer (config.validate refuses more trainers than that)."""
     if mode == "colocated sync":
         return predict(inputs, mode, trainers=gpus, eta=eta, **kw)
     samples = inputs.prompts_per_step * inputs.n // inputs.optimizer_steps
     plans = [predict(inputs, mode, trainers=gpus - e, engines=e, eta=eta, **kw) for e in range(1, gpus)
-             if samples % (gpus - e) == 0]
+             if gpus - e <= samples]
     return max(plans, key=lambda p: p["trained_tokens_per_s"])
 
 
