@@ -431,14 +431,24 @@ def _trainable_params(policy) -> list[torch.Tensor]:
 def _largest_norms(grads: list[torch.Tensor], params: list[torch.Tensor], device) -> torch.Tensor:
     """[largest per-tensor 2-norm of ``grads``, of ``params``] (each >= every |x| of its list; finite iff every
     element is finite and no sum of squares overflows; +inf if not finite; 0 for an empty list) as a 2-vector of fp32
-    on the device. Both lists in one fused multi-tensor pass that writes fp32 norms, and one kernel each to reduce
-    them: hundreds of per-tensor launches (a cast each) would cost more than the pass itself on a GPU. (The
-    inf-norm has no fused CPU kernel: 200x slower there.)"""
+    on the device, in a number of kernels that does not grow with the tensor count (`_largest_norm`)."""
+    worst = torch.stack([_largest_norm(grads, device), _largest_norm(params, device)])
+    return torch.where(torch.isfinite(worst), worst, torch.full_like(worst, float("inf")))
+
+
+def _largest_norm(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """One fused multi-tensor norm pass per dtype writing fp32 norms, then one max: CUDA's fused `_foreach_norm`
+    takes a list of ONE dtype only (a mixed list falls back to a kernel per tensor), and a cast per tensor would
+    cost hundreds of launches as well: either makes this pass several times slower than reading the bytes on a
+    GPU. (The inf-norm has no fused CPU kernel: 200x slower there.)"""
+    if not tensors:
+        return torch.zeros((), device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
-        norms = torch._foreach_norm([*grads, *params], 2, dtype=torch.float32) if grads or params else []
-        parts = (norms[:len(grads)], norms[len(grads):])
-        worst = torch.stack([torch.stack(part).max() if part else torch.zeros((), device=device) for part in parts])
-        return torch.where(torch.isfinite(worst), worst, torch.full_like(worst, float("inf")))
+        return torch.stack([torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).max()
+                            for group in by_dtype.values()]).max()
 
 
 @functools.lru_cache(maxsize=None)
