@@ -241,14 +241,40 @@ def test_plan_colocated_sync_is_the_sum_of_its_phases():
     assert shared["tokens_per_step"] == tokens  # the trained tokens still count every sample's prompt
 
 
+def test_plan_window_of_a_bench_run_against_the_steady_state():
+    """predict_window: what a run of warmup + timed steps from a cold start measures, over several length draws.
+    One draw of the default window is `predict` itself; streaming eta=4's first steps (the bound not reached yet)
+    are not its steady state; the draws' spread brackets their mean; deterministic."""
+    from justrl_megatron.bench.plan import predict, predict_window
+
+    x = _plan_inputs(lengths=[5, 10, 20, 40, 80, 100, 100], max_response_length=100, update_s_per_token=0.002)
+    steady = predict(x, "streaming", eta=4)
+    assert predict_window(x, "streaming", eta=4, warmup=4, timed=36, draws=1)["step_s"] == steady["step_s"]
+    w = predict_window(x, "streaming", eta=4, warmup=1, timed=3, draws=20)
+    assert w["step_s"] != pytest.approx(steady["step_s"], rel=0.05) and w["draws"] == 20
+    assert w["step_s_p10"] <= w["step_s"] <= w["step_s_p90"]
+    assert predict_window(x, "streaming", eta=4, warmup=1, timed=3, draws=20) == w
+
+
+def test_plan_update_cost_fit_separates_response_tokens():
+    """fit_update_cost: seconds per computed token and the extra per response token, recovered from exact points;
+    points whose response share does not vary fall back to one rate per computed token."""
+    from justrl_megatron.bench.longtail import fit_update_cost
+
+    points = [(c, r, 0.007 * c + 0.004 * r) for c, r in ((641, 247), (645, 251), (1484, 1090), (1657, 1263))]
+    assert fit_update_cost(points) == pytest.approx((0.007, 0.004))
+    same_share = [(100, 50, 1.0), (200, 100, 2.0)]
+    assert fit_update_cost(same_share) == pytest.approx((0.01, 0.0))
+
+
 def test_plan_update_point_from_a_loop_step_counts_computed_tokens():
     """A loop step's update in the planner's unit: 8 groups x 4 responses of mean 20 after 50-token prompts."""
     from justrl_megatron.bench.longtail import loop_update_point
 
     record = {"throughput/tokens_per_s": 100.0, "time/step_s": 32 * 70 / 100.0, "response/length_mean": 20.0,
               "time/update_s": 3.0}
-    assert loop_update_point(record, 8, 4, shared_prompt=False) == pytest.approx((32 * 70, 3.0))
-    assert loop_update_point(record, 8, 4, shared_prompt=True) == pytest.approx((32 * 20 + 8 * 50, 3.0))
+    assert loop_update_point(record, 8, 4, shared_prompt=False) == pytest.approx((32 * 70, 32 * 20, 3.0))
+    assert loop_update_point(record, 8, 4, shared_prompt=True) == pytest.approx((32 * 20 + 8 * 50, 32 * 20, 3.0))
 
 
 def test_plan_one_step_off_hides_the_shorter_side():

@@ -215,13 +215,31 @@ def _update_points(out: str, prompt_len: int) -> None:
 LOOP_RESPONSE_CAPS = (8, 64)  # the loop's calibration runs: two update sizes, the step's other costs from the first
 
 
-def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) -> tuple[float, float]:
-    """(computed tokens, seconds) of one step's update from its metrics: every response token, and the prompts n
-    times or, with the shared prompt, once per group (what the planner's `update_s_per_token` is per)."""
+def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) -> tuple[float, float, float]:
+    """(computed tokens, response tokens, seconds) of one step's update from its metrics: computed are every
+    response token and the prompts n times or, with the shared prompt, once per group (the planner's units)."""
     tokens = record["throughput/tokens_per_s"] * record["time/step_s"]  # prompt + response tokens, per sample
     response = record["response/length_mean"] * groups * n
     prompts = max(0.0, tokens - response)
-    return response + (prompts / n if shared_prompt else prompts), record["time/update_s"]
+    return response + (prompts / n if shared_prompt else prompts), response, record["time/update_s"]
+
+
+def fit_update_cost(points) -> tuple[float, float]:
+    """(seconds per computed token, extra seconds per response token): least squares through the origin over
+    (computed, response, seconds) points. A response token costs more than a prompt token (the log-prob head), so
+    a per-token rate from short responses underestimates long ones. A negative extra cost (noise, or points whose
+    response share does not vary) falls back to one rate per computed token."""
+    sxx = sum(c * c for c, _, _ in points)
+    sxy = sum(c * r for c, r, _ in points)
+    syy = sum(r * r for _, r, _ in points)
+    sxt = sum(c * t for c, _, t in points)
+    syt = sum(r * t for _, r, t in points)
+    det = sxx * syy - sxy * sxy
+    if det > 1e-9 * sxx * syy:
+        per_token, per_response = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
+        if per_token > 0 and per_response >= 0:
+            return per_token, per_response
+    return sum(t for _, _, t in points) / sum(c for c, _, _ in points), 0.0
 
 
 def measure_loop(model: str | None, overrides=WORKLOAD) -> dict:
@@ -270,13 +288,11 @@ def measure_plan_inputs(model: str | None = None) -> dict:
     decode = measure_decode(model)
     train_points = measure_update(round(decode["prompt_len"]))
     loop = measure_loop(model)
-    xs, ys = [t for t, _ in loop["update_points"]], [s for _, s in loop["update_points"]]
-    slope, intercept = statistics.linear_regression(xs, ys)
-    if intercept < 0:  # noise: no fixed cost then, the mean rate per computed token
-        slope, intercept = sum(ys) / sum(xs), 0.0
+    per_token, per_response = fit_update_cost(loop["update_points"])
     train_slope = statistics.linear_regression([t for t, _ in train_points], [s for _, s in train_points])[0]
-    return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": intercept,
-            "update_s_per_token": slope, "train_phase_s_per_token": train_slope}
+    return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": 0.0,
+            "update_s_per_token": per_token, "update_s_per_response_token": per_response,
+            "train_phase_s_per_token": train_slope}
 
 
 def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
@@ -288,6 +304,7 @@ def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
     return PlanInputs(decode=DecodeCost(d["fixed_s"], d["per_seq_s"], d["per_context_token_s"],
                                         d["prefill_s_per_token"]),
                       update_fixed_s=measured["update_fixed_s"], update_s_per_token=measured["update_s_per_token"],
+                      update_s_per_response_token=measured.get("update_s_per_response_token", 0.0),
                       sync_s=measured["loop"]["sync_s"], lengths=list(lengths), prompt_len=round(d["prompt_len"]),
                       prompts_per_step=int(sizes["trainer.prompts_per_step"]), n=int(sizes["rollout.n"]),
                       max_response_length=cap, reward_s_per_group=measured["loop"]["reward_s_per_group"],
@@ -315,25 +332,27 @@ def mode_plan(name: str) -> tuple[str, int]:
 
 
 def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> dict:
-    """Per mode: the measured medians, and the planner's figures from the measured inputs with two length
-    distributions (the initial model's sample; the sample reshaped to the mode's own metrics)."""
-    from .plan import predict
+    """Per mode: the measured figures (mean step and medians over the timed steps), and the planner's from the
+    measured inputs with two length distributions (the initial model's sample; the sample reshaped to the mode's own
+    metrics), each for the window the run timed (`predict_window`: a cold start, `warmup` untimed steps, the timed
+    ones) and, beside it, the steady state."""
+    from .plan import predict, predict_window
 
     rows = {}
     for name, m in raw["modes"].items():
         mode, eta = mode_plan(name)
         measured = {k: statistics.median(v) for k, v in m["figures"].items()}
-        # the planner's step_s is a mean over its simulated steps: the measured mean is its counterpart (the median
-        # of a few steps of temperature-1 sampling is reported beside it)
-        mean_step = statistics.mean(m["figures"]["step_s"])
+        timed = len(m["figures"]["step_s"])
+        mean_step = statistics.mean(m["figures"]["step_s"])  # a predicted step_s is a mean too
         row = {"measured": measured, "measured_mean_step_s": mean_step}
         for label, lengths in (("sample", raw["lengths"]),
                                ("run", lengths_like_run(raw["lengths"], m["records"][warmup:], raw["cap"]))):
-            p = predict(plan_inputs_for(measured_inputs, workload, lengths), mode, eta=eta)
-            row[label] = {**{k: p[k] for k in ("step_s", "trained_tokens_per_s", "trainer_idle_frac",
-                                               "engine_idle_frac", "staleness_max")},
+            inputs = plan_inputs_for(measured_inputs, workload, lengths)
+            p = predict_window(inputs, mode, eta=eta, warmup=warmup, timed=timed)
+            row[label] = {**{k: p[k] for k in ("step_s", "step_s_p10", "step_s_p90", "trained_tokens_per_s",
+                                               "trainer_idle_frac", "engine_idle_frac", "staleness_max")},
                           "step_error": p["step_s"] / mean_step - 1,
-                          "step_error_vs_median": p["step_s"] / measured["step_s"] - 1}
+                          "steady_step_s": predict(inputs, mode, eta=eta)["step_s"]}
         rows[name] = row
     return rows
 

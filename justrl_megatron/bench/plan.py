@@ -67,12 +67,17 @@ class PlanInputs:
     # trainer.shared_prompt on: a group's n responses attend to one copy of its prompt, so the update computes
     # prompt_len once per group, not n times (the trained tokens counted in tokens/s stay prompt + response per sample)
     shared_prompt: bool = False
+    # what a response token costs the update beyond a prompt token (the log-prob head runs on responses only; on the
+    # CPU demo model about as much again as the layers)
+    update_s_per_response_token: float = 0.0
     notes: dict = field(default_factory=dict)
 
-    def update_s(self, computed: float, trainers: int) -> float:
-        """One step's update on `trainers` devices, for `computed` tokens (`computed_tokens`)."""
+    def update_s(self, computed: float, trainers: int, response: float = 0.0) -> float:
+        """One step's update on `trainers` devices, for `computed` tokens (`computed_tokens`), `response` of them
+        response tokens."""
         per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
-        return self.optimizer_steps * self.update_fixed_s + per_token * computed / trainers
+        work = per_token * computed + self.update_s_per_response_token * response
+        return self.optimizer_steps * self.update_fixed_s + work / trainers
 
     def computed_tokens(self, response_tokens: float, groups: int) -> float:
         """Token positions the update runs its layers over: every response, and each prompt n times or, with the
@@ -233,6 +238,22 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
             "dropped_groups": sum(r.get("dropped", 0) for r in timed)}
 
 
+def predict_window(inputs: PlanInputs, mode: str, *, warmup: int, timed: int, draws: int = 32, **kw) -> dict:
+    """What a bench run measures: from a cold start, the mean over `timed` steps after `warmup` untimed ones, and
+    that averaged over `draws` length draws (a run of a few steps is one draw). `predict`'s default is the steady
+    state instead; the two differ where the start-up lasts longer than the warm-up: streaming eta=k reaches its
+    bound only after k steps (on the CPU's rollout-bound workload those steps ran faster than the steady state)."""
+    runs = [predict(inputs, mode, steps=warmup + timed, warmup=warmup, seed=seed, **kw) for seed in range(draws)]
+    out = dict(runs[0])
+    for key in ("step_s", "trained_tokens_per_s", "trained_tokens_per_s_per_gpu", "trainer_idle_frac",
+                "engine_idle_frac", "tokens_per_step"):
+        out[key] = statistics.mean(r[key] for r in runs)
+    out["staleness_max"] = max(r["staleness_max"] for r in runs)
+    steps = sorted(r["step_s"] for r in runs)  # how far one run of this many steps may land from the mean
+    out.update(draws=draws, step_s_p10=steps[len(steps) // 10], step_s_p90=steps[-1 - len(steps) // 10])
+    return out
+
+
 def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
     response = sum(sum(g) for g in groups)
     return response + x.prompt_len * x.n * len(groups), response
@@ -262,7 +283,7 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         computed = x.computed_tokens(response, len(groups))
         if ahead:  # step k+1's batch starts now, with the current weights
             groups, gen_version = submit(t), version
-        update = x.update_s(computed, trainers)
+        update = x.update_s(computed, trainers, response)
         reward = x.reward_s_per_group * x.prompts_per_step
         t += update + x.overhead_s + (x.colocated_switch_s if mode == "colocated sync" else 0.0)
         if ahead:
@@ -331,7 +352,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         groups = [lengths for _, lengths in kept]
         staleness = max(version - v for v, _ in kept)
         tokens, response = _tokens(x, groups)
-        update = x.update_s(x.computed_tokens(response, len(groups)), trainers)
+        update = x.update_s(x.computed_tokens(response, len(groups)), trainers, response)
         t += update + x.overhead_s
         advance(t)
         sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps

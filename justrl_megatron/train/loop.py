@@ -112,23 +112,9 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         advantages, shaping_metrics = _advantages(scored.batch, cfg, loss)
         samples = _samples(scored.batch.prompts, scored.batch.rollouts, advantages, ro.n)
 
-        # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates. One optimizer step needs no
-        #      separate old-logprob pass: the update's forward gives them (the proximal policy is the weights before
-        #      the step, also for stale samples, whose behaviour logprobs the rollout correction uses as they are).
-        budget = tr.max_tokens_per_micro_batch
-        one_step = tr.mini_batch_size >= tr.prompts_per_step
+        # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates
         with placement.training():
-            ref = _reference_logprobs(reference, samples, budget, timer)  # for the KL penalty (algo.kl_coef)
-            if one_step and tr.old_logprobs == "auto":
-                with timer("update"):
-                    update, old_logprobs = grpo_update_on_policy(policy, samples, max_tokens_per_micro_batch=budget,
-                                                                 loss=loss, ref_logprobs=ref)
-            else:
-                with timer("old_logprob"):
-                    old_logprobs = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
-                with timer("update"):
-                    update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * ro.n,
-                                         max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref)
+            update, old_logprobs = _train(policy, reference, samples, cfg, loss, timer)
 
         # 7. weight sync into the rollout engine, which is ready to generate the next step after it
         with timer("sync"):
@@ -189,6 +175,25 @@ def _samples(prompts, rollouts, advantages, n: int) -> list[Sample]:
                    routed_experts=None if rollouts.routed_experts is None else rollouts.routed_experts[i],
                    sampled_mask=None if rollouts.sampled_mask is None else rollouts.sampled_mask[i])
             for i in range(len(rollouts.token_ids))]
+
+
+def _train(policy, reference, samples, cfg, loss: LossConfig, timer) -> tuple[dict, list]:
+    """Reference logprobs (algo.kl_coef), old logprobs and the mini-batch GRPO updates -> (update metrics, old
+    logprobs). One optimizer step needs no separate old-logprob pass: the update's forward gives them (the proximal
+    policy is the weights before the step, also for stale samples, whose behaviour logprobs the rollout correction
+    uses as they are)."""
+    tr, budget = cfg.trainer, cfg.trainer.max_tokens_per_micro_batch
+    ref = _reference_logprobs(reference, samples, budget, timer)
+    if tr.mini_batch_size >= tr.prompts_per_step and tr.old_logprobs == "auto":
+        with timer("update"):
+            return grpo_update_on_policy(policy, samples, max_tokens_per_micro_batch=budget, loss=loss,
+                                         ref_logprobs=ref)
+    with timer("old_logprob"):
+        old_logprobs = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
+    with timer("update"):
+        update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * cfg.rollout.n,
+                             max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref)
+    return update, old_logprobs
 
 
 def _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics) -> dict[str, float]:
