@@ -38,17 +38,32 @@ from . import fast_paths
 logger = logging.getLogger(__name__)
 
 
+def fp32_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The per-tensor 2-norms of a non-empty list, in fp32 and in the list's order, as one 1-D tensor on the first
+    tensor's device: one fused `_foreach_norm(..., dtype=float32)` per (device, dtype) group, then one stack. CUDA's
+    fused kernel takes a list of ONE dtype only (a mixed list runs a kernel per tensor), and a cast per tensor would
+    be a launch each: either makes the pass several times slower than reading the bytes."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    norms: list = [None] * len(tensors)
+    with torch.no_grad():
+        for idx in groups.values():
+            for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2, dtype=torch.float32)):
+                norms[i] = n
+    device = tensors[0].device
+    return torch.stack([n if n.device == device else n.to(device) for n in norms])
+
+
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for megatron's `local_multi_tensor_l2_norm` (and apex's multi_tensor_l2norm): the l2 norm over every
     tensor of `tensor_lists` as a 1-element fp32 tensor on their device, without a host sync. Per-tensor norms in fp32
-    (`_foreach_norm(..., dtype=float32)`), their norm in fp32. Returns (norm, None), as the local fallback does."""
+    (`fp32_norms`), their norm in fp32. Returns (norm, None), as the local fallback does."""
     tensors = [t for tensor_list in tensor_lists for t in tensor_list]
     if not tensors:
         device = noop_flag.device if isinstance(noop_flag, torch.Tensor) else None
         return torch.zeros(1, dtype=torch.float32, device=device), None
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    total = torch.linalg.vector_norm(torch.stack([n.to(tensors[0].device) for n in norms]), 2)
-    return total.reshape(1), None
+    return torch.linalg.vector_norm(fp32_norms(tensors), 2).reshape(1), None
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):

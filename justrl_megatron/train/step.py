@@ -38,6 +38,7 @@ from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model import fast_paths
+from ..model.optimizer_kernels import fp32_norms
 from ..model.rope import rope_at_positions
 from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, \
     make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, sampled_targets, \
@@ -437,18 +438,11 @@ def _largest_norms(grads: list[torch.Tensor], params: list[torch.Tensor], device
 
 
 def _largest_norm(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """One fused multi-tensor norm pass per dtype writing fp32 norms, then one max: CUDA's fused `_foreach_norm`
-    takes a list of ONE dtype only (a mixed list falls back to a kernel per tensor), and a cast per tensor would
-    cost hundreds of launches as well: either makes this pass several times slower than reading the bytes on a
-    GPU. (The inf-norm has no fused CPU kernel: 200x slower there.)"""
+    """The largest per-tensor 2-norm in fp32 (0 for no tensors), in a number of kernels that does not grow with the
+    tensor count (`fp32_norms`). (The inf-norm has no fused CPU kernel: 200x slower there.)"""
     if not tensors:
         return torch.zeros((), device=device)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        return torch.stack([torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).max()
-                            for group in by_dtype.values()]).max()
+    return fp32_norms(tensors).max()
 
 
 @functools.lru_cache(maxsize=None)
