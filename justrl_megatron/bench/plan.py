@@ -72,17 +72,14 @@ class PlanInputs:
     update_s_per_response_token: float = 0.0
     notes: dict = field(default_factory=dict)
 
-    def update_s(self, computed: float, trainers: int, response: float = 0.0) -> float:
-        """One step's update on `trainers` devices, for `computed` tokens (`computed_tokens`), `response` of them
-        response tokens."""
+    def update_s(self, groups: list[list[int]], trainers: int) -> float:
+        """One step's update of `groups` (their response lengths) on `trainers` devices. The layers run over every
+        response token and each prompt n times or, with the shared prompt, once per group; the head over responses."""
+        response = sum(sum(g) for g in groups)
+        computed = response + self.prompt_len * len(groups) * (1 if self.shared_prompt else self.n)
         per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
         work = per_token * computed + self.update_s_per_response_token * response
         return self.optimizer_steps * self.update_fixed_s + work / trainers
-
-    def computed_tokens(self, response_tokens: float, groups: int) -> float:
-        """Token positions the update runs its layers over: every response, and each prompt n times or, with the
-        shared prompt, once per group."""
-        return response_tokens + self.prompt_len * groups * (1 if self.shared_prompt else self.n)
 
     @classmethod
     def from_dict(cls, d: dict) -> "PlanInputs":
@@ -280,10 +277,9 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         t = max(t, ready)
         staleness = version - gen_version
         tokens, response = _tokens(x, groups)
-        computed = x.computed_tokens(response, len(groups))
+        update = x.update_s(groups, trainers)
         if ahead:  # step k+1's batch starts now, with the current weights
             groups, gen_version = submit(t), version
-        update = x.update_s(computed, trainers, response)
         reward = x.reward_s_per_group * x.prompts_per_step
         t += update + x.overhead_s + (x.colocated_switch_s if mode == "colocated sync" else 0.0)
         if ahead:
@@ -352,7 +348,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         groups = [lengths for _, lengths in kept]
         staleness = max(version - v for v, _ in kept)
         tokens, response = _tokens(x, groups)
-        update = x.update_s(x.computed_tokens(response, len(groups)), trainers, response)
+        update = x.update_s(groups, trainers)
         t += update + x.overhead_s
         advance(t)
         sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps
