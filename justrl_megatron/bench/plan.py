@@ -241,13 +241,15 @@ def predict_window(inputs: PlanInputs, mode: str, *, warmup: int, timed: int, dr
     state instead; the two differ where the start-up lasts longer than the warm-up: streaming eta=k reaches its
     bound only after k steps (on the CPU's rollout-bound workload those steps ran faster than the steady state)."""
     runs = [predict(inputs, mode, steps=warmup + timed, warmup=warmup, seed=seed, **kw) for seed in range(draws)]
-    out = dict(runs[0])
-    for key in ("step_s", "trained_tokens_per_s", "trained_tokens_per_s_per_gpu", "trainer_idle_frac",
-                "engine_idle_frac", "tokens_per_step"):
+    out = {key: runs[0][key] for key in ("mode", "trainers", "engines", "gpus")}
+    for key in ("step_s", "tokens_per_step", "trained_tokens_per_s", "trained_tokens_per_s_per_gpu",
+                "generated_tokens_per_s", "trainer_idle_frac", "engine_idle_frac"):
         out[key] = statistics.mean(r[key] for r in runs)
-    out["staleness_max"] = max(r["staleness_max"] for r in runs)
     steps = sorted(r["step_s"] for r in runs)  # how far one run of this many steps may land from the mean
-    out.update(draws=draws, step_s_p10=steps[len(steps) // 10], step_s_p90=steps[-1 - len(steps) // 10])
+    out.update(staleness_max=max(r["staleness_max"] for r in runs),
+               dropped_groups=sum(r["dropped_groups"] for r in runs), draws=draws,
+               step_s_draws=[r["step_s"] for r in runs], step_s_p10=steps[len(steps) // 10],
+               step_s_p90=steps[-1 - len(steps) // 10])
     return out
 
 
