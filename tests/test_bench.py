@@ -249,11 +249,45 @@ def test_plan_window_of_a_bench_run_against_the_steady_state():
 
     x = _plan_inputs(lengths=[5, 10, 20, 40, 80, 100, 100], max_response_length=100, update_s_per_token=0.002)
     steady = predict(x, "streaming", eta=4)
-    assert predict_window(x, "streaming", eta=4, warmup=4, timed=36, draws=1)["step_s"] == steady["step_s"]
+    assert predict_window(x, "streaming", eta=4, warmup=4, timed=36, draws=1)["step_s"] \
+        == predict(x, "streaming", eta=4, run_ends=True)["step_s"]  # a run ends: its last steps drain the engine
     w = predict_window(x, "streaming", eta=4, warmup=1, timed=3, draws=20)
     assert w["step_s"] != pytest.approx(steady["step_s"], rel=0.05) and w["draws"] == 20
     assert w["step_s_p10"] <= w["step_s"] <= w["step_s_p90"]
     assert predict_window(x, "streaming", eta=4, warmup=1, timed=3, draws=20) == w
+
+
+def test_plan_a_run_that_ends_generates_nothing_beyond_its_last_step():
+    """run_ends (what a bench run of `steps` steps does, as the batch sources stop at trainer.total_steps): the
+    last one-step-off step does not wait for a batch in flight, streaming admits no more than the remaining steps
+    take (fewer running sequences: faster engine steps, then the engine runs dry)."""
+    from justrl_megatron.bench.plan import DecodeCost, predict
+
+    x = _plan_inputs()  # rollout-bound one-step-off: 9.0 s of rollout, 2.48 s of update
+    endless, ends = predict(x, "one-step-off", steps=3, warmup=0), predict(x, "one-step-off", steps=3, warmup=0,
+                                                                          run_ends=True)
+    assert endless["step_s_all"][-1] == pytest.approx(9.0 + 1.0)
+    assert ends["step_s_all"][-1] == pytest.approx(2.48 + 0.5 + 1.0) and ends["step_s_all"][:2] == \
+        pytest.approx(endless["step_s_all"][:2])
+    y = _plan_inputs(decode=DecodeCost(fixed_s=0.0, per_seq_s=0.01), lengths=[5, 50, 100])
+    endless, ends = (predict(y, "streaming", eta=4, steps=3, warmup=0, run_ends=r) for r in (False, True))
+    assert ends["step_s_all"][0] < endless["step_s_all"][0]  # 12 groups in the engine, not 20
+
+
+def test_plan_decode_cost_from_a_table_of_batch_sizes():
+    """by_seqs: measured step seconds at some running-sequence counts, interpolated (its first value below it,
+    its last segment's line above it), the context term added; it survives the inputs file (JSON keys are text)."""
+    from justrl_megatron.bench.plan import DecodeCost, PlanInputs
+
+    table = DecodeCost(fixed_s=9.0, per_seq_s=9.0, per_context_token_s=1e-5,
+                       by_seqs={"1": 0.03, "4": 0.03, "16": 0.06, "64": 0.18})
+    assert [table.base_s(b) for b in (1, 2, 4, 10, 16, 40, 128)] == \
+        pytest.approx([0.03, 0.03, 0.03, 0.045, 0.06, 0.12, 0.34])
+    assert table.step_s(2, 1000) == pytest.approx(0.03 + 0.01)
+    assert DecodeCost(fixed_s=0.1, per_seq_s=0.01).step_s(4, 0) == pytest.approx(0.14)  # no table: the line
+    x = _plan_inputs(decode=table)
+    again = PlanInputs.from_dict(json.loads(json.dumps(x.to_dict())))
+    assert again.decode.base_s(10) == pytest.approx(0.045)
 
 
 def test_plan_update_cost_fit_separates_response_tokens():

@@ -135,13 +135,16 @@ def bench_longtail(*, model: str | None = None, warmup: int = 1, repeats: int = 
 
 # --- the planner's check (bench/plan.py): its inputs measured here, then the modes, in one run -------------------------
 
-DECODE_BATCHES = (4, 16, 32, 64)  # running sequences at which an engine step is timed
+DECODE_BATCHES = (1, 2, 4, 16, 32, 64)  # running sequences at which an engine step is timed (a tail runs at 1-2)
+TAIL_TOKENS = 513  # one sequence decoded this far against 33 tokens: what a token of context costs in the tail
 
 
 def measure_decode(model: str | None, overrides=WORKLOAD, n: int = 4) -> dict:
     """Seconds per engine step against running sequences and context, and prefill per prompt token, on the engine a
     rollout rank builds (make_engine in a child process, prefix caching off as streaming runs it), real prompts.
-    A step's cost is (time of 33 tokens - time of 1) / 32; the context slope from 161 tokens against 33 at 16."""
+    A step's cost is (time of 33 tokens - time of 1) / 32, at each of DECODE_BATCHES running sequences (`by_seqs`,
+    the line fixed + per_seq fitted through them beside it); the context slope from one sequence at TAIL_TOKENS
+    against 33 (the regime of a long tail; a slope from a large batch's short contexts came out 3-4x lower)."""
     import time
 
     from transformers import AutoTokenizer
@@ -157,27 +160,32 @@ def measure_decode(model: str | None, overrides=WORKLOAD, n: int = 4) -> dict:
     rows, _ = tokenize_prompts(load_training_rows(cfg.data, seed=cfg.trainer.seed), tokenizer, cfg.data)
     engine = make_engine(cfg, model, in_process=False)
 
+    def shape(seqs: int) -> tuple[int, int]:  # (prompts, samples each): groups of n, or one prompt's samples
+        return (seqs // n, n) if seqs >= n else (1, seqs)
+
     def timed(seqs: int, tokens: int) -> float:
+        prompts, each = shape(seqs)
         t = time.perf_counter()
-        engine.generate([p.ids for p in rows[:seqs // n]], n, SamplingConfig(max_tokens=tokens, ignore_eos=True))
+        engine.generate([p.ids for p in rows[:prompts]], each, SamplingConfig(max_tokens=tokens, ignore_eos=True))
         return time.perf_counter() - t
 
     try:
         timed(n, 4)  # warm-up
-        prompt_len = statistics.mean(len(p.ids) for p in rows[:max(DECODE_BATCHES) // n])
         first = {b: timed(b, 1) for b in DECODE_BATCHES}
         step = {b: (timed(b, 33) - first[b]) / 32 for b in DECODE_BATCHES}
-        long16 = (timed(16, 161) - first[16]) / 160
+        tail = (timed(1, TAIL_TOKENS) - first[1]) / (TAIL_TOKENS - 1)
     finally:
         engine.shutdown()
-    per_context = max(0.0, (long16 - step[16]) / (16 * (161 - 33) / 2))  # 64 more tokens of context per sequence
-    xs = list(DECODE_BATCHES)
-    ys = [step[b] - per_context * b * (prompt_len + 17) for b in xs]
-    slope, intercept = statistics.linear_regression(xs, ys)
-    prefill = statistics.median(max(0.0, first[b] - step[b]) / (b * prompt_len) for b in xs)
+    prompt_len = {b: statistics.mean(len(p.ids) for p in rows[:shape(b)[0]]) for b in DECODE_BATCHES}
+    per_context = max(0.0, (tail - step[1]) / ((TAIL_TOKENS - 33) / 2))  # the mean context grows by half the tokens
+    by_seqs = {b: step[b] - per_context * b * (prompt_len[b] + 17) for b in DECODE_BATCHES}
+    xs = [b for b in DECODE_BATCHES if b >= n]
+    slope, intercept = statistics.linear_regression(xs, [by_seqs[b] for b in xs])
+    prefill = statistics.median(max(0.0, first[b] - step[b]) / (b * prompt_len[b]) for b in DECODE_BATCHES)
     return {"fixed_s": intercept, "per_seq_s": slope, "per_context_token_s": per_context,
-            "prefill_s_per_token": prefill, "prompt_len": prompt_len,
-            "raw": {"step_s": step, "first_token_s": first, "step_s_16_at_161": long16}}
+            "prefill_s_per_token": prefill, "by_seqs": by_seqs,
+            "prompt_len": statistics.mean(len(p.ids) for p in rows[:max(DECODE_BATCHES) // n]),
+            "raw": {"step_s": step, "first_token_s": first, f"step_s_1_at_{TAIL_TOKENS}": tail}}
 
 
 UPDATE_SIZES = ((32, 64), (32, 160))  # (samples, tokens each): the update's cost per token, two points
@@ -302,7 +310,7 @@ def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
     sizes = dict(w.split("=", 1) for w in overrides if "=" in w)
     d = measured["decode"]
     return PlanInputs(decode=DecodeCost(d["fixed_s"], d["per_seq_s"], d["per_context_token_s"],
-                                        d["prefill_s_per_token"]),
+                                        d["prefill_s_per_token"], d.get("by_seqs")),
                       update_fixed_s=measured["update_fixed_s"], update_s_per_token=measured["update_s_per_token"],
                       update_s_per_response_token=measured.get("update_s_per_response_token", 0.0),
                       sync_s=measured["loop"]["sync_s"], lengths=list(lengths), prompt_len=round(d["prompt_len"]),

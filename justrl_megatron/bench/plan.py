@@ -34,15 +34,34 @@ MODES = ("colocated sync", "split sync", "one-step-off", "streaming")
 @dataclass
 class DecodeCost:
     """Seconds per engine step: fixed + per running sequence + per token of context held by them (KV reads), and
-    the prefill of a started sequence's prompt."""
+    the prefill of a started sequence's prompt. `by_seqs` ({running sequences: seconds}, context aside), where
+    measured, replaces the first two: a step at a handful of sequences costs more than a line through large batches
+    says (the per-step floor), and a long tail runs at one or two."""
 
     fixed_s: float
     per_seq_s: float
     per_context_token_s: float = 0.0
     prefill_s_per_token: float = 0.0
+    by_seqs: dict | None = None
+
+    def __post_init__(self):
+        self._table = sorted((int(b), float(s)) for b, s in (self.by_seqs or {}).items())
 
     def step_s(self, seqs: int, context: float) -> float:
-        return self.fixed_s + self.per_seq_s * seqs + self.per_context_token_s * context
+        return self.base_s(seqs) + self.per_context_token_s * context
+
+    def base_s(self, seqs: int) -> float:
+        """The table interpolated linearly (its first value below it, its last segment's line above it); the
+        line fixed + per_seq without a table."""
+        table = self._table
+        if len(table) < 2:
+            return self.fixed_s + self.per_seq_s * seqs if not table else table[0][1]
+        if seqs <= table[0][0]:
+            return table[0][1]
+        for (b0, s0), (b1, s1) in zip(table, table[1:]):
+            if seqs <= b1 or (b1, s1) == table[-1]:
+                return s0 + (s1 - s0) * (seqs - b0) / (b1 - b0)
+        raise AssertionError("unreachable")
 
 
 @dataclass
@@ -203,9 +222,12 @@ class _Lengths:
 
 
 def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 1, eta: int = 1, steps: int = 40,
-            warmup: int = 4, seed: int = 0) -> dict:
+            warmup: int = 4, seed: int = 0, run_ends: bool = False) -> dict:
     """Simulate `steps` steps of `mode` and summarise the ones after `warmup`. colocated sync: `trainers` devices
-    do both jobs (engines = trainers)."""
+    do both jobs (engines = trainers). `run_ends`: the run's last step is `steps` (trainer.total_steps), so nothing
+    is generated beyond it, as the batch sources do: one-step-off submits no batch after the last, streaming admits
+    no more groups than the remaining steps take (the engines run dry in the last steps); without it, the steady
+    state of an endless run."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode == "streaming" and eta < 1:
@@ -216,7 +238,7 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
     draw = _Lengths(x.lengths, x.max_response_length, seed)
     pool = [Engine(x.decode, x.engine_max_seqs, x.n) for _ in range(engines)]
     run = _stream if mode == "streaming" else _rounds
-    records = run(x, mode, pool, draw, trainers, eta, steps)
+    records = run(x, mode, pool, draw, trainers, eta, steps, steps if run_ends else None)
     timed = records[warmup:]
     step_s = statistics.mean(r["step_s"] for r in timed)
     tokens = statistics.mean(r["tokens"] for r in timed)
@@ -240,7 +262,8 @@ def predict_window(inputs: PlanInputs, mode: str, *, warmup: int, timed: int, dr
     that averaged over `draws` length draws (a run of a few steps is one draw). `predict`'s default is the steady
     state instead; the two differ where the start-up lasts longer than the warm-up: streaming eta=k reaches its
     bound only after k steps (on the CPU's rollout-bound workload those steps ran faster than the steady state)."""
-    runs = [predict(inputs, mode, steps=warmup + timed, warmup=warmup, seed=seed, **kw) for seed in range(draws)]
+    runs = [predict(inputs, mode, steps=warmup + timed, warmup=warmup, seed=seed, run_ends=True, **kw)
+            for seed in range(draws)]
     out = {key: runs[0][key] for key in ("mode", "trainers", "engines", "gpus")}
     for key in ("step_s", "tokens_per_step", "trained_tokens_per_s", "trained_tokens_per_s_per_gpu",
                 "generated_tokens_per_s", "trainer_idle_frac", "engine_idle_frac"):
@@ -258,7 +281,7 @@ def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
     return response + x.prompt_len * x.n * len(groups), response
 
 
-def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]:
+def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) -> list[dict]:
     """colocated sync, split sync, one-step-off: a batch is generated with one version, spread gid % engines."""
     def submit(t: float) -> list[list[int]]:
         groups = [draw.group(x.n) for _ in range(x.prompts_per_step)]
@@ -280,11 +303,12 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
         staleness = version - gen_version
         tokens, response = _tokens(x, groups)
         update = x.update_s(groups, trainers)
-        if ahead:  # step k+1's batch starts now, with the current weights
+        prefetch = ahead and (last_step is None or step < last_step)
+        if prefetch:  # step k+1's batch starts now, with the current weights
             groups, gen_version = submit(t), version
         reward = x.reward_s_per_group * x.prompts_per_step
         t += update + x.overhead_s + (x.colocated_switch_s if mode == "colocated sync" else 0.0)
-        if ahead:
+        if prefetch:
             done = finish()
             t = max(t, done)  # the sync waits for the batch in flight
             ready = done + reward
@@ -302,7 +326,7 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
     return records
 
 
-def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]:
+def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) -> list[dict]:
     """Streaming (rollout/stream_source.py): admission bounded by eta, the take order, syncs mid-generation."""
     P = x.prompts_per_step
     capacity = (eta + 1) * P
@@ -322,7 +346,10 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps) -> list[dict]
     for step in range(1, steps + 1):
         start, busy0 = t, sum(e.busy_s for e in pool)
         advance(t)
-        for _ in range(capacity - len(admitted)):  # _admit: top up to the bound
+        room = capacity - len(admitted)
+        if last_step is not None:  # no more than the remaining steps take
+            room = min(room, (last_step - step + 1) * P - len(admitted))
+        for _ in range(max(room, 0)):  # _admit: top up to the bound
             gid, next_gid = next_gid, next_gid + 1
             admitted[gid] = (version, draw.group(x.n))
             pool[gid % len(pool)].add(gid, admitted[gid][1], x.prompt_len, t)
