@@ -308,7 +308,9 @@ def test_train_sbatch_a_killed_rank_ends_every_rank_in_one_line(cluster, tmp_pat
     rc = cluster.finish(proc, timeout=60)
     ended = time.monotonic() - killed_at
     text = log.read_text()
-    assert rc == 128 + 9 and peer_gone < 30 and ended < 30, (rc, peer_gone, ended, text[-3000:])
+    # the job's code is srun's: the highest of its tasks' codes, so the killed node's 137 or, when srun's SIGTERM
+    # (--kill-on-bad-exit) reaches the other node's launcher before that launcher has seen its peer gone, 143
+    assert rc in (128 + 9, 128 + 15) and peer_gone < 30 and ended < 30, (rc, peer_gone, ended, text[-3000:])
     assert not any(_running(pid) for pid in ranks.values()) and not _ranks_of(run_dir)
     lines = [line for line in text.splitlines() if line.startswith("justrl-train: error")]
     assert lines == [f"justrl-train: error: rank {dead} on node n{dead + 1} was killed by SIGKILL (the out-of-memory "
