@@ -176,15 +176,14 @@ def measure_decode(model: str | None, overrides=WORKLOAD, n: int = 4) -> dict:
         tail = (timed(1, TAIL_TOKENS) - first[1]) / (TAIL_TOKENS - 1)
     finally:
         engine.shutdown()
-    prompt_len = {b: statistics.mean(len(p.ids) for p in rows[:shape(b)[0]]) for b in DECODE_BATCHES}
+    prompt_lens = {b: statistics.mean(len(p.ids) for p in rows[:shape(b)[0]]) for b in DECODE_BATCHES}
     per_context = max(0.0, (tail - step[1]) / ((TAIL_TOKENS - 33) / 2))  # the mean context grows by half the tokens
-    by_seqs = {b: step[b] - per_context * b * (prompt_len[b] + 17) for b in DECODE_BATCHES}
+    by_seqs = {b: step[b] - per_context * b * (prompt_lens[b] + 17) for b in DECODE_BATCHES}
     xs = [b for b in DECODE_BATCHES if b >= n]
     slope, intercept = statistics.linear_regression(xs, [by_seqs[b] for b in xs])
-    prefill = statistics.median(max(0.0, first[b] - step[b]) / (b * prompt_len[b]) for b in DECODE_BATCHES)
+    prefill = statistics.median(max(0.0, first[b] - step[b]) / (b * prompt_lens[b]) for b in DECODE_BATCHES)
     return {"fixed_s": intercept, "per_seq_s": slope, "per_context_token_s": per_context,
-            "prefill_s_per_token": prefill, "by_seqs": by_seqs,
-            "prompt_len": statistics.mean(len(p.ids) for p in rows[:max(DECODE_BATCHES) // n]),
+            "prefill_s_per_token": prefill, "by_seqs": by_seqs, "prompt_len": prompt_lens[max(DECODE_BATCHES)],
             "raw": {"step_s": step, "first_token_s": first, f"step_s_1_at_{TAIL_TOKENS}": tail}}
 
 

@@ -54,14 +54,12 @@ class DecodeCost:
         """The table interpolated linearly (its first value below it, its last segment's line above it); the
         line fixed + per_seq without a table."""
         table = self._table
-        if len(table) < 2:
-            return self.fixed_s + self.per_seq_s * seqs if not table else table[0][1]
-        if seqs <= table[0][0]:
+        if not table:
+            return self.fixed_s + self.per_seq_s * seqs
+        if len(table) == 1 or seqs <= table[0][0]:
             return table[0][1]
-        for (b0, s0), (b1, s1) in zip(table, table[1:]):
-            if seqs <= b1 or (b1, s1) == table[-1]:
-                return s0 + (s1 - s0) * (seqs - b0) / (b1 - b0)
-        raise AssertionError("unreachable")
+        (b0, s0), (b1, s1) = next((pair for pair in zip(table, table[1:]) if seqs <= pair[1][0]), table[-2:])
+        return s0 + (s1 - s0) * (seqs - b0) / (b1 - b0)
 
 
 @dataclass
