@@ -375,3 +375,13 @@ def test_plan_lengths_reshaped_to_a_run():
     got = lengths_like_run(sample, records, cap=100)
     assert got.count(100) == 3 and len(got) == 6
     assert sum(got) / len(got) == pytest.approx(70.0, abs=2.0)
+
+
+def test_plan_check_measures_the_machine_speed_it_compares_against():
+    """The check re-times the machine before each workload: a drift from when the inputs were measured is visible."""
+    from justrl_megatron.bench.longtail import machine_speed, speed_drift
+
+    now = machine_speed(repeats=1)
+    assert now["matmul_gflops"] > 0 and now["steal_s"] >= 0
+    assert speed_drift({"matmul_gflops": 100.0}, {"matmul_gflops": 80.0}) == pytest.approx(0.25)
+    assert speed_drift(now, now) == 0.0

@@ -437,14 +437,19 @@ def run_plan(a, argv) -> int:
 
     machine = machine_info()
     if a.plan_check:
-        from .longtail import plan_check
+        from .longtail import plan_check, speed_drift
 
         report = plan_check(a.plan_check, model=a.model, warmup=a.warmup, repeats=a.repeats, out=a.json,
                             progress=not a.no_table)
         report["machine"] = {**machine, "load_average_end": list(os.getloadavg())}
         report["command"] = "justrl-bench " + " ".join(argv)
+        start = report["speed_start"]
         for workload in a.plan_check:
-            print(f"{workload}: predicted (lengths: the initial sample | reshaped to the run) against measured")
+            w = report[workload]
+            print(f"{workload}: predicted (lengths: the initial sample | reshaped to the run) against measured; the "
+                  f"machine {100 * speed_drift(start, w['speed_before']):+.0f}% / "
+                  f"{100 * speed_drift(start, w['speed_after']):+.0f}% slower before / after than at the inputs, "
+                  f"{w['speed_after']['steal_s'] - start['steal_s']:.0f} s stolen since")
             for name, r in report[workload]["rows"].items():
                 m, s, u = r["measured"], r["sample"], r["run"]
                 print(f"  {name:16s} step s measured {r['measured_mean_step_s']:7.1f} (mean; median {m['step_s']:.1f})"

@@ -364,6 +364,36 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
     return rows
 
 
+def machine_speed(repeats: int = 5) -> dict:
+    """The machine's speed now: one thread's fp32 matmul rate (GFLOP/s, median of `repeats`) and the CPU time
+    stolen by other guests since boot. The inputs are measured once at the start of a check; a run that drifts
+    from them (a neighbour on the host, a throttled CPU) is no test of the planner, so the check reports this
+    before each workload and at the end."""
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, rates = torch.randn(512, 512), []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(100):
+                a @ a
+            rates.append(100 * 2 * 512 ** 3 / (time.perf_counter() - t) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return {"matmul_gflops": statistics.median(rates), "steal_s": int(fields[8]) / 100 if len(fields) > 8 else 0.0}
+
+
+def speed_drift(before: dict, now: dict) -> float:
+    """How much slower the machine is now than when the inputs were measured (0.2: 20% slower)."""
+    return before["matmul_gflops"] / now["matmul_gflops"] - 1
+
+
 def plan_check(workloads=("longtail",), *, model: str | None = None, warmup: int = 1, repeats: int = 3,
                out: str | None = None, progress: bool = True) -> dict:
     """The planner's inputs measured, then each workload's modes run, one after the other; predicted against
@@ -372,7 +402,7 @@ def plan_check(workloads=("longtail",), *, model: str | None = None, warmup: int
     import json
     import os
 
-    report = {"load_start": list(os.getloadavg())}
+    report = {"load_start": list(os.getloadavg()), "speed_start": machine_speed()}
 
     def save():
         if out:
@@ -382,9 +412,11 @@ def plan_check(workloads=("longtail",), *, model: str | None = None, warmup: int
     report["load_after_inputs"] = list(os.getloadavg())
     save()
     for workload in workloads:
+        speed = machine_speed()
         raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, workload=workload, progress=progress)
         rows = check_rows(report["inputs"], workload, raw, warmup)
-        report[workload] = {"raw": raw, "rows": rows, "load_end": list(os.getloadavg()),
+        report[workload] = {"raw": raw, "rows": rows, "load_end": list(os.getloadavg()), "speed_before": speed,
+                            "speed_after": machine_speed(),
                             "inputs": plan_inputs_for(report["inputs"], workload, raw["lengths"]).to_dict()}
         save()
     return report
