@@ -378,12 +378,14 @@ def test_calls_fit_one_scheduler_step_and_cover_every_sample_once(lens, n, budge
 
 
 SPLIT_VS_ONE_CALL = """
-import json, sys
+import json, os, sys
 from justrl_megatron.rollout import SamplingConfig
-from justrl_megatron.rollout.vllm_engine import VLLMEngine
+from justrl_megatron.rollout.vllm_engine import VLLM_LAUNCH_ENV, VLLMEngine
 
 if __name__ == "__main__":
+    env_before = {k: os.environ.get(k) for k in VLLM_LAUNCH_ENV}
     engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=64, enforce_eager=True)
+    env_after = {k: os.environ.get(k) for k in VLLM_LAUNCH_ENV}
     prompts, sampling = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11]], SamplingConfig(
         max_tokens=6, temperature=0.7, top_p=0.9)
     engine.step_budget = None  # one call
@@ -391,17 +393,20 @@ if __name__ == "__main__":
     other = engine.generate(prompts, 4, sampling, seed=2**61 + 2**24).token_ids
     engine.step_budget = (12, 3)  # a call per 1-3 samples
     split = engine.generate(prompts, 4, sampling, seed=2**61).token_ids
-    print(json.dumps({"one": one, "split": split, "other": other}))
+    print(json.dumps({"one": one, "split": split, "other": other, "env_before": env_before, "env_after": env_after}))
     engine.shutdown()
 """
 
 
 @pytest.mark.slow
 def test_split_calls_sample_what_one_call_would(tmp_path, tiny_llama):
-    """Per-sample seeds follow the sample's place in the batch, so cutting a batch into calls (CPU) changes nothing."""
+    """Per-sample seeds follow the sample's place in the batch, so cutting a batch into calls (CPU) changes nothing;
+    and the engine's own launch settings (VLLM_LAUNCH_ENV) do not outlive its construction."""
     script = tmp_path / "split.py"
     script.write_text(SPLIT_VS_ONE_CALL)
     out = json.loads(run_ok([sys.executable, script, tiny_llama], timeout=600).stdout.strip().splitlines()[-1])
     assert len(out["one"]) == 12 and all(len(t) == 6 for t in out["one"])
     assert out["split"] == out["one"]
     assert out["other"] != out["one"]  # another seed samples otherwise (the comparison can fail)
+    # the in-process engine left no launch settings behind for this process's later children, and kept generating
+    assert out["env_after"] == out["env_before"]

@@ -21,6 +21,7 @@ rollouts or in the weight sync for a rollout rank still generating).
 
 from __future__ import annotations
 
+import os
 import statistics
 
 LONGTAIL_TOKENS = 384
@@ -365,28 +366,34 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
 
 
 def machine_speed(repeats: int = 5) -> dict:
-    """The machine's speed now: one thread's fp32 matmul rate (GFLOP/s, median of `repeats`) and the CPU time
-    stolen by other guests since boot. The inputs are measured once at the start of a check; a run that drifts
-    from them (a neighbour on the host, a throttled CPU) is no test of the planner, so the check reports this
-    before each workload and at the end."""
+    """The machine's speed now: one thread's fp32 matmul rate (GFLOP/s, median of `repeats`, in a fresh process: an
+    engine built in this one binds its threads) and the CPU time stolen by other guests since boot. The inputs are
+    measured once at the start of a check; a run that drifts from them (a neighbour on the host, a throttled CPU) is
+    no test of the planner, so the check reports this before and after each workload."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "justrl_megatron.bench.longtail", "speed", str(repeats)],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return {"matmul_gflops": float(out.stdout.split()[-1]),
+            "steal_s": int(fields[8]) / 100 if len(fields) > 8 else 0.0}
+
+
+def _matmul_rate(repeats: int) -> float:
     import time
 
     import torch
 
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        a, rates = torch.randn(512, 512), []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for _ in range(100):
-                a @ a
-            rates.append(100 * 2 * 512 ** 3 / (time.perf_counter() - t) / 1e9)
-    finally:
-        torch.set_num_threads(threads)
-    with open("/proc/stat") as f:
-        fields = f.readline().split()
-    return {"matmul_gflops": statistics.median(rates), "steal_s": int(fields[8]) / 100 if len(fields) > 8 else 0.0}
+    a, rates = torch.randn(512, 512), []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(100):
+            a @ a
+        rates.append(100 * 2 * 512 ** 3 / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates)
 
 
 def speed_drift(before: dict, now: dict) -> float:
@@ -400,7 +407,6 @@ def plan_check(workloads=("longtail",), *, model: str | None = None, warmup: int
     measured step seconds and trained tokens/s per mode (lengths: the initial model's sample, and reshaped to each
     mode's own metrics)."""
     import json
-    import os
 
     report = {"load_start": list(os.getloadavg()), "speed_start": machine_speed()}
 
@@ -427,3 +433,5 @@ if __name__ == "__main__":  # the update's cost points, in a process of their ow
 
     if sys.argv[1] == "update":
         _update_points(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "speed":
+        print(_matmul_rate(int(sys.argv[2])))

@@ -17,6 +17,7 @@ raw logprob of every sampled token, the finish reason and the weight version the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,6 +50,28 @@ def model_eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
                 if isinstance(i, int) and i not in ids:
                     ids.append(i)
     return ids
+
+
+# What vLLM writes into os.environ while it builds an engine for the processes it starts, read by then: the
+# multiprocessing switch (0 for an in-process engine), the workers' start method, LD_PRELOAD of torch's libgomp and of
+# tcmalloc, LOCAL_WORLD_SIZE. A process this one starts later (a bench's torchrun launch, a test's run, a tool's
+# sandbox) must not inherit them: a split run launched after an in-process engine had its rollout rank host vLLM's
+# engine core in-process, 1.2-1.45x slower per step (docs/benchmarks.md, the planner's check).
+VLLM_LAUNCH_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "LD_PRELOAD", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _launch_env_restored():
+    """VLLM_LAUNCH_ENV as it was before the block (vLLM's other variables stay: some are read while it runs)."""
+    before = {k: os.environ.get(k) for k in VLLM_LAUNCH_ENV}
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _physical_gpu(index: int) -> str:
@@ -152,7 +175,8 @@ class VLLMEngine:
 
         from vllm import LLM
 
-        self.llm = LLM(**kwargs)
+        with _launch_env_restored():
+            self.llm = LLM(**kwargs)
         compat.reapply_after_vllm()  # vLLM's CPU worker swapped torch.cuda's stream stand-ins (megatron MoE needs ours)
         # (tokens, sequences) one scheduler step takes, where seeded calls must fit it (CPU only: see plan_calls)
         self.step_budget = None
