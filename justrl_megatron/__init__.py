@@ -1,6 +1,12 @@
 """justrl-megatron."""
 
 import os as _os
+import sys as _sys
+
+if _sys.orig_argv[1:3] == ["-m", "justrl_megatron.cli"]:  # a launched rank: `python -m` imports this package first
+    from .early_interrupt import install as _install_early_interrupt
+
+    _install_early_interrupt()
 
 if _os.environ.get("JUSTRL_QUIET_CONSOLE") == "1":  # a child of a quiet run (e.g. vLLM's engine core): quiet too
     from .console import install_from_env as _install_from_env

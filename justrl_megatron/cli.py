@@ -6,19 +6,9 @@ Each one imports `justrl_megatron.compat` first (CPU redirections for megatron-c
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
-BEFORE_TRAINING = "justrl-train: interrupted before training started; nothing was saved\n"
-
-
-def _interrupted_before_training(signum, frame) -> None:
-    # at once and without an exception (a KeyboardInterrupt in an import, or a second copy of the same Ctrl-C from
-    # the launcher inside an except block, would print a traceback); train/interrupt.py takes over for the loop
-    if os.environ.get("RANK", "0") == "0":
-        os.write(2, BEFORE_TRAINING.encode())
-    os._exit(130)
-
+from . import early_interrupt
 
 VALIDATE_ONLY = "--validate-only"
 
@@ -27,7 +17,7 @@ def train_main() -> None:
     """justrl-train [--nproc-per-node=N] [--validate-only] [hydra overrides...]: GRPO training (default: the embedded
     CPU demo); with --nproc-per-node, N ranks on this machine under justrl's launcher (launch.py); with
     --validate-only, the launch's checks alone (train_entry.validate_only; N: the world size checked)."""
-    signal.signal(signal.SIGINT, _interrupted_before_training)
+    early_interrupt.install()
     from .launch import split_nproc
 
     nproc, sys.argv[1:] = split_nproc(sys.argv[1:])
