@@ -195,16 +195,22 @@ def measure_update(prompt_len: int = 55) -> list[tuple[int, float]]:
     """(tokens, seconds) of one GRPO update of the workload's model shape (random weights and tokens, fp32, one
     thread as each torchrun rank has), in a child process: `justrl-bench --phase train`'s code."""
     import json
-    import os
-    import subprocess
-    import sys
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="justrl-plan-") as tmp:
         out = os.path.join(tmp, "update.json")
-        subprocess.run([sys.executable, "-m", "justrl_megatron.bench.longtail", "update", out, str(prompt_len)],
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+        _one_thread_child("update", out, str(prompt_len))
         return [tuple(p) for p in json.loads(open(out).read())]
+
+
+def _one_thread_child(*args: str, capture: bool = False):
+    """This module run in a fresh process on one thread (as each torchrun rank runs): the measurements that an
+    engine built in this process (its thread binding) or this process's threads must not touch."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "justrl_megatron.bench.longtail", *args],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=capture, text=True)
 
 
 def _update_points(out: str, prompt_len: int) -> None:
@@ -370,11 +376,7 @@ def machine_speed(repeats: int = 5) -> dict:
     engine built in this one binds its threads) and the CPU time stolen by other guests since boot. The inputs are
     measured once at the start of a check; a run that drifts from them (a neighbour on the host, a throttled CPU) is
     no test of the planner, so the check reports this before and after each workload."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "justrl_megatron.bench.longtail", "speed", str(repeats)],
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=True, text=True)
+    out = _one_thread_child("speed", str(repeats), capture=True)
     with open("/proc/stat") as f:
         fields = f.readline().split()
     return {"matmul_gflops": float(out.stdout.split()[-1]),
