@@ -76,6 +76,7 @@ class MetricsLogger:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
+            self._histogram = wandb.Histogram  # a per-sample list (response/lengths) is charted as a histogram
             try:
                 self._wandb = wandb.init(project=logging_cfg.wandb_project, name=logging_cfg.wandb_name,
                                          mode=logging_cfg.wandb_mode, dir=str(run_dir), config=config,
@@ -102,7 +103,8 @@ class MetricsLogger:
             raise
         if self._wandb is not None:
             try:
-                self._wandb.log(record, step=step)
+                self._wandb.log({k: self._histogram(v) if isinstance(v, list) else v for k, v in record.items()},
+                                step=step)
             except Exception as exc:  # noqa: BLE001 - wandb wraps what failed in its own errors
                 self._stop_display()
                 _raise_if_full(exc, self.path.parent / "wandb", f"wandb's log of step {step}",
@@ -357,6 +359,8 @@ def step_metrics(*, rewards, correct, reward_stats: dict, rollouts, prompt_token
         "response/length_mean": sum(lengths) / len(lengths),
         "response/length_max": max(lengths),
         "response/truncated_ratio": sum(rollouts.truncated) / len(lengths),
+        # every sample's, group by group: a run's length distribution, and the trace bench/plan.py replays
+        "response/lengths": list(lengths),
         **{f"rollout/{k}": v for k, v in logprob_gap.items()},
         "rollout/weight_version": rollouts.weight_version,
         # the update's own figures under actor/, except those that name their section (rollout_correction/...)

@@ -367,14 +367,25 @@ def test_plan_best_split_and_every_mode_from_an_inputs_file(tmp_path):
     assert table(plans).splitlines()[-1].startswith("streaming eta=2")
 
 
-def test_plan_lengths_reshaped_to_a_run():
-    from justrl_megatron.bench.longtail import lengths_like_run
+def test_plan_replays_a_runs_own_lengths():
+    """run_trace reads a run's groups from metrics.jsonl in the order it started them (streaming: by admission
+    number, a gap where a group was dropped); the planner replays them: a batch step whose trace holds a response
+    at the cap lasts the cap's engine steps, the others the short ones', whatever the distribution would draw."""
+    from justrl_megatron.bench.longtail import run_trace
+    from justrl_megatron.bench.plan import DecodeCost, PlanInputs, predict
 
-    sample = [10, 20, 30, 40, 100, 100]  # cap 100: a third truncated, the rest mean 25
-    records = [{"response/truncated_ratio": 0.5, "response/length_mean": 70.0}]
-    got = lengths_like_run(sample, records, cap=100)
-    assert got.count(100) == 3 and len(got) == 6
-    assert sum(got) / len(got) == pytest.approx(70.0, abs=2.0)
+    batch = [{"response/lengths": [5, 6, 7, 8]}, {"response/lengths": [100, 1, 2, 3]}]
+    assert run_trace(batch, n=2) == [[5, 6], [7, 8], [100, 1], [2, 3]]
+    stream = [{"response/lengths": [5, 6, 7, 8], "rollout/group_admission": [1, 0]},
+              {"response/lengths": [9, 9], "rollout/group_admission": [3]}]
+    assert run_trace(stream, n=2) == [[7, 8], [5, 6], None, [9, 9]]
+    x = PlanInputs(decode=DecodeCost(0.01, 0.0), update_fixed_s=0.0, update_s_per_token=0.0, sync_s=0.0,
+                   lengths=[50] * 10, prompt_len=0, prompts_per_step=2, n=2, max_response_length=100)
+    steps = predict(x, "split sync", steps=3, warmup=0, run_ends=True, trace=run_trace(batch * 2, n=2))["step_s_all"]
+    # a step waits for its batch (generated after the previous sync): 8 engine steps, 100, 8 again
+    assert steps == pytest.approx([0.08, 1.00, 0.08])
+    drawn = predict(x, "split sync", steps=3, warmup=0, run_ends=True)["step_s_all"]
+    assert drawn == pytest.approx([0.5, 0.5, 0.5])
 
 
 def test_plan_check_measures_the_machine_speed_it_compares_against():

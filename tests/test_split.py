@@ -240,6 +240,17 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
                 "rollout/buffer_depth", "time/wait_rollout_s", "time/rollout_idle_s", "rollout_correction/ratio_mean"):
         assert key in records[-1], key
     assert all(r["actor/grad_norm"] > 0 for r in records)
+    # the trace the planner replays (bench/longtail.run_trace): every sample's length, each trained group's
+    # admission number; up to the stop, the groups this process admitted, each trained once
+    from justrl_megatron.bench.longtail import run_trace
+
+    for r in records:
+        assert len(r["response/lengths"]) == 2 * 4 and len(r["rollout/group_admission"]) == 2
+        assert sum(r["response/lengths"]) / 8 == pytest.approx(r["response/length_mean"])
+    trace = run_trace(records[:stopped], n=4)
+    assert [g for g in trace if g is not None] and all(g is None or len(g) == 4 for g in trace)
+    assert sorted(n for r in records[:stopped] for n in r["rollout/group_admission"]) == \
+        [i for i, g in enumerate(trace) if g is not None]
 
 
 @pytest.mark.slow

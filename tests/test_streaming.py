@@ -267,6 +267,8 @@ def test_admission_keeps_every_trained_sample_within_the_bound(single_trainer, e
         oldest = [min(v) for v in scored.batch.rollouts.token_versions]
         assert all(version - o <= eta for o in oldest)
         trained += [p.id for p in scored.batch.prompts]
+        # the sampler's prompts are admitted in order: a group's admission number is its prompt's id here
+        assert scored.sampling_stats.metrics()["rollout/group_admission"] == [int(p.id) for p in scored.batch.prompts]
         dropped += scored.sampling_stats.metrics()["rollout/dropped_in_engine"]
     assert "1" in trained and dropped == 0 and engines.waits == [1]  # waited for once, when it expired
     assert trained.index("1") == 2 * eta + 1  # overtaken by the eta steps' other groups, trained at the last moment

@@ -443,15 +443,15 @@ def run_plan(a, argv) -> int:
                             progress=not a.no_table)
         report["machine"] = {**machine, "load_average_end": list(os.getloadavg())}
         report["command"] = "justrl-bench " + " ".join(argv)
-        start = report["speed_start"]
         for workload in a.plan_check:
             w = report[workload]
-            print(f"{workload}: predicted (lengths: the initial sample | reshaped to the run) against measured; the "
-                  f"machine {100 * speed_drift(start, w['speed_before']):+.0f}% / "
-                  f"{100 * speed_drift(start, w['speed_after']):+.0f}% slower before / after than at the inputs, "
-                  f"{w['speed_after']['steal_s'] - start['steal_s']:.0f} s stolen since")
-            for name, r in report[workload]["rows"].items():
-                m, s, u = r["measured"], r["sample"], r["run"]
+            start = w["speed_inputs"]
+            print(f"{workload}: predicted (lengths: drawn from the initial sample | the run's own, replayed) against "
+                  f"measured; the machine {100 * speed_drift(start, w['speed_before']):+.0f}% / "
+                  f"{100 * speed_drift(start, w['speed_after']):+.0f}% slower before / after the runs than at the "
+                  f"inputs, {w['speed_after']['steal_s'] - start['steal_s']:.0f} s stolen since")
+            for name, r in w["rows"].items():
+                m, s, u = r["measured"], r["sample"], r["trace"]
                 print(f"  {name:16s} step s measured {r['measured_mean_step_s']:7.1f} (mean; median {m['step_s']:.1f})"
                       f"  predicted {s['step_s']:7.1f} "
                       f"({100 * s['step_error']:+.0f}%) | {u['step_s']:7.1f} ({100 * u['step_error']:+.0f}%)   "

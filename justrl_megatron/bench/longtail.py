@@ -326,17 +326,18 @@ def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
                       shared_prompt=workload_shared_prompt(workload_config(overrides)))
 
 
-def lengths_like_run(lengths: list[int], records: list[dict], cap: int) -> list[int]:
-    """The sampled distribution reshaped to a run's own metrics (metrics.jsonl): its truncated fraction at the cap,
-    the rest spread like the sample's shorter answers and scaled to the run's mean length."""
-    trunc = statistics.mean(r["response/truncated_ratio"] for r in records)
-    mean = statistics.mean(r["response/length_mean"] for r in records)
-    short = sorted(x for x in lengths if x < cap) or [1]
-    n_cap = round(trunc * len(lengths))
-    m = len(lengths) - n_cap
-    picked = [short[int((i + 0.5) * len(short) / m)] for i in range(m)]
-    scale = max(0.0, mean * len(lengths) - cap * n_cap) / max(1, sum(picked))
-    return [cap] * n_cap + [max(1, min(cap - 1, round(x * scale))) for x in picked]
+def run_trace(records: list[dict], n: int) -> list[list[int] | None]:
+    """The groups a run trained, each its n response lengths (metrics.jsonl's response/lengths), in the order the
+    run started them: streaming by rollout/group_admission, a batch mode step by step. An admission number that no
+    step trained (a group dropped as too old) is None: the planner draws that group."""
+    groups, started = {}, 0
+    for r in records:
+        lengths = r["response/lengths"]
+        step_groups = [lengths[i:i + n] for i in range(0, len(lengths), n)]
+        numbers = r.get("rollout/group_admission") or range(started, started + len(step_groups))
+        groups.update(zip(numbers, step_groups))
+        started += len(step_groups)
+    return [groups.get(i) for i in range(max(groups) + 1)] if groups else []
 
 
 def mode_plan(name: str) -> tuple[str, int]:
@@ -347,11 +348,13 @@ def mode_plan(name: str) -> tuple[str, int]:
 
 def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> dict:
     """Per mode: the measured figures (mean step and medians over the timed steps), and the planner's from the
-    measured inputs with two length distributions (the initial model's sample; the sample reshaped to the mode's own
-    metrics), each for the window the run timed (`predict_window`: a cold start, `warmup` untimed steps, the timed
-    ones) and, beside it, the steady state."""
+    measured inputs for the window the run timed (`predict_window`: a cold start, `warmup` untimed steps, the timed
+    ones), with the steady state beside it; once with lengths drawn from the initial model's sample (what a plan
+    has before a run) and once replaying the run's own (`run_trace`: what the check scores, since a run of a few
+    steps of a long-tail distribution lands anywhere between the draws' p10 and p90)."""
     from .plan import predict, predict_window
 
+    n = int(dict(w.split("=", 1) for w in WORKLOADS[workload][0] if "=" in w)["rollout.n"])
     rows = {}
     for name, m in raw["modes"].items():
         mode, eta = mode_plan(name)
@@ -359,10 +362,9 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
         timed = len(m["figures"]["step_s"])
         mean_step = statistics.mean(m["figures"]["step_s"])  # a predicted step_s is a mean too
         row = {"measured": measured, "measured_mean_step_s": mean_step}
-        for label, lengths in (("sample", raw["lengths"]),
-                               ("run", lengths_like_run(raw["lengths"], m["records"][warmup:], raw["cap"]))):
-            inputs = plan_inputs_for(measured_inputs, workload, lengths)
-            p = predict_window(inputs, mode, eta=eta, warmup=warmup, timed=timed)
+        inputs = plan_inputs_for(measured_inputs, workload, raw["lengths"])
+        for label, trace in (("sample", None), ("trace", run_trace(m["records"], n))):
+            p = predict_window(inputs, mode, eta=eta, warmup=warmup, timed=timed, trace=trace)
             row[label] = {**{k: p[k] for k in ("step_s", "step_s_p10", "step_s_p90", "trained_tokens_per_s",
                                                "trainer_idle_frac", "engine_idle_frac", "staleness_max")},
                           "step_error": p["step_s"] / mean_step - 1,
@@ -373,9 +375,9 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
 
 def machine_speed(repeats: int = 5) -> dict:
     """The machine's speed now: one thread's fp32 matmul rate (GFLOP/s, median of `repeats`, in a fresh process: an
-    engine built in this one binds its threads) and the CPU time stolen by other guests since boot. The inputs are
-    measured once at the start of a check; a run that drifts from them (a neighbour on the host, a throttled CPU) is
-    no test of the planner, so the check reports this before and after each workload."""
+    engine built in this one binds its threads) and the CPU time stolen by other guests since boot. A run on a
+    machine slower or faster than when the planner's inputs were measured (a neighbour on the host, a throttled
+    CPU) is no test of the planner, so the check reports this at the inputs, before and after each workload's runs."""
     out = _one_thread_child("speed", str(repeats), capture=True)
     with open("/proc/stat") as f:
         fields = f.readline().split()
@@ -405,27 +407,27 @@ def speed_drift(before: dict, now: dict) -> float:
 
 def plan_check(workloads=("longtail",), *, model: str | None = None, warmup: int = 1, repeats: int = 3,
                out: str | None = None, progress: bool = True) -> dict:
-    """The planner's inputs measured, then each workload's modes run, one after the other; predicted against
-    measured step seconds and trained tokens/s per mode (lengths: the initial model's sample, and reshaped to each
-    mode's own metrics)."""
+    """Per workload, one after the other: the planner's inputs measured, then the workload's modes run; predicted
+    against measured step seconds and trained tokens/s per mode. The inputs are measured again right before each
+    workload, and the machine's speed beside them and after the runs: a shared host drifts by up to 1.5x within
+    the hour such a check takes (docs/benchmarks.md), which no model of the pipeline can predict."""
     import json
 
-    report = {"load_start": list(os.getloadavg()), "speed_start": machine_speed()}
+    report = {"load_start": list(os.getloadavg())}
 
     def save():
         if out:
             open(out, "w").write(json.dumps(report, indent=1, default=str) + "\n")
 
-    report["inputs"] = measure_plan_inputs(model)
-    report["load_after_inputs"] = list(os.getloadavg())
-    save()
     for workload in workloads:
         speed = machine_speed()
+        inputs = measure_plan_inputs(model)
+        speed_runs = machine_speed()
         raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, workload=workload, progress=progress)
-        rows = check_rows(report["inputs"], workload, raw, warmup)
-        report[workload] = {"raw": raw, "rows": rows, "load_end": list(os.getloadavg()), "speed_before": speed,
+        report[workload] = {"measured_inputs": inputs, "raw": raw, "rows": check_rows(inputs, workload, raw, warmup),
+                            "load_end": list(os.getloadavg()), "speed_inputs": speed, "speed_before": speed_runs,
                             "speed_after": machine_speed(),
-                            "inputs": plan_inputs_for(report["inputs"], workload, raw["lengths"]).to_dict()}
+                            "inputs": plan_inputs_for(inputs, workload, raw["lengths"]).to_dict()}
         save()
     return report
 

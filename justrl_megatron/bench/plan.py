@@ -14,8 +14,9 @@ It replays what the code does (rollout/batch_source.py, stream_source.py, engine
 - streaming eta: (eta + 1) x prompts_per_step groups admitted and not yet taken, topped up when a step starts (after
   the previous sync); a step takes first the groups admitted eta versions ago (waiting for them), then any others in
   the order they finished; the sync pauses every engine (requests kept) and drops groups the bound no longer allows.
-Response lengths are drawn per sample from a given distribution with a fixed seed, so a plan is deterministic; the
-figures are means over the steps after `warmup`.
+Response lengths are drawn per sample from a given distribution with a fixed seed, so a plan is deterministic, or
+replayed from a run's metrics (a trace: what a check of the model against that run compares); the figures are means
+over the steps after `warmup`.
 """
 
 from __future__ import annotations
@@ -212,20 +213,27 @@ def _steps_to_reach(a: float, g: float, dt: float, k_max: int) -> int:
 
 
 class _Lengths:
-    def __init__(self, lengths: list[int], cap: int, seed: int):
+    """Each started group's response lengths: the next of `trace` (a run's own groups in the order it started them;
+    None where the run trained no such group), else n draws from the distribution."""
+
+    def __init__(self, lengths: list[int], cap: int, seed: int, trace: list | None = None):
         self.lengths, self.cap, self.rng = [min(int(x), cap) for x in lengths], cap, random.Random(seed)
+        self.trace, self.started = trace or [], 0
 
     def group(self, n: int) -> list[int]:
+        i, self.started = self.started, self.started + 1
+        if i < len(self.trace) and self.trace[i] is not None:
+            return [min(int(x), self.cap) for x in self.trace[i]]
         return [self.rng.choice(self.lengths) for _ in range(n)]
 
 
 def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 1, eta: int = 1, steps: int = 40,
-            warmup: int = 4, seed: int = 0, run_ends: bool = False) -> dict:
+            warmup: int = 4, seed: int = 0, run_ends: bool = False, trace: list | None = None) -> dict:
     """Simulate `steps` steps of `mode` and summarise the ones after `warmup`. colocated sync: `trainers` devices
     do both jobs (engines = trainers). `run_ends`: the run's last step is `steps` (trainer.total_steps), so nothing
     is generated beyond it, as the batch sources do: one-step-off submits no batch after the last, streaming admits
     no more groups than the remaining steps take (the engines run dry in the last steps); without it, the steady
-    state of an endless run."""
+    state of an endless run. `trace`: replay a run's own response lengths (_Lengths) instead of drawing them."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode == "streaming" and eta < 1:
@@ -233,7 +241,7 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
     if mode == "colocated sync":
         engines = trainers
     x = inputs
-    draw = _Lengths(x.lengths, x.max_response_length, seed)
+    draw = _Lengths(x.lengths, x.max_response_length, seed, trace)
     pool = [Engine(x.decode, x.engine_max_seqs, x.n) for _ in range(engines)]
     run = _stream if mode == "streaming" else _rounds
     records = run(x, mode, pool, draw, trainers, eta, steps, steps if run_ends else None)

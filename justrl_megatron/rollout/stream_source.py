@@ -175,7 +175,7 @@ class StreamSource:
             self._buffer = self.rollout.stream_open(self.n, self.sampling, self.capacity)
         self._admit(step, version)
         buffer, counts = self._buffer, dict.fromkeys(self._counts, 0)
-        kept, zero_variance, taken = [], 0, 0
+        kept, kept_gids, zero_variance, taken = [], [], 0, 0
         wait = reward = 0.0
         pick = self._pick(version, lambda: self.num_groups - len(kept))
         taken_back: dict[int, tuple[Prompt, int]] = {}  # what a stop puts back: the groups this step took to train
@@ -211,6 +211,7 @@ class StreamSource:
                 self._admit(step, version)
                 continue
             kept.append((prompt, rollouts, rewards, correct, reward_stats))
+            kept_gids.append(gid)
         for k, v in counts.items():
             self._counts[k] += v
         for k in ("discarded_at_resume", "continued_at_resume"):  # counted once, by the first step after a resume
@@ -230,6 +231,9 @@ class StreamSource:
             "rollout/engine_idle_frac": engine.get("idle_s", 0.0) / engine_s if engine_s else 0.0,
             "rollout/buffer_depth": float(depth), "rollout/buffer_peak": float(peak),
             "rollout/admitted_outstanding": float(len(self._admitted)),
+            # each trained group's admission number since this process started (beside response/lengths: the
+            # trace bench/plan.py replays)
+            "rollout/group_admission": kept_gids,
             **{f"rollout/{k}": float(v) for k, v in counts.items()},
         }
         if self.dynamic_sampling:
