@@ -369,7 +369,7 @@ def test_plan_best_split_and_every_mode_from_an_inputs_file(tmp_path):
 
 def test_plan_replays_a_runs_own_lengths():
     """run_trace reads a run's groups from metrics.jsonl in the order it started them (streaming: by admission
-    number, a gap where a group was dropped); the planner replays them: a batch step whose trace holds a response
+    number, a step's dropped finished groups too, a gap where an engine aborted one); the planner replays them: a batch step whose trace holds a response
     at the cap lasts the cap's engine steps, the others the short ones', whatever the distribution would draw."""
     from justrl_megatron.bench.longtail import run_trace
     from justrl_megatron.bench.plan import DecodeCost, PlanInputs, predict
@@ -377,8 +377,9 @@ def test_plan_replays_a_runs_own_lengths():
     batch = [{"response/lengths": [5, 6, 7, 8]}, {"response/lengths": [100, 1, 2, 3]}]
     assert run_trace(batch, n=2) == [[5, 6], [7, 8], [100, 1], [2, 3]]
     stream = [{"response/lengths": [5, 6, 7, 8], "rollout/group_admission": [1, 0]},
-              {"response/lengths": [9, 9], "rollout/group_admission": [3]}]
-    assert run_trace(stream, n=2) == [[7, 8], [5, 6], None, [9, 9]]
+              {"response/lengths": [9, 9], "rollout/group_admission": [4], "rollout/untrained_admission": [2],
+               "rollout/untrained_lengths": [70, 80]}]
+    assert run_trace(stream, n=2) == [[7, 8], [5, 6], [70, 80], None, [9, 9]]
     x = PlanInputs(decode=DecodeCost(0.01, 0.0), update_fixed_s=0.0, update_s_per_token=0.0, sync_s=0.0,
                    lengths=[50] * 10, prompt_len=0, prompts_per_step=2, n=2, max_response_length=100)
     steps = predict(x, "split sync", steps=3, warmup=0, run_ends=True, trace=run_trace(batch * 2, n=2))["step_s_all"]

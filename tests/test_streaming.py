@@ -295,6 +295,10 @@ def test_dynamic_sampling_keeps_only_groups_with_reward_variance_and_admits_more
         rewards = scored.batch.rewards
         assert all(rewards[i] != rewards[i + 1] for i in range(0, len(rewards), 2))  # every group has variance
         assert figures["batch/kept_groups"] == 2 and figures["batch/zero_variance_groups"] >= 1
+        # the groups it dropped are in the planner's trace with their lengths (2 samples of 2 tokens each)
+        dropped = figures["rollout/untrained_admission"]
+        assert len(dropped) == figures["batch/zero_variance_groups"] and all(g % 2 == 0 for g in dropped)
+        assert figures["rollout/untrained_lengths"] == [2, 2] * len(dropped)
         assert scored.staleness <= 1 and len(pipeline._admitted) <= 2 * 2
         trained += [p.id for p in scored.batch.prompts]
     assert all(int(i) % 2 == 1 for i in trained) and len(set(trained)) == 8  # only odd prompts, each once

@@ -327,16 +327,19 @@ def plan_inputs_for(measured: dict, workload: str, lengths: list[int]):
 
 
 def run_trace(records: list[dict], n: int) -> list[list[int] | None]:
-    """The groups a run trained, each its n response lengths (metrics.jsonl's response/lengths), in the order the
-    run started them: streaming by rollout/group_admission, a batch mode step by step. An admission number that no
-    step trained (a group dropped as too old) is None: the planner draws that group."""
+    """Every group a run generated, each its n response lengths, in the order the run started them: a batch mode's
+    step by step (response/lengths), streaming's by admission number (rollout/group_admission; the finished groups
+    a step dropped, too old or without reward variance, from rollout/untrained_*: they took engine time too). A
+    group its engine aborted is None: the planner draws it."""
+    def groups_of(lengths):
+        return [lengths[i:i + n] for i in range(0, len(lengths), n)]
+
     groups, started = {}, 0
     for r in records:
-        lengths = r["response/lengths"]
-        step_groups = [lengths[i:i + n] for i in range(0, len(lengths), n)]
-        numbers = r.get("rollout/group_admission") or range(started, started + len(step_groups))
-        groups.update(zip(numbers, step_groups))
-        started += len(step_groups)
+        trained = groups_of(r["response/lengths"])
+        groups.update(zip(r.get("rollout/group_admission") or range(started, started + len(trained)), trained))
+        groups.update(zip(r.get("rollout/untrained_admission", []), groups_of(r.get("rollout/untrained_lengths", []))))
+        started += len(trained)
     return [groups.get(i) for i in range(max(groups) + 1)] if groups else []
 
 

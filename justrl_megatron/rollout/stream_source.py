@@ -176,6 +176,7 @@ class StreamSource:
         self._admit(step, version)
         buffer, counts = self._buffer, dict.fromkeys(self._counts, 0)
         kept, kept_gids, zero_variance, taken = [], [], 0, 0
+        untrained: dict[int, list[int]] = {}  # groups the engines finished that the step drops: their lengths
         wait = reward = 0.0
         pick = self._pick(version, lambda: self.num_groups - len(kept))
         taken_back: dict[int, tuple[Prompt, int]] = {}  # what a stop puts back: the groups this step took to train
@@ -196,6 +197,7 @@ class StreamSource:
                 continue
             if version - rollouts.weight_version > self.eta:  # finished, but too old by now
                 counts["dropped_stale"] += 1
+                untrained[gid] = rollouts.sampled_lengths()
                 self._admit(step, version)
                 continue
             t = time.perf_counter()
@@ -208,6 +210,7 @@ class StreamSource:
             if (self.dynamic_sampling and len(set(rewards)) == 1
                     and taken < self.max_rounds * self.num_groups):
                 zero_variance += 1
+                untrained[gid] = rollouts.sampled_lengths()
                 self._admit(step, version)
                 continue
             kept.append((prompt, rollouts, rewards, correct, reward_stats))
@@ -231,9 +234,11 @@ class StreamSource:
             "rollout/engine_idle_frac": engine.get("idle_s", 0.0) / engine_s if engine_s else 0.0,
             "rollout/buffer_depth": float(depth), "rollout/buffer_peak": float(peak),
             "rollout/admitted_outstanding": float(len(self._admitted)),
-            # each trained group's admission number since this process started (beside response/lengths: the
-            # trace bench/plan.py replays)
+            # each trained group's admission number since this process started (beside response/lengths), and
+            # those of the finished groups the step dropped with their lengths: the trace bench/plan.py replays
             "rollout/group_admission": kept_gids,
+            "rollout/untrained_admission": list(untrained),
+            "rollout/untrained_lengths": [x for lengths in untrained.values() for x in lengths],
             **{f"rollout/{k}": float(v) for k, v in counts.items()},
         }
         if self.dynamic_sampling:
