@@ -29,9 +29,12 @@ time.sleep(600)
 """
 
 # a rank for the launcher (JUSTRL_ENTRY): rank 1 fails after a moment, rank 0 would run for 10 minutes
+# rank 1 fails once rank 0 has said its pid (a file in the shared cwd: under load rank 0 may start seconds later)
 FAILING_RANK = ("-c", "import os, signal, sys, time; rank = int(os.environ['RANK']); "
-                "print(f'rank {rank} pid {os.getpid()}', flush=True); time.sleep(1.0 if rank == 1 else 600); "
-                "how = sys.argv[1]; "
+                "print(f'rank {rank} pid {os.getpid()}', flush=True); open(f'started.{rank}', 'w').close(); "
+                "deadline = time.time() + 60\n"
+                "while rank == 1 and not os.path.exists('started.0') and time.time() < deadline: time.sleep(0.1)\n"
+                "time.sleep(0.5 if rank == 1 else 600); how = sys.argv[1]; "
                 "os.kill(os.getpid(), signal.SIGKILL) if how == 'kill' else sys.exit(int(how))")
 
 
