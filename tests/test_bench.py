@@ -369,8 +369,9 @@ def test_plan_best_split_and_every_mode_from_an_inputs_file(tmp_path):
 
 def test_plan_replays_a_runs_own_lengths():
     """run_trace reads a run's groups from metrics.jsonl in the order it started them (streaming: by admission
-    number, a step's dropped finished groups too, a gap where an engine aborted one); the planner replays them: a batch step whose trace holds a response
-    at the cap lasts the cap's engine steps, the others the short ones', whatever the distribution would draw."""
+    number, a step's dropped finished groups too, a gap where an engine aborted one); the planner replays them: a
+    batch step whose trace holds a response at the cap lasts the cap's engine steps, the others the short ones',
+    whatever the distribution would draw."""
     from justrl_megatron.bench.longtail import run_trace
     from justrl_megatron.bench.plan import DecodeCost, PlanInputs, predict
 

@@ -28,8 +28,8 @@ print("held", flush=True)
 time.sleep(600)
 """
 
-# a rank for the launcher (JUSTRL_ENTRY): rank 1 fails after a moment, rank 0 would run for 10 minutes
-# rank 1 fails once rank 0 has said its pid (a file in the shared cwd: under load rank 0 may start seconds later)
+# a rank for the launcher (JUSTRL_ENTRY): rank 1 fails once rank 0 has said its pid (a file in the shared cwd: under
+# load rank 0 may start seconds later), rank 0 would run for 10 minutes
 FAILING_RANK = ("-c", "import os, signal, sys, time; rank = int(os.environ['RANK']); "
                 "print(f'rank {rank} pid {os.getpid()}', flush=True); open(f'started.{rank}', 'w').close(); "
                 "deadline = time.time() + 60\n"

@@ -357,7 +357,7 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
     steps of a long-tail distribution lands anywhere between the draws' p10 and p90)."""
     from .plan import predict, predict_window
 
-    n = int(dict(w.split("=", 1) for w in WORKLOADS[workload][0] if "=" in w)["rollout.n"])
+    inputs = plan_inputs_for(measured_inputs, workload, raw["lengths"])
     rows = {}
     for name, m in raw["modes"].items():
         mode, eta = mode_plan(name)
@@ -365,8 +365,7 @@ def check_rows(measured_inputs: dict, workload: str, raw: dict, warmup: int) -> 
         timed = len(m["figures"]["step_s"])
         mean_step = statistics.mean(m["figures"]["step_s"])  # a predicted step_s is a mean too
         row = {"measured": measured, "measured_mean_step_s": mean_step}
-        inputs = plan_inputs_for(measured_inputs, workload, raw["lengths"])
-        for label, trace in (("sample", None), ("trace", run_trace(m["records"], n))):
+        for label, trace in (("sample", None), ("trace", run_trace(m["records"], inputs.n))):
             p = predict_window(inputs, mode, eta=eta, warmup=warmup, timed=timed, trace=trace)
             row[label] = {**{k: p[k] for k in ("step_s", "step_s_p10", "step_s_p90", "trained_tokens_per_s",
                                                "trainer_idle_frac", "engine_idle_frac", "staleness_max")},

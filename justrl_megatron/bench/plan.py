@@ -214,7 +214,7 @@ def _steps_to_reach(a: float, g: float, dt: float, k_max: int) -> int:
 
 class _Lengths:
     """Each started group's response lengths: the next of `trace` (a run's own groups in the order it started them;
-    None where the run trained no such group), else n draws from the distribution."""
+    None for a group its engine aborted), else n draws from the distribution."""
 
     def __init__(self, lengths: list[int], cap: int, seed: int, trace: list | None = None):
         self.lengths, self.cap, self.rng = [min(int(x), cap) for x in lengths], cap, random.Random(seed)
