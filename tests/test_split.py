@@ -434,3 +434,45 @@ def test_cli_reports_a_split_mistake_without_a_traceback(tmp_path, tiny_llama):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rollout.max_staleness=1 (asynchronous rollouts) needs rollout.placement=split" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cpu_cores_shared_out_between_trainers_and_engines():
+    """No GPU: each trainer rank gets its threads' worth of cores, the engines the rest evenly; with too few cores
+    the engines get distinct cores from the last and the trainers float (None)."""
+    from justrl_megatron.rollout.cpu_cores import share_cores
+
+    assert share_cores([0, 1], 1, 1, 1) == ([[0]], [[1]])
+    assert share_cores(list(range(16)), 2, 2, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[8, 9, 10, 11], [12, 13, 14, 15]])
+    assert share_cores([0, 1, 2, 3, 4], 1, 2, 1) == ([[0]], [[1, 2], [3, 4]])
+    assert share_cores([0, 1], 2, 2, 1) == ([None, None], [[1], [0]])
+    assert share_cores([5, 3], 0, 1, 1) == ([], [[3, 5]])
+
+
+_BIND = """
+import json, os, sys
+from justrl_megatron.rollout.cpu_cores import bind_split_rank
+said = bind_split_rank(int(sys.argv[1]), int(sys.argv[2]))
+print(json.dumps([said, sorted(os.sched_getaffinity(0)), os.environ.get("VLLM_CPU_OMP_THREADS_BIND")]))
+"""
+
+
+@pytest.mark.parametrize("rank,expect", [(0, "trainer"), (1, "engine"), (1, "user")])
+def test_split_rank_binds_its_share_of_the_cores(rank, expect):
+    """A trainer rank pins itself to its cores; a rollout rank hands its cores to the engine it will build through
+    VLLM_CPU_OMP_THREADS_BIND; a binding the user set wins. Run in a child: binding is process-wide."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores to share out")
+    env = {**ENV, "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    if expect == "user":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    out = subprocess.run([sys.executable, "-c", _BIND, str(rank), "1"], env=env, capture_output=True, text=True,
+                         check=True)
+    said, affinity, bind = json.loads(out.stdout.strip().splitlines()[-1])
+    if expect == "trainer":
+        assert affinity == [cores[0]] and said == f"trainer rank 0 on cores {[cores[0]]}" and bind is None
+    elif expect == "engine":  # the rollout rank itself floats; its engine's worker takes the cores
+        assert bind == ",".join(map(str, cores[1:])) and affinity == cores and said.startswith("rollout rank 1")
+    else:
+        assert said is None and bind == "nobind" and affinity == cores

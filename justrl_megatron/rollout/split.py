@@ -48,6 +48,7 @@ from typing import Sequence
 
 from ..distributed import backend, free_port, init_split, trainer_broadcast
 from .base import RolloutInterrupted, Rollouts, SamplingConfig, weight_sync_backend
+from .cpu_cores import bind_split_rank
 
 
 class _Request:
@@ -76,6 +77,7 @@ class SplitPlacement:
         self.roles = self.sender = None
         self._buffer = None  # streaming: trainer rank 0's finished groups
         self._receivers: list[threading.Thread] = []
+        self.cpu_binding: str | None = None  # what bind_split_rank bound (no GPU)
 
     @staticmethod
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
@@ -103,6 +105,7 @@ class SplitPlacement:
 
     def join(self) -> bool:
         self.roles = init_split(self.cfg.rollout.num_rollout_ranks)
+        self.cpu_binding = bind_split_rank(self.roles.global_rank, self.roles.train_world)
         if not self.roles.is_trainer:
             serve(self.cfg, self.model_dir, self.roles)  # generate and take weights until the trainer says stop
             return False
