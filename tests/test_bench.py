@@ -291,14 +291,20 @@ def test_plan_decode_cost_from_a_table_of_batch_sizes():
 
 
 def test_plan_update_cost_fit_separates_response_tokens():
-    """fit_update_cost: seconds per computed token and the extra per response token, recovered from exact points;
-    points whose response share does not vary fall back to one rate per computed token."""
-    from justrl_megatron.bench.longtail import fit_update_cost
+    """fit_update_cost: the fixed cost per update, seconds per computed token and the extra per response token,
+    recovered from exact points of three update sizes; two sizes alone (the old calibration) cannot tell a fixed
+    cost from a rate, so the fit runs through the origin; points whose response share does not vary fall back to
+    one rate per computed token."""
+    from justrl_megatron.bench.longtail import LOOP_RUNS, fit_update_cost
 
-    points = [(c, r, 0.007 * c + 0.004 * r) for c, r in ((641, 247), (645, 251), (1484, 1090), (1657, 1263))]
-    assert fit_update_cost(points) == pytest.approx((0.007, 0.004))
+    sizes = ((641, 247), (645, 251), (1484, 1090), (1657, 1263), (170, 60), (175, 66))
+    points = [(c, r, 2.5 + 0.007 * c + 0.004 * r) for c, r in sizes]
+    assert fit_update_cost(points) == pytest.approx((2.5, 0.007, 0.004))
+    no_fixed = [(c, r, 0.007 * c + 0.004 * r) for c, r in sizes[:4]]
+    assert fit_update_cost(no_fixed) == pytest.approx((0.0, 0.007, 0.004), abs=1e-9)
     same_share = [(100, 50, 1.0), (200, 100, 2.0)]
-    assert fit_update_cost(same_share) == pytest.approx((0.01, 0.0))
+    assert fit_update_cost(same_share) == pytest.approx((0.0, 0.01, 0.0))
+    assert len(LOOP_RUNS) == 3 and any("trainer.prompts_per_step=2" in run for run in LOOP_RUNS)
 
 
 def test_plan_update_point_from_a_loop_step_counts_computed_tokens():

@@ -226,7 +226,12 @@ def _update_points(out: str, prompt_len: int) -> None:
     open(out, "w").write(json.dumps(points))
 
 
-LOOP_RESPONSE_CAPS = (8, 64)  # the loop's calibration runs: two update sizes, the step's other costs from the first
+# the loop's calibration runs (hydra overrides on the workload's): three update sizes, the step's other costs from the
+# first; the small one (2 prompts) separates the update's fixed cost (the optimizer step over every parameter) from
+# its cost per token: two sizes of 8 prompts alone cannot, and a fit through the origin then charges an update of 2
+# prompts ~2 s too little (docs/benchmarks.md)
+LOOP_RUNS = (("rollout.max_response_length=8",), ("rollout.max_response_length=64",),
+             ("rollout.max_response_length=8", "trainer.prompts_per_step=2", "trainer.mini_batch_size=2"))
 
 
 def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) -> tuple[float, float, float]:
@@ -238,28 +243,33 @@ def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) ->
     return response + (prompts / n if shared_prompt else prompts), response, record["time/update_s"]
 
 
-def fit_update_cost(points) -> tuple[float, float]:
-    """(seconds per computed token, extra seconds per response token): least squares through the origin over
+def fit_update_cost(points) -> tuple[float, float, float]:
+    """(fixed seconds per update, seconds per computed token, extra seconds per response token): least squares over
     (computed, response, seconds) points. A response token costs more than a prompt token (the log-prob head), so
-    a per-token rate from short responses underestimates long ones. A negative extra cost (noise, or points whose
-    response share does not vary) falls back to one rate per computed token."""
-    sxx = sum(c * c for c, _, _ in points)
-    sxy = sum(c * r for c, r, _ in points)
-    syy = sum(r * r for _, r, _ in points)
-    sxt = sum(c * t for c, _, t in points)
-    syt = sum(r * t for _, r, t in points)
-    det = sxx * syy - sxy * sxy
-    if det > 1e-9 * sxx * syy:
-        per_token, per_response = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
+    a per-token rate from short responses underestimates long ones. Where the points cannot tell the three apart
+    (one update size, or a negative term: noise), the fixed cost is 0 and the fit runs through the origin; where
+    that still yields a negative extra cost (the response share does not vary), one rate per computed token."""
+    import numpy as np
+
+    c, r, t = (np.array([p[i] for p in points], dtype=float) for i in range(3))
+    if len(points) >= 3:
+        design = np.stack([np.ones_like(c), c, r], axis=1)
+        if np.linalg.matrix_rank(design) == 3 and np.linalg.cond(design / design.max(axis=0)) < 1e6:
+            fixed, per_token, per_response = np.linalg.lstsq(design, t, rcond=None)[0]
+            if fixed >= 0 and per_token > 0 and per_response >= 0:
+                return float(fixed), float(per_token), float(per_response)
+    design = np.stack([c, r], axis=1)
+    if np.linalg.matrix_rank(design) == 2 and np.linalg.cond(design / design.max(axis=0)) < 1e6:
+        per_token, per_response = np.linalg.lstsq(design, t, rcond=None)[0]
         if per_token > 0 and per_response >= 0:
-            return per_token, per_response
-    return sum(t for _, _, t in points) / sum(c for c, _, _ in points), 0.0
+            return 0.0, float(per_token), float(per_response)
+    return 0.0, float(t.sum() / c.sum()), 0.0
 
 
 def measure_loop(model: str | None, overrides=WORKLOAD) -> dict:
-    """The loop's own per-step costs from split synchronous runs (1 + 2 steps each) with short responses (at most
-    LOOP_RESPONSE_CAPS tokens): the weight sync, scoring per group and the rest of a step besides rollout, update
-    and sync from the first; the update's cost per computed token fitted through both runs' steps. The loop's update
+    """The loop's own per-step costs from split synchronous runs (1 + 2 steps each, LOOP_RUNS) with short
+    responses: the weight sync, scoring per group and the rest of a step besides rollout, update and sync from the
+    first; the update's fixed cost and cost per computed token fitted through every run's steps. The loop's update
     is the planner's input, not the train phase's: on this CPU the two differ by 1.5-5x per token (docs/benchmarks.md,
     the planner's check), so only the loop's own update predicts the loop."""
     from .step import bench_step
@@ -267,9 +277,9 @@ def measure_loop(model: str | None, overrides=WORKLOAD) -> dict:
     cfg = workload_config(overrides)
     shared = workload_shared_prompt(cfg)
     points, first = [], None
-    for cap in LOOP_RESPONSE_CAPS:
+    for extra in LOOP_RUNS:
         run = bench_step(model=model, warmup=0, repeats=3, nproc=2, progress=False, keep_records=True,
-                         overrides=[*overrides, "rollout.max_staleness=0", f"rollout.max_response_length={cap}"])
+                         overrides=[*overrides, "rollout.max_staleness=0", *extra])
         records, groups = run["records"], run["prompts"]
         timed = [(records[i - 1], records[i]) for i in range(1, len(records))]  # step 1 warms up
         points += [loop_update_point(r, groups, cfg.rollout.n, shared) for _, r in timed]
@@ -302,9 +312,9 @@ def measure_plan_inputs(model: str | None = None) -> dict:
     decode = measure_decode(model)
     train_points = measure_update(round(decode["prompt_len"]))
     loop = measure_loop(model)
-    per_token, per_response = fit_update_cost(loop["update_points"])
+    fixed, per_token, per_response = fit_update_cost(loop["update_points"])
     train_slope = statistics.linear_regression([t for t, _ in train_points], [s for _, s in train_points])[0]
-    return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": 0.0,
+    return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": fixed,
             "update_s_per_token": per_token, "update_s_per_response_token": per_response,
             "train_phase_s_per_token": train_slope}
 
