@@ -252,18 +252,24 @@ def fit_update_cost(points) -> tuple[float, float, float]:
     import numpy as np
 
     c, r, t = (np.array([p[i] for p in points], dtype=float) for i in range(3))
-    if len(points) >= 3:
-        design = np.stack([np.ones_like(c), c, r], axis=1)
-        if np.linalg.matrix_rank(design) == 3 and np.linalg.cond(design / design.max(axis=0)) < 1e6:
-            fixed, per_token, per_response = np.linalg.lstsq(design, t, rcond=None)[0]
-            if fixed >= 0 and per_token > 0 and per_response >= 0:
-                return float(fixed), float(per_token), float(per_response)
-    design = np.stack([c, r], axis=1)
-    if np.linalg.matrix_rank(design) == 2 and np.linalg.cond(design / design.max(axis=0)) < 1e6:
-        per_token, per_response = np.linalg.lstsq(design, t, rcond=None)[0]
-        if per_token > 0 and per_response >= 0:
-            return 0.0, float(per_token), float(per_response)
+    fit = _least_squares([np.ones_like(c), c, r], t)
+    if fit and fit[0] >= 0 and fit[1] > 0 and fit[2] >= 0:
+        return fit[0], fit[1], fit[2]
+    fit = _least_squares([c, r], t)
+    if fit and fit[0] > 0 and fit[1] >= 0:
+        return 0.0, fit[0], fit[1]
     return 0.0, float(t.sum() / c.sum()), 0.0
+
+
+def _least_squares(columns, t) -> list[float] | None:
+    """The coefficients of t over the columns; None where they cannot be told apart (too few points, or
+    columns nearly proportional)."""
+    import numpy as np
+
+    design = np.stack(columns, axis=1)
+    if np.linalg.matrix_rank(design) < design.shape[1] or not np.linalg.cond(design / design.max(axis=0)) < 1e6:
+        return None
+    return [float(v) for v in np.linalg.lstsq(design, t, rcond=None)[0]]
 
 
 def measure_loop(model: str | None, overrides=WORKLOAD) -> dict:

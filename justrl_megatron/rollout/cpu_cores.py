@@ -20,8 +20,6 @@ from .. import compat
 def share_cores(cores: list[int], trainers: int, engines: int, threads: int) -> tuple[list, list]:
     """(cores of each local trainer rank, or None: it floats; cores of each local engine) out of `cores`."""
     cores = sorted(cores)
-    if not cores or engines == 0 and trainers == 0:
-        return [None] * trainers, [[] for _ in range(engines)]
     if len(cores) >= trainers * threads + engines:
         trainer_cores = [cores[i * threads:(i + 1) * threads] for i in range(trainers)]
         rest = cores[trainers * threads:]
@@ -35,16 +33,15 @@ def share_cores(cores: list[int], trainers: int, engines: int, threads: int) -> 
     return [None] * trainers, [[cores[-1 - j % len(cores)]] for j in range(engines)]
 
 
-def local_roles(global_rank: int, train_world: int) -> tuple[list[int], int] | None:
-    """(this host's ranks in order, how many of them train) from torchrun's RANK / LOCAL_RANK / LOCAL_WORLD_SIZE
-    (a host's ranks are consecutive); None where the launcher does not say."""
+def local_roles(global_rank: int, train_world: int) -> tuple[int, int, int] | None:
+    """(this rank's place on its host, the host's ranks, how many of them train) from torchrun's LOCAL_RANK /
+    LOCAL_WORLD_SIZE (a host's ranks are consecutive); None where the launcher does not say."""
     try:
         local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     except (KeyError, ValueError):
         return None
     first = global_rank - local_rank
-    ranks = list(range(first, first + local_world))
-    return ranks, sum(r < train_world for r in ranks)
+    return local_rank, local_world, max(0, min(local_world, train_world - first))
 
 
 def bind_split_rank(global_rank: int, train_world: int) -> str | None:
@@ -55,13 +52,12 @@ def bind_split_rank(global_rank: int, train_world: int) -> str | None:
     roles = local_roles(global_rank, train_world)
     if roles is None:
         return None
-    ranks, trainers = roles
+    index, local_world, trainers = roles
     import torch
 
     threads = max(1, torch.get_num_threads())
-    trainer_cores, engine_cores = share_cores(sorted(os.sched_getaffinity(0)), trainers, len(ranks) - trainers,
+    trainer_cores, engine_cores = share_cores(sorted(os.sched_getaffinity(0)), trainers, local_world - trainers,
                                               threads)
-    index = ranks.index(global_rank)
     if global_rank < train_world:
         cores = trainer_cores[index]
         if cores is None:

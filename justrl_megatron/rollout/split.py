@@ -77,7 +77,6 @@ class SplitPlacement:
         self.roles = self.sender = None
         self._buffer = None  # streaming: trainer rank 0's finished groups
         self._receivers: list[threading.Thread] = []
-        self.cpu_binding: str | None = None  # what bind_split_rank bound (no GPU)
 
     @staticmethod
     def trainer_world_size(rollout_cfg, world_size: int) -> int:
@@ -105,7 +104,7 @@ class SplitPlacement:
 
     def join(self) -> bool:
         self.roles = init_split(self.cfg.rollout.num_rollout_ranks)
-        self.cpu_binding = bind_split_rank(self.roles.global_rank, self.roles.train_world)
+        bind_split_rank(self.roles.global_rank, self.roles.train_world)  # no GPU: this rank's share of the cores
         if not self.roles.is_trainer:
             serve(self.cfg, self.model_dir, self.roles)  # generate and take weights until the trainer says stop
             return False
