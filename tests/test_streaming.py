@@ -15,7 +15,7 @@ from helpers import run_mp
 
 from justrl_megatron.config import ConfigError, compose, validate
 from justrl_megatron.rollout import Rollouts, SamplingConfig
-from justrl_megatron.rollout.stream_source import BufferError, GroupBuffer
+from justrl_megatron.rollout.engines import BufferError, GroupBuffer
 
 ETA_SPLIT = ["rollout.placement=split", "rollout.num_rollout_ranks=1"]
 
@@ -107,7 +107,7 @@ def test_buffer_blocks_until_a_group_is_in_and_refuses_to_grow_past_its_bound():
     t = time.perf_counter()
     assert buffer.take() == ("a",) and time.perf_counter() - t >= 0.15
     buffer.put([1, 2])
-    assert buffer.take_stats() == ({"steps": 1.0}, 2, 2)
+    assert buffer.take_stats() == ({"steps": 1.0}, 2, 2, {0: {"steps": 1.0}})  # summed, and per engine
     buffer.put([3])  # three finished groups where the admission allows two
     with pytest.raises(BufferError, match="more than the 2"):
         buffer.take()
@@ -147,13 +147,21 @@ class ScriptedEngines:
     finish (0: within the version that admitted them); a group older than the bound at an update is aborted, as
     EngineLoop.update does."""
 
+    overlaps = True
+
     def __init__(self, lengths, eta):
         self.lengths, self.eta = lengths, eta
         self.buffer, self.version, self.inflight, self.admitted, self.waits = None, 0, {}, [], []
         self.resumed = []
         self.frozen = False  # True: a trainer that would block does not let the engine run (a stop must end the wait)
 
-    def stream_open(self, n, sampling, capacity):
+    def follow(self):
+        pass
+
+    def release(self):
+        pass
+
+    def open(self, n, sampling, capacity):
         engines = self
 
         class Buffer(GroupBuffer):
@@ -174,15 +182,15 @@ class ScriptedEngines:
                                          finish_reasons=["stop"] * self.n, weight_version=start,
                                          token_versions=versions), start)])
 
-    def stream_admit(self, batch):
-        for gid, _ in batch:
+    def admit(self, batch):
+        for gid, _, _ in batch:
             self.admitted.append(gid)
             if self.lengths.get(gid, 0) == 0:
                 self._finish(gid, self.version)
             else:
                 self.inflight[gid] = self.version
 
-    def stream_resume(self, groups):
+    def resume(self, groups):
         """A stop's groups go on: each finishes as the scripted engine finishes any, its kept head first."""
         for gid, _, samples, admitted in groups:
             self.resumed.append((gid, [len(t) for t in samples.token_ids], admitted))
@@ -192,7 +200,7 @@ class ScriptedEngines:
             else:
                 self.inflight[gid] = admitted
 
-    def stream_harvest(self):
+    def harvest(self):
         """Every group in flight with one sampled token per sample so far (version of its admission)."""
         kept = {gid: Rollouts(prompt_index=[0] * self.n, token_ids=[[gid]] * self.n, logprobs=[[-1.0]] * self.n,
                               finish_reasons=["abort"] * self.n, weight_version=start,
@@ -230,7 +238,7 @@ class Timer:
 
 
 def _pipeline(engines, sampler, eta, groups=2, last_step=None, scorer=None, **kwargs):
-    from justrl_megatron.rollout.stream_source import StreamSource
+    from justrl_megatron.rollout.admission import StreamSource
 
     return StreamSource(engines, sampler, scorer or Scorer(), Tokenizer(), n=2, sampling=SamplingConfig(max_tokens=4),
                         leader=True, max_staleness=eta, num_groups=groups, last_step=last_step, **kwargs)
@@ -306,7 +314,9 @@ def test_dynamic_sampling_keeps_only_groups_with_reward_variance_and_admits_more
 
 def test_a_step_takes_drop_notices_and_expiring_groups_first_and_waits_only_for_expiring_ones():
     pipeline = _pipeline(ScriptedEngines({}, 1), _sampler(), 1)
-    pipeline._admitted = {0: (None, 0), 1: (None, 0), 2: (None, 1), 3: (None, 1)}  # at version 1, eta 1: 0, 1 expire
+    from justrl_megatron.rollout.stream_source import Admitted
+
+    pipeline._admitted = {g: Admitted(None, v) for g, v in enumerate([0, 0, 1, 1])}  # at version 1, eta 1: 0, 1 expire
     pick = lambda needed: pipeline._pick(1, lambda: needed)  # noqa: E731
     fresh, expiring, notice = (2, "r", 1), (1, "r", 0), (3, None, 1)
     assert pick(2)([fresh, expiring]) == 1 and pick(2)([fresh, notice]) == 1
@@ -321,7 +331,7 @@ def test_a_stop_while_the_step_waits_for_groups_ends_the_step_and_keeps_every_pr
     the group it had already taken goes back among the admitted prompts that a checkpoint saves."""
     import time
 
-    import justrl_megatron.rollout.stream_source as ar
+    import justrl_megatron.rollout.admission as ar
 
     engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others run for 3 versions
     engines.frozen = True
@@ -332,7 +342,9 @@ def test_a_stop_while_the_step_waits_for_groups_ends_the_step_and_keeps_every_pr
     assert pipeline.next_batch(1, 0, Timer()) is None
     assert time.perf_counter() - t < 1.0
     state = pipeline.state()
-    assert state["outstanding"] == 4 and [p["id"] for p in state["prompts"][:4]] == ["0", "1", "2", "3"]
+    groups = state["groups"]
+    assert [g["prompt"]["id"] for g in groups] == ["0", "1", "2", "3"]
+    assert groups[0]["samples"] is not None and [g["lost"] for g in groups] == [False, True, True, True]
 
 
 def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first(single_trainer):
@@ -341,9 +353,9 @@ def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first
     engines.publish(0)
     first = pipeline.next_batch(1, 0, Timer())
     state = pipeline.state()
-    saved = [p["id"] for p in state["prompts"]]
+    saved = [g["prompt"]["id"] for g in state["groups"]] + [p["id"] for p in state["prompts"]]
     trained = {p.id for p in first.batch.prompts}
-    assert state["outstanding"] == 2 and not trained & set(saved)  # nothing trained is saved again
+    assert sum(g["lost"] for g in state["groups"]) == 2 and not trained & set(saved)  # nothing trained is saved again
     resumed_engines = ScriptedEngines({}, 1)
     resumed = _pipeline(resumed_engines, _sampler(), 1)
     resumed.restore(json.loads(json.dumps(state)))  # as the checkpoint stores it
@@ -360,7 +372,7 @@ def test_a_stop_saves_every_group_with_its_samples_and_the_resume_continues_them
     taken (finished), those in flight (harvested: their samples so far) and those still in the buffer, under the
     version they were admitted at; a resumed source hands them back to the engines first with those versions,
     throws nothing away and counts them, and still trains nothing older than eta."""
-    import justrl_megatron.rollout.stream_source as ar
+    import justrl_megatron.rollout.admission as ar
 
     engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others run for 3 versions
     engines.frozen = True
@@ -383,7 +395,8 @@ def test_a_stop_saves_every_group_with_its_samples_and_the_resume_continues_them
     assert [(g, v) for g, _, v in resumed_engines.resumed] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # their versions
     assert [p.id for p in first.batch.prompts] == ["0", "1"]  # in the order they were admitted
     figures = first.sampling_stats.metrics()
-    assert figures["rollout/continued_at_resume"] == 4 and figures["rollout/discarded_at_resume"] == 0
+    assert figures["rollout/resumed_groups"] == 4 and figures["rollout/discarded_at_resume"] == 0
+    assert figures["rollout/resumed_tokens"] == 2 * 2 + 3 * 2  # group 0 whole (2 x 2), groups 1-3 one token each
     resumed_engines.publish(1)
     second = resumed.next_batch(2, 1, Timer())
     assert [p.id for p in second.batch.prompts] == ["2", "3"]  # admitted at 0, trained at 1: within the bound
@@ -401,12 +414,12 @@ def test_a_stop_whose_engines_are_gone_keeps_only_the_prompts_in_one_line(single
     def gone():
         raise RuntimeError("the rollout rank's result channel failed: connection closed")
 
-    engines.stream_harvest = gone
+    engines.harvest = gone
     assert pipeline.stop_state() is None
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["justrl-train: warning: the rollout ranks did not hand back their groups at the stop (the rollout "
                    "rank's result channel failed: connection closed); the resumed run generates them anew"]
-    assert pipeline.state()["outstanding"] == 2
+    assert sum(g["lost"] for g in pipeline.state()["groups"]) == 2
 
 
 # --- config ------------------------------------------------------------------------------------------------------------

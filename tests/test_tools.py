@@ -199,20 +199,6 @@ def test_a_stop_aborts_every_request_and_leaves_running_calls_behind(tokenizer):
         driver.pool.shutdown(wait=False, cancel_futures=True)  # the held calls end, unread
 
 
-def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokenizer):
-    from justrl_megatron.rollout.placement import ColocatedPlacement
-
-    cfg = compose(["rollout.tools=[python]", "rollout.max_turns=1", f"model.tokenizer={tokenizer.name_or_path}"])
-    engine = ScriptedEngine(tokenizer, TURNS)
-    engine.generate_all = None  # single-turn generation must not be asked for
-    placement = ColocatedPlacement(cfg, "unused-model-dir", engine=engine)
-    placement.start(lambda bucket_bytes: iter(()))
-    r = placement.generate([PROMPT], 2, SamplingConfig(max_tokens=300), seed=4)
-    assert [s["calls"] for s in r.tool_stats] == [1, 1] and r.sampled_mask is not None
-    placement.shutdown()
-    assert placement.tools.pool._shutdown
-
-
 def test_timeouts_errors_and_a_failing_sandbox_do_not_stop_the_rollout(tokenizer, monkeypatch):
     turns = ["```python\nwhile True:\n    pass\n```\n", "```python\n1/0\n```\n", "```python\nprint(1)\n```\n", "end"]
     driver = _driver(tokenizer, PythonTool(timeout_s=30))  # the calls that end on their own: never near it
@@ -650,3 +636,21 @@ def test_trainer_logprobs_and_a_grpo_step_on_tool_samples(engine_run):
     assert t["pg_loss"] == pytest.approx(t["expected_pg_loss"], abs=1e-5)
     assert abs(t["unmasked_pg_loss"] - t["expected_pg_loss"]) > 1e-3  # the check tells masked from unmasked
     assert t["entropy"] == pytest.approx(t["expected_entropy"], rel=1e-4)
+
+
+def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokenizer):
+    """A colocated rank drives its engine through its engine loop, tool turns included (rollout/engines.py)."""
+    from justrl_megatron.rollout.placement import ColocatedPlacement
+
+    cfg = compose(["rollout.tools=[python]", "rollout.max_turns=1", f"model.tokenizer={tokenizer.name_or_path}"])
+    engine = StreamingScriptedEngine(tokenizer, TURNS)
+    engine.generate_all = engine.generate = None  # the batch calls must not be asked for: the loop drives it
+    placement = ColocatedPlacement(cfg, "unused-model-dir", engine=engine)
+    engines = placement.start(lambda bucket_bytes: iter(()))
+    buffer = engines.open(2, SamplingConfig(max_tokens=300), capacity=1)
+    engines.admit([(0, PROMPT, None)])
+    gid, r, _ = buffer.take()
+    assert gid == 0 and engines.loads.outstanding == 0
+    assert [s["calls"] for s in r.tool_stats] == [1, 1] and r.sampled_mask is not None
+    placement.shutdown()
+    assert placement.tools.pool._shutdown

@@ -1,10 +1,18 @@
-"""A rollout rank's engine loop for streaming rollouts (the streaming source, rollout/stream_source.py): continuous
-batching and partial rollouts across weight updates.
+"""The one way an engine is driven, in every rollout mode and placement: continuous batching and partial rollouts
+across weight updates and stops. Split rollout ranks serve it (rollout/split.py); a colocated trainer rank steps it
+in-process (rollout/engines.py) between its updates.
 
     loop = EngineLoop(engine, n, sampling)
-    loop.admit([(gid, prompt_ids), ...])     # the trainer decides what may start (the staleness bound: admission)
+    loop.admit([(gid, prompt_ids, seed), ...])  # the source decides what may start (rollout/stream_source.py)
     groups = loop.step()                     # refill free slots, one engine step, the groups that finished
     loop.update(lambda: engine.receive_weights(...), min_version)   # pause (requests kept), load, resume
+    kept = loop.harvest()                    # a stop: every group's samples so far, for the resumed run
+
+Seeds: a group admitted with a seed samples what a one-call batch with that seed sampled (the seed is its request's:
+the batch seed + its place in the batch x n). On a CPU engine a seeded request must be prefilled in one scheduler
+step (a CPU generator cannot follow a chunked prefill: "CPU Generator does not use offset"), so `fill` starts a
+seeded group only while its prompt tokens (x n) fit the step's token budget beside the sequences already decoding;
+the rest wait for the next step, in order. A seeded group too big for any step alone starts unseeded.
 
 A group is one prompt's `n` samples (one vLLM request with n children). A finished group's slot is refilled at once,
 so the engine stays full while the prompt stream lasts. A weight update pauses scheduling with every in-flight
@@ -107,25 +115,44 @@ class EngineLoop:
         self.tool_groups: dict[int, int] = {}  # gid -> admitted version
         self.max_seqs = int(max_running_seqs or engine.max_num_seqs)
         self.capacity = max(1, self.max_seqs // n)  # groups in the engine at once
-        self.waiting: deque[tuple[int, list[int], _Continued | None]] = deque()
+        self.waiting: deque[tuple[int, list[int], _Continued | None, SamplingConfig]] = deque()
         self.running: dict[str, tuple[int, int]] = {}  # request id -> (gid, admitted version)
         self.continued: dict[int, _Continued] = {}  # resumed groups in the engine, by gid
         self._ready: list[Group] = []  # resumed groups with nothing left to sample
         self.side: dict[str, tuple[int, int]] = {}  # a side batch's request id -> (batch, prompt)
+        self.side_n: dict[str, int] = {}  # its samples
+        self.side_waiting: deque[tuple[str, list[int], int, SamplingConfig]] = deque()
         self._side_batches: dict[int, dict] = {}
+        self._next_bid = 0
+        # (tokens, sequences) one scheduler step takes, where seeded requests must fit it (CPU engines; None on GPU)
+        self.budget = getattr(engine, "step_budget", None)
         self.stats = LoopStats()
+
+    def configure(self, n: int, sampling: SamplingConfig, *, max_running_seqs: int | None = None) -> None:
+        """The stream's group size, sampling and the most sequences it may hold (before any group is admitted)."""
+        if self.running or self.waiting or self.continued or self.tool_groups:
+            raise RuntimeError("the engine loop can be configured only while no group is in it")
+        self.n, self.sampling = n, sampling
+        if self.turns is not None:
+            self.turns = Turns(self.turns.driver, self.engine, sampling, seeded=self.budget is None)
+        self.max_seqs = int(max_running_seqs or self.engine.max_num_seqs)
+        self.capacity = max(1, self.max_seqs // n)
 
     # -- the trainer's side of the conversation ------------------------------------------------------------------------
 
-    def admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """Prompts that may start as soon as a slot is free (in this order)."""
-        self.waiting.extend((int(g), list(map(int, ids)), None) for g, ids in prompts)
+    def admit(self, prompts: Sequence[tuple]) -> None:
+        """Prompts that may start as soon as a slot is free (in this order): (gid, prompt ids[, request seed])."""
+        for gid, ids, *seed in prompts:
+            sampling = self.sampling
+            if seed and seed[0] is not None:
+                sampling = self._unseeded_if_too_big(ids, self.n, dataclasses.replace(sampling, seed=int(seed[0])))
+            self.waiting.append((int(gid), list(map(int, ids)), None, sampling))
 
     def resume(self, groups: Sequence[tuple[int, Sequence[int], Rollouts, int]]) -> None:
         """Groups a stop cut short, [(gid, prompt ids, their samples so far, admitted version)] as `harvest` gave
         them: queued before any new prompt; their unfinished samples go on where they stopped."""
-        resumed = [(int(g), list(map(int, ids)), _Continued(int(g), list(map(int, ids)), _own(samples), int(v)))
-                   for g, ids, samples, v in groups]
+        resumed = [(int(g), list(map(int, ids)), _Continued(int(g), list(map(int, ids)), _own(samples), int(v)),
+                    self.sampling) for g, ids, samples, v in groups]
         self.waiting.extendleft(reversed(resumed))
 
     def harvest(self) -> list[tuple[int, Rollouts]]:
@@ -139,16 +166,15 @@ class EngineLoop:
             self.tool_groups.clear()
         kept = self.engine.abort_keeping(self._stream_requests())
         out = [(gid, kept[rid]) for rid, (gid, _) in self.running.items() if rid in kept]
-        for c in [*self.continued.values(), *(c for _, _, c in self.waiting if c is not None)]:
+        for c in [*self.continued.values(), *(c for _, _, c, _ in self.waiting if c is not None)]:
             for rid, k in c.requests.items():  # each still running: its part so far ends in "abort"
                 c.extend(k, kept[rid])
             out.append((c.gid, c.samples))
         out += tool_kept
         out = [(gid, r) for gid, r in out if any(r.token_ids)]  # nothing sampled yet: admitted anew, as fresh
         out += [(g.gid, g.rollouts) for g in self._ready]
-        if self.side:
-            self.engine.abort(list(self.side))
-        self.running.clear(), self.continued.clear(), self.side.clear(), self.waiting.clear(), self._ready.clear()
+        self._abort_side()
+        self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear()
         return out
 
     def update(self, load: Callable[[], dict], min_version: int | None = None) -> dict:
@@ -190,23 +216,38 @@ class EngineLoop:
     def abort_all(self) -> list[int]:
         """Stop: abort every in-flight group; the gids of those (and of the waiting prompts) that never finished."""
         gids = ([g for g, _ in self.running.values()] + [*self.continued] + [*self.tool_groups]
-                + [g for g, _, _ in self.waiting])
-        requests = [*self._stream_requests(), *self.side]
+                + [g for g, _, _, _ in self.waiting])
+        requests = self._stream_requests()
         if requests:
             self.engine.abort(requests)
+        self._abort_side()
         if self.turns is not None:
             self.turns.abort()
             self.tool_groups.clear()
-        self.running.clear(), self.continued.clear(), self.side.clear(), self.waiting.clear(), self._ready.clear()
+        self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear()
         return gids
+
+    def _abort_side(self) -> None:
+        """Side batches end with the stream (a stop): their requests aborted, the batches forgotten."""
+        started = [rid for rid in self.side if rid not in {w[0] for w in self.side_waiting}]
+        if started:
+            self.engine.abort(started)
+        self.side.clear(), self.side_n.clear(), self.side_waiting.clear(), self._side_batches.clear()
 
     # -- the loop ------------------------------------------------------------------------------------------------------
 
     def fill(self) -> int:
-        """Start waiting prompts while the engine has room; returns how many started."""
-        started = 0
-        while self.waiting and len(self.running) + len(self.continued) + len(self.tool_groups) < self.capacity:
-            gid, ids, resumed = self.waiting.popleft()
+        """Start waiting side-batch prompts, then waiting groups while the engine has room (and, seeded on a CPU
+        engine, while their prefill fits this step: module doc); returns how many started."""
+        started, used = 0, [0, 0]  # prompt tokens and sequences this fill adds to the next step
+        while self.side_waiting and self._fits(self.side_waiting[0][1], self.side_waiting[0][2], used,
+                                               self.side_waiting[0][3]):
+            rid, ids, n, sampling = self.side_waiting.popleft()
+            self.engine.add_request(rid, ids, n, sampling)
+            started += 1
+        while (self.waiting and len(self.running) + len(self.continued) + len(self.tool_groups) < self.capacity
+               and self._fits(self.waiting[0][1], self.n, used, self.waiting[0][3])):
+            gid, ids, resumed, sampling = self.waiting.popleft()
             started += 1
             if resumed is not None:
                 self._continue(resumed)
@@ -217,9 +258,31 @@ class EngineLoop:
                     self.turns.add((gid, k), ids, k, f"t{gid}x{k}")
                 continue
             rid = f"g{gid}"
-            self.engine.add_request(rid, ids, self.n, self.sampling)
+            self.engine.add_request(rid, ids, self.n, sampling)
             self.running[rid] = (gid, self.engine.weight_version)
         return started
+
+    def _fits(self, ids, n: int, used: list[int], sampling: SamplingConfig | None = None) -> bool:
+        """Whether a request of `n` samples of `ids` with `sampling` may start now (module doc: seeds on a CPU
+        engine); counts it into `used` when it may."""
+        if self.budget is None or sampling is None or sampling.seed is None:
+            return True
+        max_tokens, max_seqs = self.budget
+        need = len(ids) * n
+        if need > max_tokens or n > max_seqs:  # never fits one step: started unseeded (_unseeded_if_too_big)
+            return True
+        live = self._live_sequences()
+        if used[0] + need + live > max_tokens or live + used[1] + n > max_seqs:
+            return False
+        used[0] += need
+        used[1] += n
+        return True
+
+    def _live_sequences(self) -> int:
+        """Sequences the engine decodes in the next step, counted from above (a group's finished samples too)."""
+        turns = len(self.turns.requests) if self.turns is not None else 0
+        return (self.n * len(self.running) + sum(self.side_n.get(rid, 1) for rid in self.side)
+                + sum(len(c.requests) for c in self.continued.values()) + turns)
 
     def _continue(self, c: _Continued) -> None:
         """A resumed group's unfinished samples, each a request of its own after its earlier tokens (unseeded, as
@@ -253,20 +316,31 @@ class EngineLoop:
     def busy(self) -> bool:
         return bool(self.running or self.waiting or self.side or self.continued or self._ready or self.tool_groups)
 
-    def add_batch(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> int:
-        """A whole batch beside the stream (held-out accuracy, validation): started at once, outside the admission;
-        `batch_done` hands it back. Unseeded: a seed's CPU generator cannot follow a chunked prefill, and the
-        stream's requests decide how prompts are chunked."""
-        import dataclasses
-
-        sampling = dataclasses.replace(sampling, seed=None)
-        bid = len(self._side_batches)
+    def add_batch(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingConfig,
+                  request_indices: Sequence[int] | None = None) -> int:
+        """A whole batch beside the stream (held-out accuracy, validation, a colocated engine's share): started as
+        soon as it fits, outside the admission; `batch_done` hands it back. `request_indices`: the prompts' places
+        in the whole batch (each request's seed follows it, as `VLLMEngine.generate` seeds a batch)."""
+        bid = self._next_bid
+        self._next_bid += 1
         self._side_batches[bid] = {"size": len(prompts), "done": {}}
-        for i, ids in enumerate(prompts):
+        places = range(len(prompts)) if request_indices is None else request_indices
+        for i, (ids, place) in enumerate(zip(prompts, places)):
             rid = f"b{bid}_{i}"
-            self.engine.add_request(rid, ids, n, sampling)
+            params = sampling if sampling.seed is None else dataclasses.replace(sampling,
+                                                                                 seed=sampling.seed + place * n)
+            params = self._unseeded_if_too_big(list(map(int, ids)), n, params)
+            self.side_waiting.append((rid, list(map(int, ids)), n, params))
             self.side[rid] = (bid, i)
+            self.side_n[rid] = n
         return bid
+
+    def _unseeded_if_too_big(self, ids, n: int, sampling: SamplingConfig) -> SamplingConfig:
+        """A seeded request whose prefill can never fit one CPU step starts unseeded (module doc)."""
+        if self.budget is not None and sampling.seed is not None and (len(ids) * n > self.budget[0]
+                                                                       or n > self.budget[1]):
+            return dataclasses.replace(sampling, seed=None)
+        return sampling
 
     def batch_done(self, bid: int) -> Rollouts | None:
         """Side batch `bid` in prompt order once all of it finished (then forgotten), else None."""
@@ -305,6 +379,7 @@ class EngineLoop:
         for rid, rollouts in out:
             if rid in self.side:
                 bid, i = self.side.pop(rid)
+                self.side_n.pop(rid, None)
                 self._side_batches[bid]["done"][i] = rollouts
                 continue
             if rid in resumed:

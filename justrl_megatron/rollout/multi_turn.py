@@ -2,7 +2,8 @@
 it in a worker thread, append its output as context, generate on; up to `max_turns` calls and the response budget.
 
     tools = ToolRollout.from_config(cfg, model_dir)          # None when rollout.tools is empty
-    rollouts = generate_batch(engine, prompt_ids, n, sampling, seed=..., tools=tools)   # the placement's one call
+    loop = EngineLoop(engine, n, sampling, tools=tools)      # every placement drives tool turns in its engine loop
+    rollouts = tools.generate(engine, prompt_ids, n, sampling)   # one engine, one batch (tests, benchmarks)
 
 Every sample is its own engine request (its turns diverge at the first call). Requests stream their tokens
 (`VLLMEngine.add_request(stream=True)` / `step_tokens`): after a token that carries a backtick, the text of the model's
@@ -290,24 +291,3 @@ class ToolRollout:
             s.finish = "length"
             return False
         return True
-
-    # -- SPMD: every engine its share --------------------------------------------------------------------------------
-
-    def generate_all(self, engine, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                     seed: int | None = None, stop: Callable[[], bool] | None = None) -> Rollouts:
-        """As `VLLMEngine.generate_all` (vllm_engine.generate_shares): engine e samples prompts e, e + E, ...; every
-        rank gets the whole batch; a stop wanted on any rank aborts the batch on every rank."""
-        from .vllm_engine import generate_shares
-
-        return generate_shares(engine, prompt_token_ids, lambda prompts, indices, check: self.generate(
-            engine, prompts, n, sampling, seed=seed, request_indices=indices, stop=check), stop)
-
-
-def generate_batch(engine, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                   seed: int | None = None, tools: ToolRollout | None = None,
-                   stop: Callable[[], bool] | None = None) -> Rollouts:
-    """The placement's one call: single-turn `engine.generate_all`, or multi-turn with `tools`; `stop`: a stop
-    signal's flag, read between engine steps (RolloutInterrupted)."""
-    if tools is None:
-        return engine.generate_all(prompt_ids, n, sampling, seed=seed, stop=stop)
-    return tools.generate_all(engine, prompt_ids, n, sampling, seed=seed, stop=stop)

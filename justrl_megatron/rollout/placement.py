@@ -1,15 +1,25 @@
 """Where the rollout engines run relative to the trainer: one seam, chosen by `rollout.placement`.
 
-The loop and the batch sources (rollout/source.py) ask a placement everything through this protocol: "does this rank
-train?" (`join`; a rank that does not serves the engine until the trainer says stop), "build or reach the engine"
-(`start`), "generate this batch" (`generate`; where rollout overlaps training, `submit` now and `receive` later),
-"stream groups" (`stream_open`, `stream_admit`: where it overlaps), "the trainer needs the devices now"
-(`training`), "publish weights version v, keeping in-flight work from min_version on" (`publish`) and `shutdown`.
-Nothing outside this seam asks which placement it is.
+The loop and the batch source ask a placement everything through this protocol (7 members):
+
+    overlaps          whether the engines generate while the trainer trains (split: own ranks; colocated: no)
+    problems(cfg, W)  what it cannot run with, one line each, before any model loads (config validation)
+    join()            set up this rank; True on a trainer rank (a rollout-only rank serves its engine in here until
+                      the trainer says stop, then returns False)
+    start(export)     build or reach the engines once the policy holds weights; returns the `Engines` client
+                      (rollout/engines.py) through which the batch source drives every engine: admit, take, harvest,
+                      resume, a side batch
+    training()        the trainer's turn on the devices (colocated: the engine sleeps)
+    publish(v, min_v) the policy's weights into every engine as version v (min_v: in-flight work older than it is
+                      dropped; None: nothing generates across the update, so in-flight work finishes first)
+    shutdown()
+
+Every engine is driven by one `EngineLoop` (rollout/engine_loop.py) in both placements; nothing outside this seam
+asks which placement it is. A placement that overlaps has ranks of its own (`rollout.num_rollout_ranks`), one that
+does not shares the trainer's (`trainer_world_size`).
 
 Adding a placement: one class that implements `Placement`, in its own module, and one line in `PLACEMENTS` (the
-registry names a class by import path, so that a placement's module may import this one), plus its tests. Its
-`problems(cfg, world_size)` says what it cannot run with; config validation asks it through the registry.
+registry names a class by import path, so that a placement's module may import this one), plus its tests.
 
 Colocated (rollout.placement=colocated, the default): every rank hosts an engine on the trainer's own device. On GPU
 vLLM holds `rollout.gpu_memory_utilization` of it (~47 GiB of an 80 GB H100 at 0.6), which a 16K-token update cannot
@@ -25,12 +35,12 @@ Split (rollout.placement=split): rollout/split.py.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Protocol, Sequence
+from typing import Callable, ContextManager, Protocol
 
 from .. import compat
 from ..distributed import init_distributed
-from ..slurm import stop_requested
-from .base import RolloutEngine, Rollouts, SamplingConfig, WeightStream, registered_class, weight_sync_backend
+from .base import RolloutEngine, WeightStream, registered_class, weight_sync_backend
+from .engines import Engines, LocalEngines
 
 # rollout.placement -> "module:Class"
 PLACEMENTS = {
@@ -42,11 +52,7 @@ ExportWeights = Callable[[int], WeightStream]  # bucket bytes -> the policy's fu
 
 
 class Placement(Protocol):
-    overlaps: bool  # True: `submit` returns at once and the batch generates while the trainer works
-
-    @staticmethod
-    def trainer_world_size(rollout_cfg, world_size: int) -> int:
-        """How many of `world_size` ranks train (the rest only roll out)."""
+    overlaps: bool  # True: the engines generate on ranks of their own while the trainer works
 
     @staticmethod
     def problems(cfg, world_size: int) -> list[str]:
@@ -56,33 +62,9 @@ class Placement(Protocol):
         """Set up this rank's process groups; True on a trainer rank. A rollout-only rank serves its engine here
         until the trainer says stop, then returns False."""
 
-    def start(self, export_weights: ExportWeights) -> None:
-        """Build (or connect to) the engine; every trainer rank, after the policy holds its first weights."""
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                 seed: int | None = None) -> Rollouts:
-        """`n` samples per prompt, the whole batch on every trainer rank."""
-
-    def submit(self, prompt_ids, n: int, sampling: SamplingConfig, *, seed: int | None = None):
-        """(overlaps only) start generating; returns a request for `receive`."""
-
-    def receive(self, request) -> tuple[Rollouts, dict] | None:
-        """(overlaps only) trainer rank 0: the request's rollouts and the engines' timings; None elsewhere."""
-
-    def stream_open(self, n: int, sampling: SamplingConfig, capacity: int):
-        """(overlaps only) Turn the engines into streaming loops; returns the buffer that finished groups arrive in
-        (rollout/stream_source.GroupBuffer) on trainer rank 0, None elsewhere. Every trainer rank calls it."""
-
-    def stream_admit(self, prompts: Sequence[tuple[int, Sequence[int]]]) -> None:
-        """(overlaps only; trainer rank 0) Prompts the engines may start now, each with its place in the stream."""
-
-    def stream_resume(self, groups: Sequence[tuple[int, Sequence[int], Rollouts, int]]) -> None:
-        """(overlaps only; trainer rank 0) Groups a stop cut short, [(place, prompt, samples so far, admitted
-        version)]: the engines continue their unfinished samples first."""
-
-    def stream_harvest(self) -> dict[int, Rollouts]:
-        """(overlaps only; trainer rank 0, at a stop) The engines abort every group and hand back what it sampled so
-        far, {place: samples}; {} elsewhere."""
+    def start(self, export_weights: ExportWeights) -> Engines:
+        """Build (or connect to) the engines; every trainer rank, after the policy holds its first weights. Returns
+        the client every batch source drives them through."""
 
     def training(self) -> ContextManager:
         """The trainer's turn on the devices."""
@@ -90,7 +72,7 @@ class Placement(Protocol):
     def publish(self, version: int, min_version: int | None = None) -> dict:
         """The policy's current weights into the engine(s) as `version`; the engine is ready to generate after.
         `min_version` (the batch source's staleness bound): in-flight work admitted with older weights is dropped;
-        None: nothing generates across the update."""
+        None: nothing generates across the update (in-flight work finishes first)."""
 
     def shutdown(self) -> None: ...
 
@@ -120,9 +102,11 @@ def make_placement(cfg, model_dir, *, engine: RolloutEngine | None = None) -> Pl
 
 
 def trainer_world_size(cfg, world_size: int) -> int:
-    if cfg.rollout.placement not in PLACEMENTS:  # said by `problems`
+    """How many of `world_size` ranks train: a placement whose engines overlap training has the last
+    rollout.num_rollout_ranks ranks to itself; one that does not shares every rank."""
+    if cfg.rollout.placement not in PLACEMENTS or not overlaps(cfg.rollout.placement):
         return world_size
-    return placement_class(cfg.rollout.placement).trainer_world_size(cfg.rollout, world_size)
+    return world_size - cfg.rollout.num_rollout_ranks
 
 
 class ColocatedPlacement:
@@ -137,10 +121,6 @@ class ColocatedPlacement:
         self.tools = None  # rollout.tools: the multi-turn driver (rollout/multi_turn.py), built in `start`
 
     @staticmethod
-    def trainer_world_size(rollout_cfg, world_size: int) -> int:
-        return world_size
-
-    @staticmethod
     def problems(cfg, world_size: int) -> list[str]:
         if weight_sync_backend(cfg.rollout.weight_sync_backend) in ("gloo", "nccl", "ipc"):
             return [f"rollout.weight_sync_backend={cfg.rollout.weight_sync_backend} is for rollout.placement=split; "
@@ -151,8 +131,8 @@ class ColocatedPlacement:
         init_distributed()
         return True
 
-    def start(self, export_weights: ExportWeights) -> None:
-        """Every rank builds its engine (vLLM's external_launcher spans the whole world)."""
+    def start(self, export_weights: ExportWeights) -> LocalEngines:
+        """Every rank builds its engine (vLLM's external_launcher spans the whole world) and steps its loop."""
         from .vllm_engine import make_engine
         from .multi_turn import ToolRollout
 
@@ -160,14 +140,7 @@ class ColocatedPlacement:
         if self.engine is None:
             self.engine = make_engine(self.cfg, self.model_dir, seed=self.cfg.trainer.seed, in_process=True)
         self.tools = ToolRollout.from_config(self.cfg, self.model_dir)
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                 seed: int | None = None) -> Rollouts:
-        """Each engine samples its share; every rank gets the whole batch (multi-turn with rollout.tools). A stop
-        signal (SIGTERM / SIGUSR1 / Ctrl-C) during it aborts the batch on every rank together: RolloutInterrupted."""
-        from .multi_turn import generate_batch
-
-        return generate_batch(self.engine, prompt_ids, n, sampling, seed=seed, tools=self.tools, stop=stop_requested)
+        return LocalEngines(self.engine, self.cfg, self.tools)
 
     @contextlib.contextmanager
     def training(self):
@@ -175,12 +148,8 @@ class ColocatedPlacement:
         self.engine.sleep()
         yield
 
-    def stream_open(self, *args):
-        raise NotImplementedError("colocated engines take turns with the trainer: nothing streams beside it")
-
-    stream_admit = stream_resume = stream_harvest = stream_open
-
     def publish(self, version: int, min_version: int | None = None) -> dict:
+        """Between two runs of the engine loop: nothing is in flight on a colocated engine."""
         compat.release_cached_memory()
         stats = self.engine.update_weights(self._export_weights(self._bucket_bytes), version)
         self.engine.wake_up()
@@ -191,4 +160,3 @@ class ColocatedPlacement:
             self.tools.close()
         if self.engine is not None:
             self.engine.shutdown()
-

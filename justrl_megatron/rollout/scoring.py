@@ -1,9 +1,9 @@
 """Generate and score: the one way the trainer turns prompts into rewarded samples (training rounds, the held-out
 accuracy, validation sets).
 
-Every trainer rank generates (the placement gives each the whole batch); the rank that holds the scorer (rank 0)
-decodes and verifies. `generate_and_score` returns what that rank knows: elsewhere the rewards are None, and the
-training sources broadcast them (rollout/batch_source.py) while evaluation keeps them on rank 0.
+Every trainer rank generates (the engines' client gives each the whole batch); the rank that holds the scorer (rank
+0) decodes and verifies. `generate_and_score` returns what that rank knows: elsewhere the rewards are None, and
+evaluation keeps them on rank 0.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def score(scorer, tokenizer, prompts: Sequence, rollouts, n: int) -> tuple[list,
 
 def generate_and_score(rollout, prompts: Sequence, n: int, sampling, *, seed: int, scorer, tokenizer,
                        seconds: dict | None = None) -> ScoredBatch:
-    """`n` samples of each prompt from the placement `rollout`, seeded `seed`, scored where `scorer` is not None
+    """`n` samples of each prompt from the engines' client `rollout` (rollout/engines.py), seeded `seed`, scored where `scorer` is not None
     (rewards, correct and reward_stats None elsewhere). `seconds`: "rollout" and "reward" times are added to it, and
     each phase is a named range in a profiler trace."""
     t = time.perf_counter()

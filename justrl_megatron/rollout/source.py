@@ -2,18 +2,20 @@
 
 The loop asks a source for each step's scored groups and knows nothing of how they were made:
 
-    source = make_source(cfg, placement, sampler, scorer, tokenizer, leader=rank == 0)
+    engines = placement.start(export_weights)   # the engines' client (rollout/engines.py)
+    source = make_source(cfg, engines, sampler, scorer, tokenizer, leader=rank == 0)
     source.restore(checkpointed_state)          # work that was in flight at the checkpoint
     scored = source.next_batch(step, version, timer)   # the same ScoredStep on every trainer rank; None: a stop
     placement.publish(version, source.min_version(version))  # the staleness bound: the source's, computed once
     checkpoint {..., "inflight": source.state()}
     at a stop, beside that checkpoint: source.stop_state()   # what the resume continues (streaming: partial samples)
 
-Sources (rollout.source, or the one rollout.streaming selects):
-  rounds     rollout/batch_source.py   every sampling round of a step (dynamic sampling), synchronous or one-step-off
-                                       (rollout.max_staleness=1 on a placement that overlaps training)
-  streaming  rollout/stream_source.py  engines kept full from a prompt stream, weights loaded mid-generation,
-                                       admission-bounded staleness (rollout.max_staleness = eta)
+Sources (rollout.source, or the one rollout.streaming selects), both the one group source (rollout/stream_source.py)
+with an admission policy (rollout/admission.py):
+  rounds     every sampling round of a step (dynamic sampling), synchronous or one-step-off
+             (rollout.max_staleness=1 on a placement that overlaps training)
+  streaming  engines kept full from a prompt stream, weights loaded mid-generation, admission-bounded staleness
+             (rollout.max_staleness = eta)
 
 Adding a source: a class that implements `BatchSource` in its own module and its line in `SOURCES` (by import path,
 so that its module may import this one); `rollout.source=<name>` picks it. Its `problems(cfg)` says, before any
@@ -30,8 +32,8 @@ from .base import registered_class
 
 # rollout.source -> "module:Class"
 SOURCES = {
-    "rounds": "justrl_megatron.rollout.batch_source:RoundSource",
-    "streaming": "justrl_megatron.rollout.stream_source:StreamSource",
+    "rounds": "justrl_megatron.rollout.admission:RoundSource",
+    "streaming": "justrl_megatron.rollout.admission:StreamSource",
 }
 
 
@@ -46,8 +48,9 @@ class ScoredStep:
 
 class BatchSource(Protocol):
     @classmethod
-    def from_config(cls, cfg, placement, sampler, scorer, tokenizer, *, leader: bool) -> "BatchSource":
-        """Built once per trainer rank, after the placement has started its engines."""
+    def from_config(cls, cfg, engines, sampler, scorer, tokenizer, *, leader: bool) -> "BatchSource":
+        """Built once per trainer rank, after the placement has started its engines (`engines`: their client,
+        rollout/engines.py)."""
 
     @staticmethod
     def problems(cfg) -> list[str]:
@@ -86,8 +89,8 @@ def source_class(name: str) -> type:
     return registered_class(SOURCES[name])
 
 
-def make_source(cfg, placement, sampler, scorer, tokenizer, *, leader: bool) -> BatchSource:
-    return source_class(source_name(cfg)).from_config(cfg, placement, sampler, scorer, tokenizer, leader=leader)
+def make_source(cfg, engines, sampler, scorer, tokenizer, *, leader: bool) -> BatchSource:
+    return source_class(source_name(cfg)).from_config(cfg, engines, sampler, scorer, tokenizer, leader=leader)
 
 
 def problems(cfg) -> list[str]:

@@ -396,7 +396,8 @@ class VLLMEngine:
             logprobs=[[st[t].logprob for st, t in zip(c.logprobs or [], tk)] for c, tk in zip(samples, toks)],
             finish_reasons=[c.finish_reason or "abort" for c in samples],
             weight_version=min((v for vs in versions for v in vs), default=self._version),
-            token_versions=versions)
+            token_versions=versions,
+            routed_experts=[c.routed_experts for c in samples] if self.return_routed_experts else None)
 
     def abort_keeping(self, request_ids: Sequence[str]) -> dict[str, Rollouts]:
         """Abort requests added by `add_request` (not stream=True) and return what each sampled so far: its n samples

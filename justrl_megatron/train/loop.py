@@ -9,8 +9,9 @@
 Every trainer rank runs this same program (SPMD). Where the rollout engines run is the placement's business
 (rollout/placement.py: colocated, the default, or split); the loop asks it for the devices and to publish weights.
 Phases 1-3 (prompts -> scored groups: every sampling round of a step, one-step-off's batch in flight, streaming) are
-the batch source's (rollout/source.py); the reward pool lives on rank 0 and its results are broadcast, so all trainer
-ranks see the same batch and split it by data parallelism themselves. The loss settings travel as one
+the batch source's (rollout/source.py), which drives the engines through the placement's client (rollout/engines.py);
+the reward pool lives on rank 0 and its results are broadcast, so all trainer ranks see the same batch and split it
+by data parallelism themselves. The loss settings travel as one
 algo.LossConfig.
 """
 
@@ -74,13 +75,13 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     policy = Policy.from_config(cfg, shape)
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
     reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None  # for the KL penalty
-    placement.start(_weight_stream(policy, shape))
+    engines = placement.start(_weight_stream(policy, shape))  # every engine's client: admit, take, harvest
     hf_snapshots = HFSnapshots(run_dir, tr.hf_every, tr.keep_last, tr.total_steps, policy.chunks, shape, model_dir)
     checkpoints = Checkpointer(run_dir, async_save=tr.async_save, keep_last=tr.keep_last, shape=shape,
                                hf_source=model_dir)
     scorer = make_scorer(algo, enabled=is_leader)
     loss = LossConfig.from_algo(algo)
-    source = make_source(cfg, placement, sampler, scorer, tokenizer, leader=is_leader)
+    source = make_source(cfg, engines, sampler, scorer, tokenizer, leader=is_leader)
     source.restore(inflight_state)  # the work that was in flight at the checkpoint
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
@@ -89,9 +90,9 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
 
     step, version, diverged = start_step, start_step, None
     placement.publish(version, source.min_version(version))
-    start_accuracy = _evaluate(placement, heldout, scorer, tokenizer, ro) if start_step == 0 else None
+    start_accuracy = _evaluate(engines, heldout, scorer, tokenizer, ro) if start_step == 0 else None
     if start_step == 0 and validation.due(0):
-        logger.log(0, validation.run(placement, 0))
+        logger.log(0, validation.run(engines, 0))
 
     while step < tr.total_steps:
         step += 1
@@ -124,7 +125,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         # 8. metrics, and when due the validation of the new weights (avg@n on data.val) in the same record
         metrics = _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics)
         if validation.due(step):
-            metrics |= validation.run(placement, step)
+            metrics |= validation.run(engines, step)
         logger.log(step, metrics)
 
         # 9. checkpoint (periodic, at the end, or when asked to stop; or after too many skipped optimizer steps: the
@@ -144,7 +145,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             break
 
     if step == tr.total_steps:  # held-out accuracy at the end (and at the start: heldout_accuracy.json), curves
-        _report_end(logger, run_dir, heldout, start_accuracy, _evaluate(placement, heldout, scorer, tokenizer, ro))
+        _report_end(logger, run_dir, heldout, start_accuracy, _evaluate(engines, heldout, scorer, tokenizer, ro))
     _close(logger, validation, scorer, placement)
     if diverged is not None:  # a failed run, not a requeue: exit non-zero (the message was printed above)
         raise SystemExit(1)
@@ -325,13 +326,13 @@ def _heldout_prompts(cfg, tokenizer):
     return tokenize_prompts(rows, tokenizer, cfg.data)[0]
 
 
-def _evaluate(placement, prompts, scorer, tokenizer, ro) -> float | None:
+def _evaluate(engines, prompts, scorer, tokenizer, ro) -> float | None:
     """Greedy accuracy on the held-out prompts (every rank generates its share; rank 0 scores)."""
     if not prompts:
         return None
     greedy = SamplingConfig(temperature=0.0, max_tokens=ro.max_response_length)
     try:
-        got = generate_and_score(placement, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
+        got = generate_and_score(engines, prompts, 1, greedy, seed=0, scorer=scorer, tokenizer=tokenizer)
     except RolloutInterrupted:  # a stop: no accuracy; the run stops at its next step boundary
         return None
     return None if scorer is None else sum(got.correct) / len(prompts)

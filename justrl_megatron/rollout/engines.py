@@ -1,0 +1,408 @@
+"""How a batch source talks to the engines, wherever they run: the `Engines` client a placement's `start` returns.
+
+Every rollout mode speaks to engines the same way (rollout/stream_source.py): admit groups, take finished ones from a
+`GroupBuffer`, hand a stop's unfinished groups back (`harvest`) and continue them after a resume (`resume`). Each
+engine is an `EngineLoop` (rollout/engine_loop.py): split rollout ranks serve theirs (rollout/split.py,
+`RemoteEngines`); a colocated trainer rank steps its own in-process between updates (`LocalEngines`, here).
+
+    buffer = engines.open(n, sampling, capacity)   # trainer rank 0: where finished groups arrive
+    engines.admit([(gid, prompt ids, seed), ...])   # each group to the engine with the least outstanding work
+    gid, rollouts, version = buffer.take(pick, stop)
+    engines.harvest()                               # a stop: {gid: samples so far}
+    engines.generate(prompts, n, sampling, seed)    # a whole batch beside the stream (held-out accuracy, validation)
+
+Groups are fed by load (`EngineLoads`): a group goes to the engine whose admitted, unfinished groups hold the fewest
+expected tokens (n x the mean response length so far), not to `gid % engines`; a group stays on one engine, so its
+prompt is prefilled once for its n samples.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Protocol, Sequence
+
+from ..distributed import trainer_broadcast
+from ..slurm import stop_requested
+from .base import RolloutInterrupted, Rollouts, SamplingConfig
+
+
+class Engines(Protocol):
+    overlaps: bool  # the engines generate while the trainer trains (their own ranks)
+
+    def open(self, n: int, sampling: SamplingConfig, capacity: int) -> "GroupBuffer | None":
+        """Trainer rank 0: the buffer that finished groups arrive in (at most `capacity` outstanding); None
+        elsewhere. Every trainer rank calls it."""
+
+    def admit(self, groups: Sequence[tuple[int, Sequence[int], int | None]]) -> None:
+        """(trainer rank 0) Groups that may start now: (gid, prompt ids, request seed or None)."""
+
+    def resume(self, groups: Sequence[tuple[int, Sequence[int], Rollouts, int]]) -> None:
+        """(trainer rank 0) Groups a stop cut short, (gid, prompt ids, samples so far, admitted version): the
+        engines continue their unfinished samples first."""
+
+    def harvest(self) -> dict[int, Rollouts]:
+        """(trainer rank 0, at a stop) Every group aborted, what it sampled so far: {gid: samples}."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
+                 seed: int | None = None) -> Rollouts:
+        """`n` samples per prompt beside the stream, the whole batch on every trainer rank (every trainer rank
+        calls it); a stop raises RolloutInterrupted on every trainer rank."""
+
+    def follow(self) -> None:
+        """(trainer ranks but 0) Take part in the engines' work until trainer rank 0 `release`s them."""
+
+    def release(self) -> None:
+        """(trainer rank 0) The step's engine work is done: the other trainer ranks leave `follow`."""
+
+
+class EngineLoads:
+    """Which engine a new group goes to: the one with the least outstanding work (thread-safe: receiver threads
+    report finished groups)."""
+
+    def __init__(self, engines: int, n: int, expected_length: float):
+        self.n, self._lock = n, threading.Lock()
+        self.work = [0.0] * engines  # expected tokens of each engine's unfinished groups
+        self._where: dict[int, tuple[int, float]] = {}  # gid -> (engine, its expected tokens)
+        self._mean, self._seen = float(expected_length), 0  # mean response length of finished samples
+
+    def assign(self, gid: int) -> int:
+        with self._lock:
+            e = min(range(len(self.work)), key=lambda i: (self.work[i], i))
+            cost = self.n * self._mean
+            self.work[e] += cost
+            self._where[int(gid)] = (e, cost)
+            return e
+
+    def finished(self, gid: int, lengths: Sequence[int] = ()) -> None:
+        """Group `gid` came back (finished, dropped or harvested); `lengths` its samples' (the mean learns)."""
+        with self._lock:
+            e, cost = self._where.pop(int(gid), (None, 0.0))
+            if e is not None:
+                self.work[e] = max(0.0, self.work[e] - cost)
+            for x in lengths:
+                self._seen += 1
+                self._mean += (x - self._mean) / self._seen
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._where)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._where.clear()
+            self.work = [0.0] * len(self.work)
+
+
+def engine_figures(per_engine: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Each engine's busy fraction since the last step and the spread between the busiest and the idlest."""
+    busy = {}
+    for e, s in sorted(per_engine.items()):
+        total = s.get("busy_s", 0.0) + s.get("idle_s", 0.0) + s.get("paused_s", 0.0)
+        busy[e] = s.get("busy_s", 0.0) / total if total > 0 else 0.0
+    out = {f"rollout/engine{e}_busy_frac": v for e, v in busy.items()}
+    if busy:
+        out["rollout/engine_busy_spread"] = max(busy.values()) - min(busy.values())
+    return out
+
+
+def merge_parts(parts, num_prompts: int) -> Rollouts:
+    """The engines' parts [(prompt indices, Rollouts)] as one batch in prompt order."""
+    samples: dict[int, list[tuple[Rollouts, int]]] = {}
+    for indices, r in parts:
+        for k, local in enumerate(r.prompt_index):
+            samples.setdefault(indices[local], []).append((r, k))
+    order = [(r, k, g) for g in range(num_prompts) for r, k in samples.get(g, [])]
+    return Rollouts.in_order(order, min((r.weight_version for _, r in parts), default=0))  # the oldest weights count
+
+
+class BufferError(RuntimeError):
+    """The finished-group buffer was filled past its bound, or its producer failed."""
+
+
+class GroupBuffer:
+    """Finished groups waiting for the trainer (trainer rank 0), filled by the engines' side, bounded.
+
+    The bound is the admission's: at most `capacity` groups are admitted and not yet taken, so more finished ones than
+    that means the accounting is off; `put` refuses them rather than grow. `take` blocks until a group is in."""
+
+    def __init__(self, capacity: int, producers: int = 1):
+        self.capacity = capacity
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._open = producers
+        self.max_depth = 0
+        self.stats: dict[str, float] = {}
+        self.engine_stats: dict[int, dict[str, float]] = {}
+        self.ends: list = []
+        # answers beside the groups, by kind: "batch" (a side batch's part), "harvest" (an engine's samples so far,
+        # at a stop)
+        self._answers: dict[str, deque] = {"batch": deque(), "harvest": deque()}
+
+    def put_batch(self, part, kind: str = "batch") -> None:
+        with self._cond:
+            self._answers[kind].append(part)
+            self._cond.notify_all()
+
+    def take_batch(self, kind: str = "batch", *, timeout: float | None = None):
+        """The next answer of `kind`; blocks until one is in. Raises what a producer raised, BufferError when every
+        producer has stopped, TimeoutError after `timeout` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._answers[kind]:
+                if self._error is not None:
+                    raise self._error
+                if self._open <= 0:
+                    raise BufferError(f"every rollout rank stopped streaming while the trainer waits for its {kind}")
+                left = 1.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {kind} answer from the rollout ranks in {timeout:.0f} s")
+                self._cond.wait(timeout=min(1.0, left))
+            return self._answers[kind].popleft()
+
+    def put(self, items, stats: dict | None = None, engine: int = 0) -> None:
+        with self._cond:
+            self._items.extend(items)
+            if len(self._items) > self.capacity:
+                self._error = BufferError(f"{len(self._items)} finished groups buffered, more than the {self.capacity} "
+                                          f"the admission allows: the trainer's and the engines' counts disagree")
+            self.max_depth = max(self.max_depth, len(self._items))
+            mine = self.engine_stats.setdefault(engine, {})
+            for k, v in (stats or {}).items():
+                self.stats[k] = self.stats.get(k, 0.0) + v
+                mine[k] = mine.get(k, 0.0) + v
+            self._cond.notify_all()
+
+    def wait_change(self, timeout: float = 1.0) -> None:
+        """Until something arrives (or `timeout`); raises what a producer raised."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._open <= 0:
+                raise BufferError("every rollout rank stopped while the trainer waits for its groups")
+            self._cond.wait(timeout=timeout)
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def end(self, payload) -> None:
+        """A producer has stopped (its engine aborted what was left: `payload` says what)."""
+        with self._cond:
+            self._open -= 1
+            self.ends.append(payload)
+            self._cond.notify_all()
+
+    def take(self, pick: Callable[[list], int | None] | None = None, stop: Callable[[], bool] | None = None):
+        """A finished group; blocks until one is in. `pick(items)` chooses among the finished ones (an index, or None:
+        wait for more); default the oldest. Raises what a producer raised, or when none is left; RolloutInterrupted
+        when `stop()` holds when it would wait (read at least once a second while it waits)."""
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if self._items:
+                    i = pick(list(self._items)) if pick is not None else 0
+                    if i is not None:
+                        item = self._items[i]
+                        del self._items[i]
+                        return item
+                if self._open <= 0:
+                    raise BufferError("every rollout rank stopped streaming while the trainer waits for groups")
+                if stop is not None and stop():  # only instead of waiting: groups already in are taken
+                    raise RolloutInterrupted("a stop was requested while the step waited for finished groups")
+                self._cond.wait(timeout=1.0)
+
+    def take_stats(self) -> tuple[dict[str, float], int, int, dict[int, dict[str, float]]]:
+        """(the engines' summed loop figures since the last call, the depth now, the largest depth since, each
+        engine's own figures)."""
+        with self._cond:
+            stats, self.stats = self.stats, {}
+            per_engine, self.engine_stats = self.engine_stats, {}
+            depth, peak = len(self._items), self.max_depth
+            self.max_depth = depth
+            return stats, depth, peak, per_engine
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+class LocalEngines:
+    """Colocated engines: each trainer rank steps its own engine's loop in-process, between updates (nothing
+    overlaps: the engine sleeps while its rank trains). Trainer rank 0 decides (admission, which engine); the others
+    `follow`: each "run" that rank 0 sends has every rank admit its share and step its loop until its share is done,
+    or until a stop that every rank agrees on (rollout/stopping.py: the ranks of a TP engine step in lockstep), and
+    the finished groups are gathered into rank 0's buffer. A stop keeps every rank's samples so far for `harvest`."""
+
+    overlaps = False
+
+    def __init__(self, engine, cfg, tools=None):
+        from .engine_loop import EngineLoop
+
+        ro = cfg.rollout
+        self.engine, self.tools = engine, tools
+        self.index, self.count = getattr(engine, "engine_index", 0), getattr(engine, "num_engines", 1)
+        self.loop = EngineLoop(engine, ro.n, SamplingConfig.from_rollout_config(ro), tools=tools)
+        self.loads = EngineLoads(self.count, ro.n, ro.max_response_length / 2)
+        self.buffer: GroupBuffer | None = None
+        self._pending: tuple[list, list] = ([], [])  # admitted, resumed: sent with the next run
+        self._harvested: dict[int, Rollouts] = {}
+
+    # -- trainer rank 0 ------------------------------------------------------------------------------------------------
+
+    def open(self, n: int, sampling: SamplingConfig, capacity: int) -> GroupBuffer | None:
+        from .engine_loop import EngineLoop
+
+        self.loop = EngineLoop(self.engine, n, sampling, tools=self.tools)
+        if _rank() != 0:
+            return None
+        engines = self
+
+        class RunningBuffer(GroupBuffer):
+            def take(self, pick=None, stop=None):  # nothing to take yet: the engines run what was admitted
+                with self._cond:
+                    ready = bool(self._items) and (pick is None or pick(list(self._items)) is not None)
+                if not ready and any(engines._pending):
+                    engines._send(("run", engines._pending))
+                return super().take(pick, stop)
+
+        self.buffer = RunningBuffer(capacity, producers=1)
+        return self.buffer
+
+    def admit(self, groups) -> None:
+        self._pending[0].extend((int(g), list(map(int, ids)), seed, self.loads.assign(g)) for g, ids, seed in groups)
+
+    def resume(self, groups) -> None:
+        self._pending[1].extend((int(g), list(map(int, ids)), r, int(v), self.loads.assign(g))
+                                for g, ids, r, v in groups)
+
+    def harvest(self) -> dict[int, Rollouts]:
+        """A stop's samples so far (kept when the stop cut a run short; between runs nothing is in flight), and the
+        admitted groups that never ran (nothing sampled: admitted anew)."""
+        kept, self._harvested = self._harvested, {}
+        for g, _, samples, _, _ in self._pending[1]:
+            kept[g] = samples
+        self._pending = ([], [])
+        self.loads.forget()
+        return kept
+
+    def release(self) -> None:
+        if _followers():
+            trainer_broadcast(("release", None))
+
+    def _send(self, command) -> None:
+        """Rank 0: a command for every trainer rank, then this rank's part of it."""
+        if _followers():
+            trainer_broadcast(command)
+        self._pending = ([], [])
+        self._do(command)
+
+    # -- every trainer rank ----------------------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        while True:
+            command = trainer_broadcast(None)
+            if command[0] == "release":
+                return
+            self._do(command)
+
+    def _do(self, command) -> None:
+        kind, (admitted, resumed) = command
+        self.loop.resume([(g, ids, r, v) for g, ids, r, v, e in resumed if e == self.index])
+        self.loop.admit([(g, ids, seed) for g, ids, seed, e in admitted if e == self.index])
+        finished, interrupted = self._step_until_done(lambda: self.loop.busy, self.loop.step)
+        kept = self.loop.harvest() if interrupted else {}
+        parts = _gather((self.index, [(g.gid, g.rollouts, g.admitted_version) for g in finished], kept,
+                         self.loop.take_stats().sums()))
+        if self.buffer is None:  # not rank 0: rank 0 keeps the groups (and ends the step at a stop)
+            return
+        seen = set()
+        for e, groups, harvested, stats in parts:
+            if e in seen:  # the ranks of one engine hold the same groups: keep one copy
+                continue
+            seen.add(e)
+            for gid, r, _ in groups:
+                self.loads.finished(gid, r.sampled_lengths())
+            self.buffer.put(groups, stats, engine=e)
+            self._harvested.update(dict(harvested))
+        if interrupted:
+            self.loads.forget()
+            raise RolloutInterrupted("a stop was requested during the rollout (agreed by every rank)")
+
+    def _step_until_done(self, busy: Callable[[], bool], step: Callable[[], list]) -> tuple[list, bool]:
+        """Step this rank's loop while `busy()`, reading the stop between steps (agreed with the other ranks);
+        returns (what the steps returned, whether a stop cut it short)."""
+        from .stopping import StopCheck, agreement_group
+
+        many = _followers()
+        check = StopCheck(stop_requested, group=agreement_group() if many else None, distributed=many)
+        out = []
+        try:
+            while busy():
+                check.before_step()
+                t = time.perf_counter()
+                out += step()
+                check.stepped(time.perf_counter() - t)
+            check.finish()
+        except RolloutInterrupted:
+            return out, True
+        return out, False
+
+    def generate(self, prompt_ids, n: int, sampling: SamplingConfig, *, seed: int | None = None) -> Rollouts:
+        """Every rank: its engine's share (prompts index, index + engines, ...) as a side batch of its loop; the
+        whole batch gathered on every rank in prompt order (a prompt's samples do not depend on the engine count:
+        its seed follows its place in the whole batch)."""
+        if seed is not None:
+            sampling = _with_seed(sampling, seed)
+        mine = list(range(self.index, len(prompt_ids), self.count))
+        bid = self.loop.add_batch([prompt_ids[i] for i in mine], n, sampling, request_indices=mine)
+        done: list = []
+
+        def step():
+            self.loop.step()
+            part = self.loop.batch_done(bid)
+            if part is not None:
+                done.append(part)
+            return []
+
+        _, interrupted = self._step_until_done(lambda: not done, step)
+        if interrupted:
+            self.loop._abort_side()
+            raise RolloutInterrupted("a stop was requested during the rollout")
+        parts = _gather((self.index, mine, done[0]))
+        unique = {e: (indices, r) for e, indices, r in parts}
+        return merge_parts(list(unique.values()), len(prompt_ids))
+
+
+def _with_seed(sampling: SamplingConfig, seed: int) -> SamplingConfig:
+    import dataclasses
+
+    return dataclasses.replace(sampling, seed=seed)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _followers() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gather(obj) -> list:
+    """Every trainer rank's `obj` (colocated: the default group), in rank order."""
+    import torch.distributed as dist
+
+    if not _followers():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
