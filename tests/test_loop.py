@@ -49,11 +49,12 @@ def test_colocated_cycle_sleeps_during_update_and_profiles(three_recorded_steps)
 
 
 @pytest.mark.slow
-def test_a_stop_during_a_rollout_saves_the_step_before_with_its_prompts_put_back(tmp_path, tiny_llama,
-                                                                                 three_recorded_steps):
-    """Issue 42: a SIGTERM while step 3 generates (the engine aborts: RolloutInterrupted) ends the run on step 2,
-    saved now (trainer.save_every=3 had not saved it) with the sampler where it was before step 3's draw: the
-    resumed run draws step 3's prompts again, those the uninterrupted run trained step 3 on."""
+def test_a_stop_during_a_rollout_saves_the_step_before_and_keeps_the_groups_in_flight(tmp_path, tiny_llama,
+                                                                                     three_recorded_steps):
+    """A SIGTERM while step 3 generates (the engine loop reads it between steps) ends the run on step 2, saved now
+    (trainer.save_every=3 had not saved it). Nothing is lost: the checkpoint holds step 3's groups (their prompts,
+    after the sampler's draw), and beside it the stop keeps what each of their samples had sampled (tokens, logprobs,
+    versions) for the resumed run to continue."""
     import torch
 
     from helpers import ENV
@@ -68,8 +69,17 @@ def test_a_stop_during_a_rollout_saves_the_step_before_with_its_prompts_put_back
     log = json.loads(out.read_text())
     assert log["last_step"] == 2 and requeue_message(2) in proc.stdout + proc.stderr
     assert latest_step(run_dir) == 2
+    from justrl_megatron.checkpoint.folders import STOP_STATE
+
     state = torch.load(step_dir(run_dir, 2) / TRAINER_STATE, weights_only=False)["extra"]
-    assert state["sampler"] == {"epoch": 0, "index": 4} and state["inflight"] is None  # 2 steps x 2 prompts drawn
+    assert state["sampler"] == {"epoch": 0, "index": 6}  # 3 steps x 2 prompts drawn: step 3's are in flight
+    groups = state["inflight"]["groups"]
+    assert len(groups) == 2 and all(g["lost"] and g["samples"] is None for g in groups)  # (only after a crash)
+    kept = torch.load(step_dir(run_dir, 2) / STOP_STATE, weights_only=False)
+    assert kept["sampler"] == state["sampler"]
+    assert [g["prompt"] for g in kept["inflight"]["groups"]] == [g["prompt"] for g in groups]
+    assert all(g["samples"] is not None and not g["lost"] for g in kept["inflight"]["groups"])  # their tokens
+    assert all(len(t) >= 1 for g in kept["inflight"]["groups"] for t in g["samples"]["token_ids"])
     straight = [c for c in three_recorded_steps[2]["calls"] if c[0] == "generate"]
     stopped = [c for c in log["calls"] if c[0] == "generate"]
     assert stopped == straight[:4]  # the same batches up to the stopped one, which is step 3's

@@ -25,6 +25,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from ..data.sampler import Prompt
 from ..distributed import trainer_broadcast
 from .base import Rollouts, RolloutInterrupted, SamplingConfig
@@ -143,7 +145,8 @@ class GroupSource:
         t = time.perf_counter()
         self._timing = {"wait_rollout": 0.0, "reward": 0.0}
         try:
-            batch, gids, sampling_stats, figures = self._take_step(step, version)
+            with torch.profiler.record_function("rollout"):  # named ranges in a profiler trace
+                batch, gids, sampling_stats, figures = self._take_step(step, version)
         finally:
             self._timing["wait_rollout"] = max(0.0, time.perf_counter() - t - self._timing["reward"])
         rollouts = batch.rollouts
@@ -205,7 +208,8 @@ class GroupSource:
 
     def _score(self, prompts, rollouts) -> tuple:
         t = time.perf_counter()
-        got = score(self.scorer, self.tokenizer, prompts, rollouts, self.n)
+        with torch.profiler.record_function("reward"):
+            got = score(self.scorer, self.tokenizer, prompts, rollouts, self.n)
         self._timing["reward"] += time.perf_counter() - t
         return got
 

@@ -15,14 +15,14 @@ from justrl_megatron.rollout import SamplingConfig, source
 
 
 class AlternatingSource:
-    """Each step: the sampler's next prompts, sampled by the placement; within each group the odd samples score 1."""
+    """Each step: the sampler's next prompts, sampled by the engines (a batch beside any stream); within each group the odd samples score 1."""
 
-    def __init__(self, placement, sampler, n, sampling):
-        self.placement, self.sampler, self.n, self.sampling, self.steps = placement, sampler, n, sampling, []
+    def __init__(self, engines, sampler, n, sampling):
+        self.engines, self.sampler, self.n, self.sampling, self.steps = engines, sampler, n, sampling, []
 
     @classmethod
-    def from_config(cls, cfg, placement, sampler, scorer, tokenizer, *, leader):
-        return cls(placement, sampler, cfg.rollout.n, SamplingConfig.from_rollout_config(cfg.rollout))
+    def from_config(cls, cfg, engines, sampler, scorer, tokenizer, *, leader):
+        return cls(engines, sampler, cfg.rollout.n, SamplingConfig.from_rollout_config(cfg.rollout))
 
     @staticmethod
     def problems(cfg):
@@ -30,7 +30,7 @@ class AlternatingSource:
 
     def next_batch(self, step, version, timer):
         prompts = self.sampler.next_batch()
-        rollouts = self.placement.generate([p.ids for p in prompts], self.n, self.sampling, seed=step)
+        rollouts = self.engines.generate([p.ids for p in prompts], self.n, self.sampling, seed=step)
         rewards = [float(i % 2) for i in range(len(rollouts))]
         self.steps.append(step)
         return source.ScoredStep(ScoredBatch(prompts, rollouts, rewards, [r > 0 for r in rewards], {}), None,

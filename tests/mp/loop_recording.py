@@ -1,9 +1,9 @@
 """justrl-train's loop with a rollout engine that records every call instead of vLLM: the colocated cycle's order.
 
 usage: python loop_recording.py OUT.json [hydra overrides...]
-Runs `train.loop.run` on the composed config with `RecordingEngine` (the RolloutEngine protocol, random tokens) and
+Runs `train.loop.run` on the composed config with `RecordingEngine` (what the engine loop drives, random tokens) and
 writes its call log to OUT.json. With JUSTRL_RECORDING_STOP_AT=k the k-th batch gets a SIGTERM while it generates:
-the engine then does what vLLM's does with the stop predicate (reads it, aborts: RolloutInterrupted).
+the engine loop reads it between steps and the stop keeps what each sample has sampled so far.
 """
 
 import hashlib
@@ -18,45 +18,79 @@ import justrl_megatron.compat  # noqa: F401  (first: CPU redirections for megatr
 import torch
 
 from justrl_megatron.config import compose
-from justrl_megatron.rollout import RolloutEngine, RolloutInterrupted, Rollouts
+from justrl_megatron.rollout import Rollouts
 from justrl_megatron.train.loop import run
 from justrl_megatron.train_entry import apply_memory_plan, check_config
 
 
 class RecordingEngine:
-    """Samples random tokens (logprob -1 each) and records generate / sleep / update_weights / wake_up / shutdown."""
+    """What the engine loop asks of an engine (add_request / step / abort_keeping ...), sampling random tokens
+    (logprob -1 each, one token per step and sample, seeded by the request's seed), and a record of every batch
+    ("generate": the requests added before a step), sleep / update_weights / wake_up / shutdown."""
+
+    max_num_seqs = 64
+    step_budget = None
 
     def __init__(self, vocab_size: int):
         self.calls, self.asleep, self._version = [], False, 0
         self.vocab_size = vocab_size
+        self.live, self._new = {}, []
 
     @property
     def weight_version(self) -> int:
         return self._version
 
-    def generate(self, prompt_token_ids, n, sampling, *, seed=None):
+    def add_request(self, rid, prompt_ids, n, sampling, *, request_index=0, stream=False, regex=None):
         if self.asleep:
-            raise RuntimeError("generate() on a sleeping engine")
-        gen = torch.Generator().manual_seed(seed or 0)
-        token_ids = [torch.randint(0, self.vocab_size, (int(torch.randint(1, sampling.max_tokens + 1, (1,),
-                                                                              generator=gen)),), generator=gen).tolist()
-                     for _ in prompt_token_ids for _ in range(n)]
-        return Rollouts(prompt_index=[i for i in range(len(prompt_token_ids)) for _ in range(n)], token_ids=token_ids,
-                        logprobs=[[-1.0] * len(t) for t in token_ids],
-                        finish_reasons=["length" if len(t) == sampling.max_tokens else "stop" for t in token_ids],
-                        weight_version=self._version)
+            raise RuntimeError("add_request() on a sleeping engine")
+        gen = torch.Generator().manual_seed(sampling.seed or 0)
+        plans = [torch.randint(0, self.vocab_size, (int(torch.randint(1, sampling.max_tokens + 1, (1,), generator=gen)),),
+                               generator=gen).tolist() for _ in range(n)]
+        self.live[rid] = {"plans": plans, "done": 0, "max": sampling.max_tokens, "version": self._version}
+        self._new.append(list(map(int, prompt_ids)))
 
-    def generate_all(self, prompt_token_ids, n, sampling, *, seed=None, stop=None):
-        prompts = hashlib.sha256(json.dumps([list(map(int, p)) for p in prompt_token_ids]).encode()).hexdigest()
-        self.calls.append(["generate", self._version, len(prompt_token_ids), prompts])
+    def _record_batch(self) -> None:
+        prompts = hashlib.sha256(json.dumps(self._new).encode()).hexdigest()
+        self.calls.append(["generate", self._version, len(self._new), prompts])
+        self._new = []
         if sum(c[0] == "generate" for c in self.calls) == int(os.environ.get("JUSTRL_RECORDING_STOP_AT", 0)):
-            os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while stop is not None and time.monotonic() < deadline:  # as vLLM's engine reads it between its steps
-                if stop():
-                    raise RolloutInterrupted("stopped while generating")
-                time.sleep(0.01)
-        return self.generate(prompt_token_ids, n, sampling, seed=seed)
+            os.kill(os.getpid(), signal.SIGTERM)  # read by the engine loop's stop check before its next step
+            time.sleep(0.2)
+
+    def _rollouts(self, r, finished: bool) -> Rollouts:
+        toks = [p[:r["done"]] for p in r["plans"]]
+        reasons = [("length" if len(p) == r["max"] else "stop") if len(p) <= r["done"] else "abort"
+                   for p in r["plans"]]
+        return Rollouts(prompt_index=[0] * len(toks), token_ids=toks, logprobs=[[-1.0] * len(t) for t in toks],
+                        finish_reasons=reasons, weight_version=r["version"],
+                        token_versions=[[r["version"]] * len(t) for t in toks])
+
+    def step(self):
+        if self._new:
+            self._record_batch()
+        out = []
+        for rid, r in list(self.live.items()):
+            r["done"] += 1
+            if all(len(p) <= r["done"] for p in r["plans"]):
+                out.append((rid, self._rollouts(r, True)))
+                del self.live[rid]
+        return out
+
+    def num_unfinished(self):
+        return len(self.live)
+
+    def abort(self, rids):
+        for rid in rids:
+            self.live.pop(rid, None)
+
+    def abort_keeping(self, rids):
+        return {rid: self._rollouts(self.live.pop(rid), False) for rid in rids if rid in self.live}
+
+    def pause(self):
+        pass
+
+    def resume(self):
+        pass
 
     def update_weights(self, stream, version):
         digest, names = hashlib.sha256(), []
@@ -86,7 +120,6 @@ def record(out: str, overrides: list[str]) -> None:
     model_dir, shape = check_config(cfg)
     apply_memory_plan(cfg, shape)  # as justrl-train does: model.recompute=auto becomes concrete
     engine = RecordingEngine(shape.vocab_size)
-    assert isinstance(engine, RolloutEngine)
     last = run(cfg, model_dir, shape, engine=engine)
     with open(out, "w") as f:
         json.dump({"last_step": last, "calls": engine.calls}, f)
