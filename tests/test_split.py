@@ -41,8 +41,8 @@ def test_streaming_runs_tool_turns_in_the_engine_loop(tmp_path):
     engine loop runs each sample's turns (calls in its sandbox while the engine steps the others) as weights arrive
     mid-generation; the samples reach the trainer with their masks (tool outputs counted, not trained), within the
     staleness bound, and the first step's samples (one weight version) score the trainer's logprobs of the model's
-    tokens equal to vLLM's (a misplaced tool token or mask would show). Split sync and one-step-off run the same
-    `ToolRollout.generate` as colocated (rollout/split.py `serve`), tested there (tests/test_tools.py)."""
+    tokens equal to vLLM's (a misplaced tool token or mask would show). Every mode drives the same engine loop
+    (rollout/engine_loop.py): the mode matrix (tests/test_modes.py) runs tools in the others."""
     run_dir = tmp_path / "stream"
     run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", "recipe=cpu_demo_tool",
             f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT,
@@ -89,7 +89,7 @@ def test_one_step_off_trains_one_version_behind(one_step_off):
     assert all(r["actor/grad_norm"] > 0 for r in records)
     # the trainer's logprobs (weights k) differ from the sampler's (k-1) after an update: the gap is the staleness
     assert records[-1]["rollout/logprob_diff_mean"] > 1e-4
-    for key in ("time/wait_rollout_s", "time/rollout_s", "time/rollout_wait_weights_s", "time/update_s"):
+    for key in ("time/wait_rollout_s", "time/rollout_busy_s", "time/rollout_idle_s", "time/update_s"):
         assert key in records[-1], key
 
 
@@ -269,7 +269,7 @@ def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(stre
                                  [len(t) for t in g["samples"]["token_ids"]]) for g in groups])
     assert "resumed from" in resumed
     after = metrics(run_dir)[stopped:]
-    assert after[0]["rollout/discarded_at_resume"] == 0 and after[0]["rollout/continued_at_resume"] == len(groups)
+    assert after[0]["rollout/discarded_at_resume"] == 0 and after[0]["rollout/resumed_groups"] == len(groups)
     assert all(r["rollout/staleness_max"] <= 1 for r in after)
     assert after[0]["response/length_mean"] > 8  # the cut samples went on after their kept 8 tokens
 
@@ -348,48 +348,60 @@ def test_split_groups_channel_and_an_incomplete_sync(tmp_path):
 
 def test_engine_parts_merge_in_prompt_order():
     from justrl_megatron.rollout import Rollouts
-    from justrl_megatron.rollout.split import merge_parts
+    from justrl_megatron.rollout.engines import merge_parts
 
     # engine 0 sampled prompts 0 and 2, engine 1 prompt 1; 2 samples each, engine 1 one version behind
     a = Rollouts(prompt_index=[0, 0, 1, 1], token_ids=[[1], [2], [5], [6]], logprobs=[[-1.0]] * 4,
                  finish_reasons=["stop"] * 4, weight_version=4)
     b = Rollouts(prompt_index=[0, 0], token_ids=[[3], [4]], logprobs=[[-2.0]] * 2, finish_reasons=["length"] * 2,
                  weight_version=3)
-    merged = merge_parts([([0, 2], a, {}), ([1], b, {})], 3)
+    merged = merge_parts([([0, 2], a), ([1], b)], 3)
     assert merged.prompt_index == [0, 0, 1, 1, 2, 2]
     assert merged.token_ids == [[1], [2], [3], [4], [5], [6]]
     assert merged.truncated == [False, False, True, True, False, False]
     assert merged.weight_version == 3  # the oldest weights count for staleness
 
 
-def test_a_rollout_rank_that_aborted_its_part_stops_the_trainer_and_the_channel_stays_in_step():
-    """Issue 42, split placement: a rollout rank that a stop signal reached answers its part with None; trainer rank
-    0's receive takes every engine's answer to that batch, then raises RolloutInterrupted (the trainer stops), and
-    the next batch's answers are read as that batch's."""
+def test_a_rollout_rank_that_aborted_its_side_batch_stops_the_trainer_and_later_answers_stay_in_step(monkeypatch):
+    """Split placement: a rollout rank that a stop signal reached answers its part of a side batch with None; trainer
+    rank 0 takes every engine's answer to that batch, then raises RolloutInterrupted (the trainer stops), and the
+    next batch's answers are read as that batch's."""
     import threading
-    from collections import deque
     from types import SimpleNamespace
 
-    from justrl_megatron.rollout import RolloutInterrupted, Rollouts
-    from justrl_megatron.rollout.split import SplitPlacement, _Request
+    from justrl_megatron.rollout import RolloutInterrupted, Rollouts, SamplingConfig, split
+    from justrl_megatron.rollout.engines import GroupBuffer
 
     def part(tokens):
         return Rollouts(prompt_index=[0], token_ids=[tokens], logprobs=[[-1.0] * len(tokens)],
                         finish_reasons=["stop"], weight_version=0)
 
-    answers = {1: deque([([0], part([1]), {"generate_s": 1.0}), ([0], part([3]), {"generate_s": 1.0})]),
-               2: deque([([1], None, {"generate_s": 0.5}), ([1], part([4]), {"generate_s": 2.0})])}
-    placement = object.__new__(SplitPlacement)
-    placement.leader, placement._buffer, placement._lock = True, None, threading.Lock()
-    placement.roles = SimpleNamespace(num_rollout_ranks=2)
-    placement._channel = SimpleNamespace(recv_object=lambda src: answers[src].popleft())
-    first, second = _Request(2), _Request(2)
-    placement._pending = deque([first, second])
+    monkeypatch.setattr(split, "trainer_broadcast", lambda obj: obj)  # one trainer rank
+    engines = object.__new__(split.RemoteEngines)
+    engines.leader, engines.count, engines.lock = True, 2, threading.Lock()
+    engines.roles = SimpleNamespace(control=SimpleNamespace(broadcast_object=lambda message, src: None))
+    engines.buffer = GroupBuffer(capacity=0, producers=2)
+    for answer in [([0], part([1])), ([1], None), ([0], part([3])), ([1], part([4]))]:
+        engines.buffer.put_batch(answer)
     with pytest.raises(RolloutInterrupted):
-        placement.receive(first)
-    assert first.interrupted and len(answers[1]) == len(answers[2]) == 1  # both engines' answers to it were read
-    rollouts, stats = placement.receive(second)
-    assert rollouts.token_ids == [[3], [4]] and stats == {"generate_s": 2.0}
+        engines.generate([[5], [6]], 1, SamplingConfig(max_tokens=2))
+    rollouts = engines.generate([[5], [6]], 1, SamplingConfig(max_tokens=2))
+    assert rollouts.token_ids == [[3], [4]]
+
+
+def test_groups_go_to_the_engine_with_the_least_outstanding_work():
+    """Load-fed engines: a long-tail group keeps its engine busy, so new groups go to the others until its work is
+    back; finished groups teach the expected length (their samples' mean, which replaces the prior)."""
+    from justrl_megatron.rollout.engines import EngineLoads
+
+    loads = EngineLoads(engines=3, n=2, expected_length=10)
+    assert [loads.assign(g) for g in range(3)] == [0, 1, 2]  # equal work: in order
+    loads.finished(1, [4, 4])  # engine 1's group came back (short): it is the least loaded now
+    loads.finished(2, [4, 4])
+    assert loads.assign(3) == 1 and loads.assign(4) == 2  # engine 0 still holds group 0
+    assert loads.work[1] == loads.work[2] == pytest.approx(2 * 4)  # n x the mean length seen (the prior 10 gone)
+    loads.finished(0, [20, 20])
+    assert loads.outstanding == 2 and loads.assign(5) == 0
 
 
 # --- config errors ----------------------------------------------------------------------------------------------------
