@@ -3,8 +3,8 @@
 - The first SIGINT does what SIGTERM / SIGUSR1 do (slurm.StopSignal): the current step finishes, a checkpoint is
   saved and the run exits 0. One line says so at once (a step can take minutes). A rollout in progress does not
   finish: the engines poll the flag between their steps (slurm.stop_requested, agreed by every rank:
-  rollout/stopping.py), abort it within about a second, and the run saves the step before it (its prompts back in
-  the sampler: rollout/batch_source.py), so that the resumed run draws them again.
+  rollout/stopping.py), abort it within about a second keeping what each sample sampled so far, and the run saves
+  the step before it with those groups beside it (rollout/stream_source.py), so that the resumed run continues them.
 - A second SIGINT aborts at once: helper processes are killed, the staging folder of a save in progress is removed
   (run_lock.py; `latest` still points to the last complete checkpoint) and the process exits 130, without a traceback.
 A SIGINT within REPEAT_S of the first counts as the same press: torchrun forwards the terminal's Ctrl-C to its

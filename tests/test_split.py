@@ -3,7 +3,6 @@ training, exact resume with a batch in flight, and the config errors; the groups
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -23,9 +22,10 @@ DETERMINISTIC = ("reward/mean", "response/length_mean", "actor/entropy", "actor/
                  "actor/logprob_mean", "rollout/logprob_diff_mean", "rollout/weight_version", "rollout/staleness")
 
 
-def train(run_dir, model, *args, nproc=2):
+def train(run_dir, model, *args, nproc=2, placement=SPLIT):
     return run_ok([*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "justrl_megatron.cli", "train", f"model.path={model}",
-                   f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args], timeout=900)
+                   f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *placement, *args],
+                  timeout=900)
 
 
 def metrics(run_dir):
@@ -115,14 +115,14 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
     assert_same_weights(straight / "checkpoints" / "step_00000004", root / "step_00000004")
 
 
-# 2 trainer ranks + 2 engines (vLLM in child processes), responses long enough to be in flight across weight updates,
-# an async checkpoint every step
+# 4 trainer ranks + 4 engines (vLLM in child processes), fed by load; responses long enough to be in flight when a stop
+# comes (the tiny random model rarely samples EOS before the 192-token cap); an async checkpoint every step
 STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=8", "trainer.save_every=1",
-          "trainer.async_save=true", "trainer.keep_last=2", "rollout.num_rollout_ranks=2",
-          "rollout.max_response_length=64", *LEARN]
+          "trainer.async_save=true", "trainer.keep_last=2", "rollout.num_rollout_ranks=4", "trainer.prompts_per_step=4",
+          "trainer.mini_batch_size=4", "rollout.max_response_length=192", *LEARN]
 
 
-def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None):
+def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None, placement=SPLIT):
     """Launch justrl-train in a session of its own, and once `after` steps are logged send `sig` to its whole process
     group (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too), or to
     rank `rank`'s process alone. Returns the run dir, the launch's output, its exit code, the processes of the
@@ -132,7 +132,7 @@ def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=
 
     run_dir = run_dir or tmp_path / "run"
     cmd = [sys.executable, "-m", "justrl_megatron.cli", "train", f"--nproc-per-node={nproc}", f"model.path={model}",
-           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT, *args]
+           f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *placement, *args]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                                 start_new_session=True)
     try:
@@ -174,37 +174,26 @@ def _rank_pid(launcher: int, rank: int) -> int:
 
 @pytest.fixture(scope="module")
 def streaming(tmp_path_factory, tiny_llama):
-    """Streaming (eta 1, tis by default) on 2 trainer ranks + 2 engines, in two launches of justrl-train's own
+    """Streaming (eta 1, tis by default) on 4 trainer ranks + 4 engines, in two launches of justrl-train's own
     launcher. The first gets a terminal's Ctrl-C (SIGINT to its whole process group: every rank, the launcher, vLLM's
     engine cores and workers) once step 2 is logged (groups admitted, in flight and buffered): it finishes or ends
-    its step, saves, keeps the groups' samples so far beside that checkpoint and exits 0 (neither a rollout rank nor
-    its engine may die of it first). The second resumes from there, and 2 steps later rank 3 (a rollout rank) is
-    SIGKILLed mid-stream: the whole launch must end at once, in one line naming it. Returns (run dir, the first
-    launch's output, the step it stopped at, the work it kept at the stop, the second launch's (output, exit code,
-    processes left, seconds from the kill to its end))."""
+    its step, saves, keeps the groups' samples so far beside that checkpoint (a real harvest: the engines are
+    mid-generation) and exits 0 (neither a rollout rank nor its engine may die of it first). The second resumes from
+    there, and 2 steps later rank 7 (a rollout rank) is SIGKILLed mid-stream: the whole launch must end at once, in
+    one line naming it. Returns (run dir, the first launch's output, the step it stopped at, the work it kept at the
+    stop, the second launch's (output, exit code, processes left, seconds from the kill to its end))."""
     import signal
 
     import torch
 
     run_dir, out, code, left, _ = _signal_the_group(tmp_path_factory.mktemp("streaming"), tiny_llama,
-                                                    signal.SIGINT, *STREAM, nproc=4)
+                                                    signal.SIGINT, *STREAM, nproc=8)
     assert code == 0, out[-5000:]
     assert not left  # no rank, engine or receiver outlives the stop
     stopped = len(metrics(run_dir))
-    path = run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt"
-    kept = torch.load(path, weights_only=False)
-    # the tiny model finishes its groups while the stop's checkpoint is written; cut each kept sample to its first 8
-    # tokens, as a stop mid-generation leaves them, so that the resumed child-process engines continue them
-    # (tests/test_streaming.py checks a real harvest mid-generation, and the continuation's tokens and logprobs)
-    cut = copy.deepcopy(kept)
-    for g in cut["inflight"]["groups"]:
-        r = g["samples"]
-        for key in ("token_ids", "logprobs", "token_versions"):
-            r[key] = [x[:8] for x in r[key]]
-        r["finish_reasons"], r["truncated"] = ["abort"] * len(r["token_ids"]), [False] * len(r["token_ids"])
-    torch.save(cut, path)
-    killed = _signal_the_group(None, tiny_llama, signal.SIGKILL, *STREAM, nproc=4, run_dir=run_dir,
-                               after=stopped + 2, rank=3)
+    kept = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt", weights_only=False)
+    killed = _signal_the_group(None, tiny_llama, signal.SIGKILL, *STREAM, nproc=8, run_dir=run_dir,
+                               after=stopped + 2, rank=7)
     return run_dir, out, stopped, kept, killed[1:]
 
 
@@ -232,7 +221,10 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
     # step 1: every token from version 0, the policy at version 0: trainer and vLLM agree as without streaming
     assert records[0]["rollout/weight_version"] == 0 and records[0]["rollout/logprob_diff_mean"] < 1e-3
     assert records[1]["rollout/staleness_max"] == 1  # the second batch was admitted before the first update
-    assert all(r["rollout/buffer_peak"] <= 2 * 2 for r in records)  # (eta + 1) * prompts_per_step
+    assert all(r["rollout/buffer_peak"] <= 2 * 4 for r in records)  # (eta + 1) * prompts_per_step
+    # fed by load: every engine worked, and the spread between the busiest and the idlest is reported
+    assert all(f"rollout/engine{e}_busy_frac" in records[1] for e in range(4))
+    assert "rollout/engine_busy_spread" in records[1]
     assert records[0]["rollout/engine_occupancy"] > 0
     # the child-process engines took weights mid-generation: some trained responses span two versions
     assert any(r["rollout/multi_version_frac"] > 0 for r in records)
@@ -245,8 +237,8 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
     from justrl_megatron.bench.longtail import run_trace
 
     for r in records:
-        assert len(r["response/lengths"]) == 2 * 2 and len(r["rollout/group_admission"]) == 2
-        assert sum(r["response/lengths"]) / 4 == pytest.approx(r["response/length_mean"])
+        assert len(r["response/lengths"]) == 4 * 2 and len(r["rollout/group_admission"]) == 4
+        assert sum(r["response/lengths"]) / 8 == pytest.approx(r["response/length_mean"])
     trace = run_trace(records[:stopped], n=2)
     assert [g for g in trace if g is not None] and all(g is None or len(g) == 2 for g in trace)
     assert sorted(n for r in records[:stopped] for key in ("rollout/group_admission", "rollout/untrained_admission")
@@ -256,22 +248,26 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(streaming):
-    """Ctrl-C mid-stream: the run saves, says so in one line, exits 0, no process left. Every group admitted and not
-    trained is kept with its samples so far (issue 47: a requeue throws no generated token away); the resumed run
-    continues them and discards nothing, within the bound."""
+    """Ctrl-C mid-stream at 4 + 4 ranks: the run saves, says so in one line, exits 0, no process left. Every group
+    admitted and not trained is kept with its samples so far, cut mid-generation (issue 47: a requeue throws no
+    generated token away); the resumed run continues them (their kept tokens counted), discards nothing, within the
+    bound."""
     run_dir, out, stopped, kept, (resumed, *_) = streaming
     assert 2 <= stopped < 8 and f"checkpoint saved at step {stopped}; exiting on Ctrl-C" in out, out[-3000:]
     assert "Traceback" not in out, out[-5000:]
     groups = kept["inflight"]["groups"]
-    # (eta + 1) * 2 admitted, less the 2 trained by a step that ended (the stop cut the next one short: all 4)
-    assert len(groups) in (2, 4) and all(g["samples"] is not None for g in groups)
+    # (eta + 1) * 4 admitted, less the 4 trained by a step that ended (the stop cut the next one short: all 8)
+    assert len(groups) in (4, 8) and all(g["samples"] is not None for g in groups)
+    cut = [len(t) for g in groups for t, why in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
+           if why == "abort"]
+    assert cut and all(0 <= n < 192 for n in cut)  # a real harvest: samples stopped mid-generation
     print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
                                  [len(t) for t in g["samples"]["token_ids"]]) for g in groups])
     assert "resumed from" in resumed
     after = metrics(run_dir)[stopped:]
     assert after[0]["rollout/discarded_at_resume"] == 0 and after[0]["rollout/resumed_groups"] == len(groups)
+    assert after[0]["rollout/resumed_tokens"] == sum(len(t) for g in groups for t in g["samples"]["token_ids"])
     assert all(r["rollout/staleness_max"] <= 1 for r in after)
-    assert after[0]["response/length_mean"] > 8  # the cut samples went on after their kept 8 tokens
 
 
 @pytest.mark.slow
@@ -286,7 +282,7 @@ def test_a_rollout_rank_killed_mid_stream_ends_every_rank_at_once_in_one_line(st
     run_dir, _, stopped, _, (out, code, left, seconds) = streaming
     assert code == 128 + 9 and seconds < 30, (code, seconds, out[-3000:])
     lines = [line for line in out.splitlines() if line.startswith("justrl-train: error")]
-    assert lines == ["justrl-train: error: rank 3 was killed by SIGKILL (the out-of-memory killer?); the other 3 "
+    assert lines == ["justrl-train: error: rank 7 was killed by SIGKILL (the out-of-memory killer?); the other 7 "
                      "rank(s) were stopped"], out[-3000:]
     assert "Traceback" not in out, out[-5000:]
     assert not left

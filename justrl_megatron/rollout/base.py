@@ -1,12 +1,15 @@
 """The rollout seam: what the trainer asks of a rollout engine, and what comes back.
 
-The trainer never imports vLLM. It calls
+The trainer never imports vLLM. Its engine loop (rollout/engine_loop.py, the one way an engine is driven) calls
 
-    rollouts = engine.generate_all(prompt_token_ids, n, sampling, seed=...)   # n samples per prompt, whole batch
-    engine.sleep(); ...train...; engine.update_weights(stream, version); engine.wake_up()
-    engine.shutdown()                                                          # at the end
+    engine.add_request(request_id, prompt_ids, n, sampling)   # a group: n samples of one prompt
+    for request_id, rollouts in engine.step(): ...             # the groups that finished in one engine step
+    engine.abort_keeping(request_ids)                          # a stop: each group's samples so far
+    engine.pause(); engine.receive_weights(...) / update_weights(stream, version); engine.resume()
+    engine.sleep(); ...train...; engine.update_weights(stream, version); engine.wake_up()   # colocated
 
-and checks `rollouts.weight_version` against the policy's version with `check_staleness` before it trains on them.
+and the source checks `rollouts.weight_version` against the policy's version with `check_staleness` before it
+trains on them.
 Logprobs are those of the sampled tokens under the engine's weights (raw, before any temperature/top-p
 processing), which is what the trainer recomputes: `logprob_gap` measures how far the two are apart.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence, Union, runtime_checkable
+from typing import Iterable, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -171,18 +174,27 @@ class Rollouts:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine (rollout/vllm_engine.py implements it)."""
+    """What the engine loop needs from a rollout engine (rollout/vllm_engine.py implements it)."""
+
+    max_num_seqs: int  # sequences one scheduler step holds at most
+    step_budget: tuple[int, int] | None  # (tokens, sequences) of a step that seeded prefills must fit (CPU), or None
 
     @property
     def weight_version(self) -> int: ...
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig) -> Rollouts: ...
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], n: int, sampling: SamplingConfig) -> None: ...
 
-    def generate_all(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig, *,
-                     seed: int | None = None, stop: Callable[[], bool] | None = None) -> Rollouts:
-        """Every rank passes the same prompts and gets the whole batch back (each engine samples its share). Once
-        `stop()` holds on any rank, every rank aborts the batch and raises RolloutInterrupted."""
-        ...
+    def step(self) -> list[tuple[str, "Rollouts"]]: ...
+
+    def abort_keeping(self, request_ids: Sequence[str]) -> dict[str, "Rollouts"]: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def num_unfinished(self) -> int: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
 
     def update_weights(self, stream: WeightStream, version: int) -> dict: ...
 

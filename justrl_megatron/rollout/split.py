@@ -266,7 +266,11 @@ def serve(cfg, model_dir, roles) -> None:
     # rank does; the trainer receives the samples with their masks like any others
     tools = ToolRollout.from_config(cfg, model_dir)
     channel, e = roles.control, roles.engine_index
-    results = result_channel(roles, e)
+    kind, payload = channel.broadcast_object(None, 0)  # first the weight-transfer group, as the trainer opens it
+    if kind != "init":
+        raise RuntimeError(f"rollout rank: the trainer's first request was {kind!r}, not init")
+    engine.init_receiver({**payload, "rank_offset": payload["rank_offset"] + e})
+    results = result_channel(roles, e)  # then the result channel (the trainer builds its end next)
     loop = EngineLoop(engine, cfg.rollout.n, SamplingConfig.from_rollout_config(cfg.rollout), tools=tools)
     batches: list[tuple[int, list[int]]] = []  # side batches in progress: (batch id, prompt indices)
     inbox: queue.Queue = queue.Queue()
@@ -300,9 +304,7 @@ def serve(cfg, model_dir, roles) -> None:
                 loop.stats.idle_s += time.perf_counter() - t
             if message is not None:
                 kind, payload = message
-                if kind == "init":
-                    engine.init_receiver({**payload, "rank_offset": payload["rank_offset"] + e})
-                elif kind == "stream":
+                if kind == "stream":
                     n, sampling, max_seqs = payload
                     loop.configure(n, sampling, max_running_seqs=min(max_seqs, engine.max_num_seqs))
                 elif kind == "admit":

@@ -18,7 +18,7 @@ import justrl_megatron.compat  # noqa: F401  (first: CPU redirections for megatr
 import torch
 
 from justrl_megatron.config import compose
-from justrl_megatron.rollout import Rollouts
+from justrl_megatron.rollout import RolloutEngine, Rollouts
 from justrl_megatron.train.loop import run
 from justrl_megatron.train_entry import apply_memory_plan, check_config
 
@@ -120,6 +120,7 @@ def record(out: str, overrides: list[str]) -> None:
     model_dir, shape = check_config(cfg)
     apply_memory_plan(cfg, shape)  # as justrl-train does: model.recompute=auto becomes concrete
     engine = RecordingEngine(shape.vocab_size)
+    assert isinstance(engine, RolloutEngine)  # what the engine loop drives
     last = run(cfg, model_dir, shape, engine=engine)
     with open(out, "w") as f:
         json.dump({"last_step": last, "calls": engine.calls}, f)

