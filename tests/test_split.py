@@ -122,11 +122,12 @@ STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_st
           "trainer.mini_batch_size=4", "rollout.max_response_length=192", *LEARN]
 
 
-def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None, placement=SPLIT):
+def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None, placement=SPLIT,
+                      delay=0.0):
     """Launch justrl-train in a session of its own, and once `after` steps are logged send `sig` to its whole process
     group (a terminal's Ctrl-C, `timeout`, a Slurm time limit do: vLLM's engine core and workers get it too), or to
-    rank `rank`'s process alone. Returns the run dir, the launch's output, its exit code, the processes of the
-    session left 15 s after its exit and the seconds from the signal to the launcher's exit."""
+    rank `rank`'s process alone, `delay` seconds later. Returns the run dir, the launch's output, its exit code, the
+    processes of the session left 15 s after its exit and the seconds from the signal to the launcher's exit."""
     import signal
     import time
 
@@ -140,6 +141,7 @@ def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=
         while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= after):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-5000:]
             time.sleep(0.1)
+        time.sleep(delay)
         if rank is None:
             os.killpg(launcher.pid, sig)
         else:

@@ -21,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Per-step phase timers the loop writes (time/<name>_s); wait_rollout: the trainer waited for phases 1-3, rollout_wait_
-# weights: a rollout rank waited for weights (split placement only; 0 elsewhere).
-LOOP_PHASES = ("rollout", "reward", "old_logprob", "update", "sync", "wait_rollout", "rollout_wait_weights")
+# Per-step phase timers the loop writes (time/<name>_s); rollout: the step's generation as the trainer saw it (its
+# wait for finished groups, scoring aside), wait_rollout: the same wait, rollout_idle: the engines' seconds without
+# work (waiting for prompts or weights), summed over the engines.
+LOOP_PHASES = ("rollout", "reward", "old_logprob", "update", "sync", "wait_rollout", "rollout_idle")
 
 
 def train_overrides(*, model: str | None = None, prompts: int | None = None, n: int | None = None,

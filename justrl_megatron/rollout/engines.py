@@ -32,8 +32,8 @@ class Engines(Protocol):
     overlaps: bool  # the engines generate while the trainer trains (their own ranks)
 
     def open(self, n: int, sampling: SamplingConfig, capacity: int) -> "GroupBuffer | None":
-        """Trainer rank 0: the buffer that finished groups arrive in (at most `capacity` outstanding); None
-        elsewhere. Every trainer rank calls it."""
+        """(trainer rank 0) The buffer that finished groups of `n` samples arrive in (at most `capacity`
+        outstanding)."""
 
     def admit(self, groups: Sequence[tuple[int, Sequence[int], int | None]]) -> None:
         """(trainer rank 0) Groups that may start now: (gid, prompt ids, request seed or None)."""
@@ -226,6 +226,11 @@ class GroupBuffer:
             depth, peak = len(self._items), self.max_depth
             self.max_depth = depth
             return stats, depth, peak, per_engine
+
+    def peek(self) -> dict:
+        """The finished groups in the buffer, {gid: samples}, left in it (drop notices left out)."""
+        with self._cond:
+            return {gid: r for gid, r, _ in self._items if r is not None}
 
     def __len__(self) -> int:
         with self._cond:

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..algo.dynamic_sampling import ScoredBatch
 from ..data.sampler import Prompt
 from ..distributed import trainer_broadcast
-from .base import Rollouts, RolloutInterrupted, SamplingConfig
+from .base import RolloutInterrupted, Rollouts, SamplingConfig, check_staleness
 from .engines import engine_figures
 from .scoring import score
+from .source import ScoredStep
 
 
 @dataclass
@@ -109,10 +111,6 @@ class GroupSource:
         """The step's groups on every trainer rank (a ScoredStep, rollout/source.py). None: a stop (SIGTERM / SIGUSR1
         / Ctrl-C) came while the step waited for them: every trainer rank returns None, and what the step had taken
         goes back among the admitted groups."""
-        from .base import check_staleness
-        from .source import ScoredStep
-        from ..algo.dynamic_sampling import ScoredBatch
-
         payload = None
         if self.leader:
             try:
@@ -170,7 +168,7 @@ class GroupSource:
             **{f"rollout/{k}": float(v) for k, v in dataclasses.asdict(counts).items() if k != "untrained"},
             **engine_figures(per_engine), **figures,
         }
-        seconds = {**self._timing, "rollout_idle": engine.get("idle_s", 0.0),
+        seconds = {**self._timing, "rollout": self._timing["wait_rollout"], "rollout_idle": engine.get("idle_s", 0.0),
                    "rollout_paused": engine.get("paused_s", 0.0), "rollout_busy": engine.get("busy_s", 0.0)}
         return (batch.prompts, rollouts, list(batch.rewards), list(batch.correct), batch.reward_stats,
                 StepStats(figures, sampling_stats), seconds, self.sampler.state_dict())
@@ -229,10 +227,7 @@ class GroupSource:
 
     def _buffered(self) -> dict[int, Rollouts]:
         """Finished groups in the buffer, not taken (left in it)."""
-        if self._buffer is None:
-            return {}
-        with self._buffer._cond:
-            return {gid: r for gid, r, _ in self._buffer._items if r is not None}
+        return {} if self._buffer is None else self._buffer.peek()
 
     def state(self) -> dict:
         """For the checkpoint (every trainer rank calls it, before reading the sampler's position): every admitted
