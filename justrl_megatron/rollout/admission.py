@@ -87,7 +87,7 @@ class RoundSource(GroupSource):
         wanted = set(gids) - set(taken)
         while wanted:
             gid, rollouts, _ = self._buffer.take(lambda items: next((i for i, (g, *_) in enumerate(items)
-                                                                     if g in wanted), None))
+                                                                     if g in wanted), None), stop=stop_requested)
             wanted.discard(gid)
             taken[gid] = rollouts
         order = [(taken[g], k, i) for i, g in enumerate(gids) for k in range(len(taken[g]))]
