@@ -21,102 +21,16 @@ over the steps after `warmup`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
-import json
 import math
 import random
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+
+from .plan_inputs import DecodeCost, PlanInputs, load_inputs  # noqa: F401  (the planner's API: inputs, then plans)
 
 MODES = ("colocated sync", "split sync", "one-step-off", "streaming")
-
-
-@dataclass
-class DecodeCost:
-    """Seconds per engine step: fixed + per running sequence + per token of context held by them (KV reads), and
-    the prefill of a started sequence's prompt. `by_seqs` ({running sequences: seconds}, context aside), where
-    measured, replaces the first two: a step at a handful of sequences costs more than a line through large batches
-    says (the per-step floor), and a long tail runs at one or two."""
-
-    fixed_s: float
-    per_seq_s: float
-    per_context_token_s: float = 0.0
-    prefill_s_per_token: float = 0.0
-    by_seqs: dict | None = None
-
-    def __post_init__(self):
-        self._table = sorted((int(b), float(s)) for b, s in (self.by_seqs or {}).items())
-
-    def step_s(self, seqs: int, context: float) -> float:
-        return self.base_s(seqs) + self.per_context_token_s * context
-
-    def base_s(self, seqs: int) -> float:
-        """The table interpolated linearly (its first value below it, its last segment's line above it); the
-        line fixed + per_seq without a table."""
-        table = self._table
-        if not table:
-            return self.fixed_s + self.per_seq_s * seqs
-        if len(table) == 1 or seqs <= table[0][0]:
-            return table[0][1]
-        (b0, s0), (b1, s1) = next((pair for pair in zip(table, table[1:]) if seqs <= pair[1][0]), table[-2:])
-        return s0 + (s1 - s0) * (seqs - b0) / (b1 - b0)
-
-
-@dataclass
-class PlanInputs:
-    """What a plan needs; every time is one device's (a trainer's or an engine's)."""
-
-    decode: DecodeCost
-    update_fixed_s: float  # one optimizer step's fixed cost (optimizer, launches) per mini-batch
-    update_s_per_token: float  # forward + backward per computed token (see shared_prompt), one trainer device
-    sync_s: float  # one weight sync: trainer and engines busy
-    lengths: list[int]  # the response-length distribution (samples of it)
-    prompt_len: int
-    prompts_per_step: int
-    n: int
-    max_response_length: int
-    logprob_s_per_token: float = 0.0  # the old-logprob forward (only with several optimizer steps per step)
-    optimizer_steps: int = 1  # prompts_per_step / mini_batch_size
-    reward_s_per_group: float = 0.0  # scoring n responses (trainer rank 0)
-    overhead_s: float = 0.0  # the rest of a step on the trainer (bookkeeping, transfers, logging)
-    engine_max_seqs: int = 256
-    colocated_switch_s: float = 0.0  # colocated: sleep / wake of the engine around the trainer's turn
-    # trainer.shared_prompt on: a group's n responses attend to one copy of its prompt, so the update computes
-    # prompt_len once per group, not n times (the trained tokens counted in tokens/s stay prompt + response per sample)
-    shared_prompt: bool = False
-    # what a response token costs the update beyond a prompt token (the log-prob head runs on responses only; on the
-    # CPU demo model about as much again as the layers)
-    update_s_per_response_token: float = 0.0
-    notes: dict = field(default_factory=dict)
-
-    def update_s(self, groups: list[list[int]], trainers: int) -> float:
-        """One step's update of `groups` (their response lengths) on `trainers` devices. The layers run over every
-        response token and each prompt n times or, with the shared prompt, once per group; the head over responses."""
-        response = sum(sum(g) for g in groups)
-        computed = response + self.prompt_len * len(groups) * (1 if self.shared_prompt else self.n)
-        per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
-        work = per_token * computed + self.update_s_per_response_token * response
-        return self.optimizer_steps * self.update_fixed_s + work / trainers
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "PlanInputs":
-        """From JSON; `lengths` may be {"lognormal": {"median": M, "sigma": S}} (at the cap above it)."""
-        d = dict(d)
-        d["decode"] = DecodeCost(**d["decode"])
-        if isinstance(d["lengths"], dict):
-            d["lengths"] = lognormal_lengths(cap=d["max_response_length"], **d["lengths"]["lognormal"])
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def lognormal_lengths(*, median: float, sigma: float, cap: int, points: int = 400) -> list[int]:
-    """`points` evenly spaced quantiles of a log-normal length distribution, the mass above the cap at the cap: a
-    stated assumption where no measured histogram exists."""
-    z = statistics.NormalDist()
-    return [min(cap, max(1, round(median * math.exp(sigma * z.inv_cdf((i + 0.5) / points))))) for i in range(points)]
 
 
 class Engine:
@@ -132,6 +46,7 @@ class Engine:
         self.context = 0  # tokens of context held by the unfinished samples
         self.left: dict[int, int] = {}  # gid -> unfinished samples
         self.waiting: deque = deque()  # (gid, lengths, prompt_len)
+        self.started: dict[int, int] = {}  # gid -> engine step at which its samples started
         self.busy_s = 0.0
 
     def add(self, gid: int, lengths: list[int], prompt_len: int, t: float) -> None:
@@ -143,6 +58,7 @@ class Engine:
         while self.waiting and len(self.left) < self.slots:
             gid, lengths, p = self.waiting.popleft()
             self.left[gid] = len(lengths)
+            self.started[gid] = self.clock
             for x in lengths:
                 heapq.heappush(self.heap, (self.clock + max(1, x), gid, p + max(1, x)))
             self.context += p * len(lengths)
@@ -181,7 +97,7 @@ class Engine:
                 self.context -= ctx
                 self.left[gid] -= 1
                 if self.left[gid] == 0:
-                    del self.left[gid]
+                    del self.left[gid], self.started[gid]
                     done.append((gid, self.t))
         return done
 
@@ -196,6 +112,13 @@ class Engine:
         self.waiting = deque(w for w in self.waiting if w[0] not in gids)
         for g in gids:
             self.left.pop(g, None)
+            self.started.pop(g, None)
+
+    def outstanding(self, remaining) -> float:
+        """Expected tokens still to generate: `remaining(generated)` for each running sample, a whole response
+        (`remaining(0)`) for each queued one."""
+        running = sum(left * remaining(self.clock - self.started[gid]) for gid, left in self.left.items())
+        return running + remaining(0) * sum(len(lengths) for _, lengths, _ in self.waiting)
 
     def idle(self) -> bool:
         return not self.heap and not self.waiting
@@ -210,6 +133,39 @@ def _steps_to_reach(a: float, g: float, dt: float, k_max: int) -> int:
     else:
         k = math.ceil((-(a - g / 2) + math.sqrt((a - g / 2) ** 2 + 2 * g * dt)) / g)
     return max(1, min(k_max, k))
+
+
+class _Router:
+    """Which engine a started group goes to; it stays there (its n samples share the prompt's prefill).
+    static: group id % engines (rollout/split.py's assignment). load: the engine with the least outstanding work in
+    expected tokens (Engine.outstanding): a running sample that has generated g tokens is expected to need
+    E[L - g | L > g] more, L drawn from the length distribution (what an engine knows: not the sample's own
+    length); ties go to the lowest engine."""
+
+    def __init__(self, pool: list[Engine], x: PlanInputs):
+        self.pool, self.prompt_len, self.by_load = pool, x.prompt_len, x.engine_assignment == "load"
+        self.sorted = sorted(min(int(v), x.max_response_length) for v in x.lengths)
+        self.suffix = [0.0] * (len(self.sorted) + 1)  # suffix[i]: the sum of sorted[i:]
+        for i in range(len(self.sorted) - 1, -1, -1):
+            self.suffix[i] = self.suffix[i + 1] + self.sorted[i]
+
+    def remaining(self, generated: int) -> float:
+        i = bisect.bisect_right(self.sorted, generated)
+        longer = len(self.sorted) - i
+        return self.suffix[i] / longer - generated if longer else 0.0
+
+    def place(self, groups: list[tuple[int, list[int]]], t: float) -> None:
+        """Groups (gid, lengths) started at time t (every engine advanced to t), in order."""
+        if not self.by_load:
+            for gid, lengths in groups:
+                self.pool[gid % len(self.pool)].add(gid, lengths, self.prompt_len, t)
+            return
+        loads = [(e.outstanding(self.remaining), i) for i, e in enumerate(self.pool)]
+        heapq.heapify(loads)
+        for gid, lengths in groups:
+            load, i = heapq.heappop(loads)
+            self.pool[i].add(gid, lengths, self.prompt_len, t)
+            heapq.heappush(loads, (load + self.remaining(0) * len(lengths), i))
 
 
 class _Lengths:
@@ -288,11 +244,12 @@ def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
 
 
 def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) -> list[dict]:
-    """colocated sync, split sync, one-step-off: a batch is generated with one version, spread gid % engines."""
+    """colocated sync, split sync, one-step-off: a batch is generated with one version, spread by the router."""
+    router = _Router(pool, x)
+
     def submit(t: float) -> list[list[int]]:
         groups = [draw.group(x.n) for _ in range(x.prompts_per_step)]
-        for gid, lengths in enumerate(groups):
-            pool[gid % len(pool)].add(gid, lengths, x.prompt_len, t)
+        router.place(list(enumerate(groups)), t)
         return groups
 
     def finish() -> float:  # the slowest engine completes the batch
@@ -339,6 +296,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
     admitted: dict[int, tuple[int, list[int]]] = {}  # gid -> (version at admission, lengths)
     buffer: list[tuple[float, int]] = []  # finished (time, gid), in finish order
     records, t, version, next_gid = [], 0.0, 0, 0
+    router = _Router(pool, x)
 
     def advance(until: float) -> None:
         for e in pool:
@@ -355,10 +313,10 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         room = capacity - len(admitted)
         if last_step is not None:  # no more than the remaining steps take
             room = min(room, (last_step - step + 1) * P - len(admitted))
-        for _ in range(max(room, 0)):  # _admit: top up to the bound
-            gid, next_gid = next_gid, next_gid + 1
+        for gid in range(next_gid, next_gid + max(room, 0)):  # _admit: top up to the bound
             admitted[gid] = (version, draw.group(x.n))
-            pool[gid % len(pool)].add(gid, admitted[gid][1], x.prompt_len, t)
+        router.place([(gid, admitted[gid][1]) for gid in range(next_gid, next_gid + max(room, 0))], t)
+        next_gid += max(room, 0)
         kept: list[tuple[int, list[int]]] = []  # (version at admission, lengths)
         reward = 0.0
         while len(kept) < P:
@@ -434,6 +392,3 @@ def table(plans: list[dict]) -> str:
               f"{p['engine_idle_frac']:11.2f} {p['staleness_max']:9d}" for p in plans]
     return "\n".join(lines)
 
-
-def load_inputs(path: str) -> PlanInputs:
-    return PlanInputs.from_dict(json.loads(open(path).read()))
