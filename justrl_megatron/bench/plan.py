@@ -14,6 +14,8 @@ It replays what the code does (rollout/batch_source.py, stream_source.py, engine
 - streaming eta: (eta + 1) x prompts_per_step groups admitted and not yet taken, topped up when a step starts (after
   the previous sync); a step takes first the groups admitted eta versions ago (waiting for them), then any others in
   the order they finished; the sync pauses every engine (requests kept) and drops groups the bound no longer allows.
+- a started group goes to one engine (`engine_assignment`): "static", group id % engines (split.py today), or
+  "load", the engine with the least outstanding work in expected tokens (_Router).
 Response lengths are drawn per sample from a given distribution with a fixed seed, so a plan is deterministic, or
 replayed from a run's metrics (a trace: what a check of the model against that run compares); the figures are means
 over the steps after `warmup`.
@@ -208,6 +210,8 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
     busy = statistics.mean(r["trainer_busy_s"] for r in timed)
     span = timed[-1]["end"] - timed[0]["end"] + timed[0]["step_s"]
     engine_busy = sum(r["engine_busy_s"] for r in timed) / len(pool)
+    before = records[warmup - 1]["engine_busy_each"] if warmup else [0.0] * len(pool)
+    each_idle = [min(1.0, max(0.0, 1 - (b1 - b0) / span)) for b0, b1 in zip(before, timed[-1]["engine_busy_each"])]
     return {"mode": mode if mode != "streaming" else f"streaming eta={eta}", "trainers": trainers,
             "engines": engines, "gpus": gpus, "step_s": step_s, "step_s_all": [r["step_s"] for r in records],
             "tokens_per_step": tokens, "trained_tokens_per_s": tokens / step_s,
@@ -215,6 +219,7 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
             "generated_tokens_per_s": statistics.mean(r["generated"] for r in timed) / step_s,
             "trainer_idle_frac": min(1.0, max(0.0, 1 - busy / step_s)),
             "engine_idle_frac": min(1.0, max(0.0, 1 - engine_busy / span)),
+            "engine_idle_spread": max(each_idle) - min(each_idle), "assignment": x.engine_assignment,
             "staleness_max": max(r["staleness"] for r in timed),
             "dropped_groups": sum(r.get("dropped", 0) for r in timed)}
 
@@ -230,12 +235,17 @@ def predict_window(inputs: PlanInputs, mode: str, *, warmup: int, timed: int, dr
     for key in ("step_s", "tokens_per_step", "trained_tokens_per_s", "trained_tokens_per_s_per_gpu",
                 "generated_tokens_per_s", "trainer_idle_frac", "engine_idle_frac"):
         out[key] = statistics.mean(r[key] for r in runs)
-    steps = sorted(r["step_s"] for r in runs)  # how far one run of this many steps may land from the mean
+    p10, median, p90 = interval([r["step_s"] for r in runs])  # where one run of this many steps may land
     out.update(staleness_max=max(r["staleness_max"] for r in runs),
                dropped_groups=sum(r["dropped_groups"] for r in runs), draws=draws,
-               step_s_draws=[r["step_s"] for r in runs], step_s_p10=steps[len(steps) // 10],
-               step_s_p90=steps[-1 - len(steps) // 10])
+               step_s_draws=[r["step_s"] for r in runs], step_s_p10=p10, step_s_median=median, step_s_p90=p90)
     return out
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """(p10, median, p90) of `values`, the percentiles by nearest rank (of 32 draws: the 4th lowest and highest)."""
+    ranked = sorted(values)
+    return ranked[len(ranked) // 10], statistics.median(ranked), ranked[-1 - len(ranked) // 10]
 
 
 def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
@@ -285,7 +295,8 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             ready = done + reward
         records.append({"step_s": t - start, "end": t, "tokens": tokens, "generated": response,
                         "trainer_busy_s": update + reward, "staleness": staleness,
-                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0})
+                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0,
+                        "engine_busy_each": [e.busy_s for e in pool]})
     return records
 
 
@@ -358,7 +369,8 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             del admitted[g]
         records.append({"step_s": t - start, "end": t, "tokens": tokens, "generated": response,
                         "trainer_busy_s": update + reward, "staleness": staleness, "dropped": len(too_old),
-                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0})
+                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0,
+                        "engine_busy_each": [e.busy_s for e in pool]})
     return records
 
 
@@ -384,11 +396,16 @@ def plan_all(inputs: PlanInputs, *, gpus: int | None = None, trainers: int = 1, 
 
 
 def table(plans: list[dict]) -> str:
-    """The plans as a text table."""
-    lines = [f"{'mode':18s} {'trainers':>8s} {'engines':>7s} {'step s':>8s} {'tok/s/GPU':>10s} {'trainer idle':>12s} "
-             f"{'engine idle':>11s} {'staleness':>9s}"]
-    lines += [f"{p['mode']:18s} {p['trainers']:8d} {p['engines']:7d} {p['step_s']:8.1f} "
-              f"{p['trained_tokens_per_s_per_gpu']:10.1f} {p['trainer_idle_frac']:12.2f} "
-              f"{p['engine_idle_frac']:11.2f} {p['staleness_max']:9d}" for p in plans]
+    """The plans as a markdown table; each against colocated sync with the same engine assignment, where listed."""
+    colocated = {p["assignment"]: p for p in plans if p["mode"] == "colocated sync"}
+    lines = ["| mode | assignment | trainers + engines | s / step | trained tok/s per GPU | trainer idle | engine idle "
+             "(spread) | staleness | dropped groups | vs colocated |", "| --- " * 10 + "|"]
+    for p in plans:
+        base = colocated.get(p["assignment"])
+        ratio = f"{p['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x" if base else "-"
+        layout = f"{p['gpus']} (both)" if p["mode"] == "colocated sync" else f"{p['trainers']} + {p['engines']}"
+        lines.append(f"| {p['mode']} | {p['assignment']} | {layout} | {p['step_s']:.1f} | "
+                     f"{p['trained_tokens_per_s_per_gpu']:,.0f} | {p['trainer_idle_frac']:.2f} | "
+                     f"{p['engine_idle_frac']:.2f} ({p['engine_idle_spread']:.2f}) | {p['staleness_max']} | "
+                     f"{p['dropped_groups']} | {ratio} |")
     return "\n".join(lines)
-
