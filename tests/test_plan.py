@@ -204,3 +204,298 @@ def test_plan_check_measures_the_machine_speed_it_compares_against():
     assert now["matmul_gflops"] > 0 and now["steal_s"] >= 0
     assert speed_drift({"matmul_gflops": 100.0}, {"matmul_gflops": 80.0}) == pytest.approx(0.25)
     assert speed_drift(now, now) == 0.0
+
+
+# --- the engine assignment: static (group id % engines) or load-fed ------------------------------------------------
+
+def test_plan_load_assignment_sends_a_group_to_the_engine_with_the_least_outstanding_work():
+    """_Router: a running sample that has generated g tokens still needs E[L - g | L > g] (L from the distribution),
+    a queued one the mean; a new group goes to the engine with the least of that in total and stays there."""
+    from justrl_megatron.bench.plan import Engine, _Router
+
+    x = _plan_inputs(lengths=[10, 10, 10, 100], max_response_length=100, engine_assignment="load")
+    router = _Router([], x)
+    assert router.remaining(0) == pytest.approx(32.5)  # the mean
+    assert router.remaining(10) == pytest.approx(90.0)  # past 10 tokens only the 100 is left
+    assert router.remaining(100) == 0.0
+    pool = [Engine(x.decode, 256, 2) for _ in range(2)]
+    router = _Router(pool, x)
+    pool[0].add(0, [100, 100], 10, 0.0)
+    pool[0].run_until(10 * 0.12)  # 10 engine steps of 2 sequences (0.1 + 2 x 0.01 s each)
+    pool[1].add(1, [5, 5], 10, 0.0)  # queued: 2 x 32.5 expected
+    assert pool[0].outstanding(router.remaining) == pytest.approx(2 * 90.0)
+    assert pool[1].outstanding(router.remaining) == pytest.approx(2 * 32.5)
+    router.place([(2, [5, 5]), (3, [5, 5]), (4, [5, 5])], t=1.2)  # 65 -> 130 on engine 1, then 195 > 180
+    assert [gid for gid, *_ in pool[1].waiting] == [1, 2, 3] and [gid for gid, *_ in pool[0].waiting] == [4]
+    static = [Engine(x.decode, 256, 2) for _ in range(2)]
+    _Router(static, _plan_inputs()).place([(2, [5, 5]), (3, [5, 5]), (4, [5, 5])], t=0.0)
+    assert [[gid for gid, *_ in e.waiting] for e in static] == [[2, 4], [3]]  # gid % engines
+
+
+def test_plan_load_assignment_changes_only_what_starts_beside_running_work():
+    """A batch mode starts a whole batch on idle engines: equal expected work per group, so load-fed assignment
+    deals it round-robin, the static plan exactly. Streaming tops up engines that are mid-generation: the plans
+    differ, and both stay within the bound."""
+    import dataclasses
+
+    from justrl_megatron.bench.plan import predict
+
+    x = _plan_inputs(lengths=[5, 10, 20, 40, 80, 100], max_response_length=100, engine_max_seqs=4)
+    load = dataclasses.replace(x, engine_assignment="load")
+    for mode in ("split sync", "one-step-off"):
+        a, b = predict(x, mode, engines=3), predict(load, mode, engines=3)
+        assert a["step_s_all"] == b["step_s_all"] and (a["assignment"], b["assignment"]) == ("static", "load")
+    a, b = predict(x, "streaming", eta=2, engines=3), predict(load, "streaming", eta=2, engines=3)
+    assert a["step_s_all"] != b["step_s_all"]
+    assert b["staleness_max"] <= 2 and 0 <= b["engine_idle_spread"] <= 1
+
+
+# --- bad input: one line naming the field, before any simulation ----------------------------------------------------
+
+def _inputs_json(**changes):
+    d = {"decode": {"fixed_s": 0.1, "per_seq_s": 0.01}, "update_fixed_s": 2.0, "update_s_per_token": 0.001,
+         "sync_s": 1.0, "lengths": [5, 50, 100], "prompt_len": 10, "prompts_per_step": 4, "n": 2,
+         "max_response_length": 100}
+    for key, value in changes.items():
+        if value is _DROP:
+            del d[key]
+        else:
+            d[key] = value
+    return d
+
+
+_DROP = object()
+NAN = float("nan")
+BAD_INPUTS = {  # case -> (fields changed, what the one line must say)
+    "missing n": ({"n": _DROP}, "missing field `n`"),
+    "missing decode": ({"decode": _DROP}, "missing field `decode`"),
+    "unknown field": ({"update_s_per_tokn": 0.002}, "unknown field `update_s_per_tokn` (did you mean "
+                                                    "`update_s_per_token`?)"),
+    "unknown decode field": ({"decode": {"fixed_s": 0.1, "per_seq_s": 0.01, "per_ctx_s": 1e-6}},
+                             "unknown field `decode.per_ctx_s`"),
+    "negative time": ({"sync_s": -1.0}, "`sync_s` must be a finite number of seconds > 0, got -1.0"),
+    "zero work time": ({"update_s_per_token": 0}, "`update_s_per_token` must be a finite number of seconds > 0"),
+    "NaN time": ({"overhead_s": NAN}, "`overhead_s` must be a finite number of seconds >= 0, got nan"),
+    "NaN decode time": ({"decode": {"fixed_s": NAN, "per_seq_s": 0.01}}, "`decode.fixed_s`"),
+    "infinite time": ({"reward_s_per_group": float("inf")}, "`reward_s_per_group`"),
+    "free decode step": ({"decode": {"fixed_s": 0, "per_seq_s": 0}}, "`decode.fixed_s` + `decode.per_seq_s`"),
+    "zero table entry": ({"decode": {"fixed_s": 0.1, "per_seq_s": 0.01, "by_seqs": {"1": 0.02, "4": 0}}},
+                         "`decode.by_seqs[4]`"),
+    "time as text": ({"sync_s": "1s"}, "`sync_s`"),
+    "zero n": ({"n": 0}, "`n` must be an integer >= 1, got 0"),
+    "negative n": ({"n": -2}, "`n` must be an integer >= 1, got -2"),
+    "fractional n": ({"n": 2.5}, "`n` must be an integer >= 1, got 2.5"),
+    "zero engine_max_seqs": ({"engine_max_seqs": 0}, "`engine_max_seqs` must be an integer >= 1"),
+    "zero optimizer_steps": ({"optimizer_steps": 0}, "`optimizer_steps` must be an integer >= 1"),
+    "negative optimizer_steps": ({"optimizer_steps": -4}, "`optimizer_steps` must be an integer >= 1"),
+    "optimizer_steps not dividing": ({"optimizer_steps": 3}, "`optimizer_steps` (3) must divide `prompts_per_step`"),
+    "zero prompts": ({"prompts_per_step": 0}, "`prompts_per_step` must be an integer >= 1"),
+    "empty lengths": ({"lengths": []}, "`lengths` must be a non-empty list"),
+    "negative length": ({"lengths": [5, -3]}, "`lengths[1]` must be an integer between 1 and max_response_length "
+                                              "(100), got -3"),
+    "length above the cap": ({"lengths": [5, 101]}, "`lengths[1]`"),
+    "log-normal median above the cap": ({"lengths": {"lognormal": {"median": 500, "sigma": 0.8}}},
+                                        "`lengths.lognormal.median` must be between 1 and max_response_length"),
+    "log-normal negative sigma": ({"lengths": {"lognormal": {"median": 50, "sigma": -1}}},
+                                  "`lengths.lognormal.sigma`"),
+    "log-normal unknown key": ({"lengths": {"lognormal": {"median": 50, "mu": 1}}}, "`lengths.lognormal.mu`"),
+    "unknown assignment": ({"engine_assignment": "random"}, "`engine_assignment` must be one of static, load"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_plan_bad_inputs_are_refused_in_one_line_naming_the_field(case, tmp_path, capsys):
+    """Through the command line: exit 2, one line on stderr naming the field, no traceback, nothing simulated."""
+    from justrl_megatron.bench.cli import main
+    from justrl_megatron.bench.plan_inputs import PlanInputs, PlanInputsError
+
+    changes, message = BAD_INPUTS[case]
+    with pytest.raises(PlanInputsError, match="^plan inputs: .*" + _escaped(message)):
+        PlanInputs.from_dict(_inputs_json(**changes))
+    path = tmp_path / "inputs.json"
+    path.write_text(json.dumps(_inputs_json(**changes)))  # NaN and Infinity as Python's json writes them
+    assert main(["--plan", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def _escaped(text):
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan-gpus", "0"], "--plan-gpus must be >= 2"), (["--plan-gpus", "-4"], "--plan-gpus must be >= 2"),
+    (["--plan-etas", "2", "0"], "--plan-etas must each be >= 1"), (["--plan-etas", "-1"], "--plan-etas"),
+    (["--plan-steps", "3"], "--plan-steps must be >= 5"),
+])
+def test_plan_bad_counts_on_the_command_line_are_refused_in_one_line(argv, message, tmp_path, capsys):
+    from justrl_megatron.bench.cli import main
+
+    path = tmp_path / "inputs.json"
+    path.write_text(json.dumps(_inputs_json()))
+    assert main(["--plan", str(path), *argv]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("content, plan_message, rescore_message", [
+    ("{\"n\": 2,", "is not JSON (Expecting", "is not JSON (Expecting"),
+    ("[1, 2]", "expected a JSON object of fields, got list", "is not a planner check"),
+    (None, "cannot read", "cannot read"),
+])
+def test_plan_a_file_that_is_not_inputs_is_refused_in_one_line(content, plan_message, rescore_message, tmp_path,
+                                                                capsys):
+    from justrl_megatron.bench.cli import main
+
+    path = tmp_path / "inputs.json"
+    if content is not None:
+        path.write_text(content)
+    for argv, message in ((["--plan", str(path)], plan_message), (["--plan-rescore", str(path)], rescore_message)):
+        assert main(argv) == 2
+        _, err = capsys.readouterr()
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+# --- the check's score: drawn lengths, p10-p90, the median within 15%; rescoring a check's JSON ----------------------
+
+@pytest.mark.parametrize("measured, p10, median, p90, error, inside, passes", [
+    # recorded: a shape the check never ran (4 x 8, cap 640, split 1 + 1; main e382984, issue 61): split sync,
+    # one-step-off, streaming eta=2, measured mean step s against the drawn-length prediction
+    (130.9, 124.9, 147.2, 167.1, 147.2 / 130.9 - 1, True, True),
+    (98.0, 69.0, 82.0, 93.1, 82.0 / 98.0 - 1, False, False),  # -16% and outside the interval
+    (100.5, 66.8, 89.0, 121.8, 89.0 / 100.5 - 1, True, True),
+    (100.0, 95.0, 120.0, 130.0, 0.2, True, False),  # inside, but the median 20% off
+    (100.0, 101.0, 108.0, 130.0, 0.08, False, False),  # within 15%, but below p10
+    (100.0, 85.0, 115.0, 120.0, 0.15, True, True),  # the bounds count as inside and within
+])
+def test_plan_score_rule(measured, p10, median, p90, error, inside, passes):
+    from justrl_megatron.bench.plan_score import verdict
+
+    v = verdict(measured, p10, median, p90)
+    assert v["error"] == pytest.approx(error) and v["inside"] is inside and v["passes"] is passes
+
+
+def _record(time, step_s, lengths, admission=None):
+    r = {"time": time, "time/step_s": step_s, "throughput/tokens_per_s": (sum(lengths) + 10 * len(lengths)) / step_s,
+         "rollout/logprob_diff_tokens": sum(lengths), "response/length_mean": sum(lengths) / len(lengths),
+         "response/lengths": lengths}
+    if admission is not None:
+        r["rollout/group_admission"] = admission
+    return r
+
+
+def small_check():
+    """A check's JSON in plan_score's format: one shape (2 prompts x 2, cap 100, 1 + 1 ranks), two modes of
+    3 steps each (1 untimed), their metrics rows as the loop writes them."""
+    from justrl_megatron.bench.plan_score import FORMAT
+
+    split = [_record(20.0, 20.0, [5, 50, 100, 5]), _record(34.0, 14.0, [50, 5, 5, 5]),
+             _record(49.5, 15.5, [100, 100, 5, 50])]
+    stream = [_record(18.0, 18.0, [5, 50, 5, 5], [1, 0]), _record(25.0, 7.0, [100, 5, 50, 50], [2, 3]),
+              _record(36.0, 11.0, [5, 5, 100, 5], [5, 4])]
+    layout = {"trainers": 1, "engines": 1}
+    return {"format": FORMAT, "command": "justrl-bench --plan-check prompts=2,n=2,cap=100", "shapes": {
+        "prompts=2,n=2,cap=100": {
+            "shape": {"prompts": 2, "n": 2, "cap": 100, "mini_batch": 2, "tuned": False},
+            "inputs": _inputs_json(prompts_per_step=2),
+            "modes": {"split sync": {"plan": {"mode": "split sync", "eta": 1, **layout}, "warmup": 1, "records": split},
+                      "streaming eta=1": {"plan": {"mode": "streaming", "eta": 1, **layout}, "warmup": 1,
+                                          "records": stream}}}}}
+
+
+def test_plan_score_of_a_check_and_its_rescoring(tmp_path, capsys):
+    """score_mode: the measured mean of the timed steps (between step ends) against the draws' median and p10-p90
+    of the same window from a cold start; rescoring the written JSON reproduces the stored scores, and says where
+    a stored score is not what this planner gives."""
+    from justrl_megatron.bench.cli import main
+    from justrl_megatron.bench.plan import predict_window
+    from justrl_megatron.bench.plan_inputs import PlanInputs
+    from justrl_megatron.bench.plan_score import TOLERANCE, rescore, score_shape
+
+    check = small_check()
+    entry = check["shapes"]["prompts=2,n=2,cap=100"]
+    scores = score_shape(entry)
+    split = scores["split sync"]
+    assert split["measured_step_s"] == [14.0, 15.5] and split["measured_mean_step_s"] == 14.75
+    drawn = predict_window(PlanInputs.from_dict(entry["inputs"]), "split sync", warmup=1, timed=2, draws=32)
+    assert (split["p10"], split["predicted_step_s"], split["p90"]) == \
+        (drawn["step_s_p10"], drawn["step_s_median"], drawn["step_s_p90"])
+    assert split["passes"] == (split["p10"] <= 14.75 <= split["p90"] and abs(split["error"]) <= TOLERANCE)
+    assert scores["streaming eta=1"]["measured_step_s"] == [7.0, 11.0]
+    assert scores["streaming eta=1"]["trace_step_s"] != scores["streaming eta=1"]["predicted_step_s"]
+    entry["scores"] = scores
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps(check))
+    again = rescore(str(path))
+    assert again["shapes"]["prompts=2,n=2,cap=100"] == scores and again["differs"] == []
+    entry["scores"]["split sync"]["predicted_step_s"] += 1.0  # a score the planner no longer gives
+    path.write_text(json.dumps(check))
+    assert [d[:3] for d in rescore(str(path))["differs"]] == [("prompts=2,n=2,cap=100", "split sync",
+                                                               "predicted_step_s")]
+    assert main(["--plan-rescore", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| prompts=2,n=2,cap=100, split sync | 14.0 / 15.5 | 14.8 |" in out
+    assert "of 2 modes pass" in out and "split sync: predicted_step_s was" in out
+
+
+# --- shapes and the calibration runs ---------------------------------------------------------------------------------
+
+def test_plan_check_shapes_held_out_every_mode():
+    """The package's check runs two shapes never tuned on, every mode each, colocated sync included, one with
+    several optimizer steps; a shape from the command line too; a bad one is refused before anything runs."""
+    from justrl_megatron.bench.longtail import CHECKED_SHAPES, SHAPES, parse_shape
+
+    held_out = [SHAPES[name] for name in CHECKED_SHAPES]
+    assert len(held_out) >= 2 and not any(s.tuned for s in held_out)
+    assert any(s.optimizer_steps > 1 for s in held_out) and all(s.colocated for s in held_out)
+    for shape in held_out:
+        modes = shape.modes()
+        assert {m["plan"]["mode"] for m in modes.values()} == {"colocated sync", "split sync", "one-step-off",
+                                                               "streaming"}
+        assert modes["colocated sync"]["plan"] == {"mode": "colocated sync", "eta": 1, "trainers": 2, "engines": 2}
+        assert "rollout.placement=colocated" in modes["colocated sync"]["overrides"]
+        assert "rollout.num_rollout_ranks=1" in modes["split sync"]["overrides"]
+    wide = parse_shape("prompts=4,n=8,cap=640,mini_batch=2,etas=1+3,ranks=1+2")
+    assert (wide.prompts, wide.n, wide.cap, wide.mini_batch, wide.etas, wide.trainers, wide.engines) == \
+        (4, 8, 640, 2, (1, 3), 1, 2) and wide.optimizer_steps == 2 and not wide.tuned
+    assert "trainer.mini_batch_size=2" in wide.overrides()
+    assert wide.modes()["streaming eta=3"]["plan"] == {"mode": "streaming", "eta": 3, "trainers": 1, "engines": 2}
+    assert parse_shape("cap=200").prompts == SHAPES["longtail"].prompts
+    for spec, message in (("prompts=3,mini_batch=2", "must divide"), ("ranks=2", "ranks="), ("n=0", "n="),
+                          ("cap=x", "not a count"), ("tokens=5", "unknown shape key"), ("nope", "unknown shape")):
+        with pytest.raises(ValueError, match=message):
+            parse_shape(spec)
+
+
+def test_plan_calibration_runs_cover_the_shape():
+    """The loop's calibration: short responses, the shape's own cap (the lengths its plan extrapolates to), a
+    2-prompt update (the fixed cost), and for a colocated shape a colocated run (the switch)."""
+    from justrl_megatron.bench.longtail import SHAPES
+    from justrl_megatron.bench.plan_calibrate import loop_runs
+
+    runs = {label: (extra, nproc) for label, extra, nproc in loop_runs(SHAPES["heldout-wide"])}
+    assert set(runs) == {"short", "cap", "two prompts", "colocated"}
+    assert "rollout.max_response_length=640" in runs["cap"][0]
+    assert "trainer.prompts_per_step=2" in runs["two prompts"][0]
+    assert "rollout.placement=colocated" in runs["colocated"][0] and runs["colocated"][1] == 2
+    assert "colocated" not in {label for label, *_ in loop_runs(SHAPES["longtail"])}
+
+
+def test_plan_inputs_from_the_calibration_are_checked():
+    """plan_inputs_for: the shape's sizes and optimizer steps, the measured costs, the sample's lengths; a decode
+    line fitted below zero is kept at 0 (the measured table is what the plan uses)."""
+    from justrl_megatron.bench.longtail import SHAPES
+    from justrl_megatron.bench.plan_check import plan_inputs_for
+
+    measured = {"decode": {"fixed_s": -0.002, "per_seq_s": 0.001, "per_context_token_s": 1e-5,
+                           "prefill_s_per_token": 1e-4, "by_seqs": {1: 0.03, 4: 0.035}, "prompt_len": 54.6},
+                "loop": {"sync_s": 1.5, "reward_s_per_group": 0.01, "overhead_s": 0.4, "shared_prompt": True,
+                         "logprob_s_per_token": 0.002, "colocated_switch_s": 0.7},
+                "update_fixed_s": 1.7, "update_s_per_token": 0.003, "update_s_per_response_token": 0.007}
+    shape = SHAPES["heldout-minibatch"]
+    d = plan_inputs_for(measured, shape, [3, 40, 512])
+    assert (d["prompts_per_step"], d["n"], d["max_response_length"], d["optimizer_steps"]) == (6, 4, 512, 3)
+    assert d["decode"]["fixed_s"] == 0.0 and d["decode"]["by_seqs"] == {"1": 0.03, "4": 0.035}
+    assert (d["logprob_s_per_token"], d["colocated_switch_s"], d["prompt_len"]) == (0.002, 0.7, 55)

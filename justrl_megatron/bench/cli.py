@@ -480,20 +480,19 @@ def _plan(a, argv) -> int:
     inputs = load_inputs(a.plan)
     scenarios = load_scenarios(a.plan_sensitivity) if a.plan_sensitivity else None
     report = {"machine": machine_info(), "command": "justrl-bench " + " ".join(argv), "inputs": inputs.to_dict()}
-    if scenarios is not None:
-        report["robust"] = []
-        for eta in a.plan_etas:
-            robust = robust_split(read_json(a.plan, "plan inputs"), scenarios, "streaming", gpus=a.plan_gpus,
-                                  eta=eta, steps=a.plan_steps)
-            report["robust"].append(robust)
-            print(sensitivity_table(robust) + "\n")
-    else:
-        plans = []
-        for assignment in a.plan_assignment or [inputs.engine_assignment]:
+    report["robust" if scenarios else "plans"] = []
+    for assignment in a.plan_assignment or [inputs.engine_assignment]:
+        if scenarios is None:
             x = dataclasses.replace(inputs, engine_assignment=assignment)
-            plans += plan_all(x, gpus=a.plan_gpus, etas=a.plan_etas, steps=a.plan_steps)
-        report["plans"] = plans
-        print(table(plans))
+            report["plans"] += plan_all(x, gpus=a.plan_gpus, etas=a.plan_etas, steps=a.plan_steps)
+            continue
+        for eta in a.plan_etas:
+            base = {**read_json(a.plan, "plan inputs"), "engine_assignment": assignment}
+            robust = robust_split(base, scenarios, "streaming", gpus=a.plan_gpus, eta=eta, steps=a.plan_steps)
+            report["robust"].append({**robust, "assignment": assignment})
+            print(f"streaming eta={eta}, {assignment} assignment:\n{sensitivity_table(robust)}\n")
+    if scenarios is None:
+        print(table(report["plans"]))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0
