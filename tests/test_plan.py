@@ -499,3 +499,51 @@ def test_plan_inputs_from_the_calibration_are_checked():
     assert (d["prompts_per_step"], d["n"], d["max_response_length"], d["optimizer_steps"]) == (6, 4, 512, 3)
     assert d["decode"]["fixed_s"] == 0.0 and d["decode"]["by_seqs"] == {"1": 0.03, "4": 0.035}
     assert (d["logprob_s_per_token"], d["colocated_switch_s"], d["prompt_len"]) == (0.002, 0.7, 55)
+
+
+# --- sensitivity and the robust split ----------------------------------------------------------------------------------
+
+def test_plan_scenarios_scale_and_replace_inputs(tmp_path):
+    from justrl_megatron.bench.plan_inputs import PlanInputsError
+    from justrl_megatron.bench.plan_sensitivity import load_scenarios, scenario_inputs
+
+    base = _inputs_json(decode={"fixed_s": 0.1, "per_seq_s": 0.01, "by_seqs": {"1": 0.02, "4": 0.04}},
+                        logprob_s_per_token=0.0005, optimizer_steps=2)
+    slow = scenario_inputs(base, {"scale": {"decode": 2, "update": 0.5}, "set": {"lengths": [7]}})
+    assert slow.decode.base_s(4) == pytest.approx(0.08) and slow.decode.fixed_s == pytest.approx(0.2)
+    assert (slow.update_fixed_s, slow.update_s_per_token, slow.logprob_s_per_token) == \
+        pytest.approx((1.0, 0.0005, 0.00025))
+    assert slow.lengths == [7] and slow.sync_s == 1.0 and base["decode"]["by_seqs"]["4"] == 0.04  # base untouched
+    with pytest.raises(PlanInputsError, match="`lengths\\[0\\]`"):  # a scenario's inputs are checked like a file's
+        scenario_inputs(base, {"set": {"lengths": [500]}})
+    for content, message in (({"x": {"scale": {"sync": 2}}}, "`x.scale.sync` is not one of decode, update"),
+                             ({"x": {"scale": {"decode": 0}}}, "`x.scale.decode` must be a number > 0"),
+                             ({"x": {"sets": {}}}, "`x` may have only")):
+        path = tmp_path / "s.json"
+        path.write_text(json.dumps(content))
+        with pytest.raises(PlanInputsError, match=message):
+            load_scenarios(str(path))
+
+
+def test_plan_robust_split_has_the_best_worst_case():
+    """robust_split: every split's score per scenario is its trained tokens/s against colocated sync on all the
+    GPUs in that scenario; the chosen split maximises the worst score, which brute force agrees with."""
+    from justrl_megatron.bench.plan import predict
+    from justrl_megatron.bench.plan_sensitivity import robust_split, scenario_inputs
+
+    base = _inputs_json(lengths=[5, 10, 20, 40, 80, 100], update_s_per_token=0.01)
+    scenarios = {"slow decode": {"scale": {"decode": 3}}, "slow update": {"scale": {"update": 3}}}
+    r = robust_split(base, scenarios, "streaming", gpus=4, eta=2, steps=12)
+    worst = {}
+    for t in (1, 2, 3):
+        ratios = []
+        for s in ({}, *scenarios.values()):
+            x = scenario_inputs(base, s)
+            ratios.append(predict(x, "streaming", trainers=t, engines=4 - t, eta=2, steps=12)["trained_tokens_per_s"]
+                          / predict(x, "colocated sync", trainers=4, steps=12)["trained_tokens_per_s"])
+        worst[t] = min(ratios)
+    assert r["worst_by_trainers"] == pytest.approx(worst)
+    assert r["trainers"] == max(worst, key=worst.get) and r["engines"] == 4 - r["trainers"]
+    assert [row["scenario"] for row in r["rows"]] == ["base", "slow decode", "slow update"]
+    assert min(row["ratio"] for row in r["rows"]) == pytest.approx(r["worst_ratio"])
+    assert r["point_estimate_ratio"] >= r["rows"][0]["ratio"]  # the point estimate's best split, at the base
