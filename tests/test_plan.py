@@ -547,3 +547,16 @@ def test_plan_robust_split_has_the_best_worst_case():
     assert [row["scenario"] for row in r["rows"]] == ["base", "slow decode", "slow update"]
     assert min(row["ratio"] for row in r["rows"]) == pytest.approx(r["worst_ratio"])
     assert r["point_estimate_ratio"] >= r["rows"][0]["ratio"]  # the point estimate's best split, at the base
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan-check", "prompts=3,mini_batch=2"], "mini_batch=2 must divide prompts=3"),
+    (["--plan-check", "heldout"], "unknown shape 'heldout'"),
+    (["--plan-check", "--json", "/nonexistent/dir/check.json"], "no folder"),
+])
+def test_plan_check_refuses_a_bad_shape_before_anything_runs(argv, message, capsys):
+    from justrl_megatron.bench.cli import main
+
+    assert main(argv) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from .. import compat
-from .longtail import SHAPES
+from .longtail import CHECKED_SHAPES, SHAPES
 
 PHASES = ("rewards", "rollout", "train", "sync", "step")
 MULTI_RANK_PHASES = ("train", "sync")  # the others launch their own processes or run on one rank
@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--plan: how groups reach engines, each planned (default: the inputs' engine_assignment)")
     g.add_argument("--plan-sensitivity", metavar="SCENARIOS.json", help="--plan with --plan-gpus: per streaming "
                    "eta, the split with the best worst case over these variations of the inputs, and each at it")
-    g.add_argument("--plan-check", nargs="+", metavar="SHAPE", help="measure the planner's inputs here, run every "
+    g.add_argument("--plan-check", nargs="*", metavar="SHAPE", help="measure the planner's inputs here, run every "
                    "mode of each shape (a name: " + ", ".join(SHAPES) + "; or prompts=4,n=8,cap=640,mini_batch=2,"
-                   "etas=1+2,ranks=1+1), and score the drawn-length predictions against the runs (bench/plan_check.py)")
+                   "etas=1+2,ranks=1+1; none: " + " ".join(CHECKED_SHAPES) + "), and score the drawn-length "
+                   "predictions against the runs (bench/plan_check.py)")
     g.add_argument("--plan-rescore", metavar="CHECK.json", help="score a --plan-check JSON again (bench/plan_score.py)")
     p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # one phase of a multi-phase run
@@ -116,7 +117,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown phase {bad}; choose from {', '.join(PHASES)}")
     a.phase = list(dict.fromkeys(a.phase))
-    if not a.phase and not a.vs and not a.child and not a.plan and not a.plan_check and not a.plan_rescore:
+    if not a.phase and not a.vs and not a.child and not a.plan and a.plan_check is None and not a.plan_rescore:
         parser.error("nothing to do: give --phase (one or more of " + ", ".join(PHASES) + ") and/or --vs trl")
     if a.warmup < 0 or a.repeats < 1:
         parser.error(f"--warmup must be >= 0 and --repeats >= 1 (got {a.warmup}, {a.repeats})")
@@ -462,7 +463,7 @@ def run_plan(a, argv) -> int:
             raise PlanInputsError(problem)
         if a.plan_rescore:
             return _plan_rescore(a)
-        if a.plan_check:
+        if a.plan_check is not None:
             return _plan_check(a, argv)
         return _plan(a, argv)
     except (PlanInputsError, ValueError) as exc:
@@ -503,7 +504,9 @@ def _plan_check(a, argv) -> int:
     from .plan_check import drift_line, plan_check
     from .plan_score import score_table
 
-    shapes = [parse_shape(spec) for spec in a.plan_check]  # refused here, before anything runs
+    shapes = [parse_shape(spec) for spec in a.plan_check or CHECKED_SHAPES]  # refused here, before anything runs
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {a.json}: no folder {Path(a.json).resolve().parent} to write the check into")
     header = {"command": "justrl-bench " + " ".join(argv), "machine": machine_info()}
     report = plan_check(shapes, model=a.model, warmup=a.warmup, repeats=a.repeats, out=a.json,
                         progress=not a.no_table, header=header)
@@ -538,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"justrl-bench: under torchrun only the {' and '.join(MULTI_RANK_PHASES)} phases run; launch the "
               f"others without torchrun (step takes --nproc)", file=sys.stderr)
         return 2
-    if a.plan or a.plan_check or a.plan_rescore:
+    if a.plan or a.plan_check is not None or a.plan_rescore:
         return run_plan(a, argv)
     machine = machine_info()
     isolate = len(a.phase) + bool(a.vs) > 1 and world == 1
