@@ -560,3 +560,63 @@ def test_plan_check_refuses_a_bad_shape_before_anything_runs(argv, message, caps
     assert main(argv) == 2
     _, err = capsys.readouterr()
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+def _fake_bench_step(*, overrides, repeats, **_):
+    """justrl-train as bench_step returns it, made up: each step's lengths, phases and wall time from the overrides
+    (colocated steps 2 s longer than split ones; 0.3 s of old logprobs with several optimizer steps)."""
+    o = dict(item.split("=", 1) for item in overrides)
+    prompts, n, cap = int(o["trainer.prompts_per_step"]), int(o["rollout.n"]), int(o["rollout.max_response_length"])
+    several = prompts > int(o["trainer.mini_batch_size"])
+    records, t = [], 0.0
+    for step in range(repeats):
+        lengths = [min(cap, 5 + 7 * ((step + i) % 5)) for i in range(prompts * n)]
+        update = 1.0 + 0.001 * sum(lengths)
+        step_s = 3.0 + update + (0.3 if several else 0.0) + (2.0 if o.get("rollout.placement") == "colocated" else 0)
+        t += step_s
+        r = {"time": t, "time/step_s": step_s, "throughput/tokens_per_s": (sum(lengths) + 50 * len(lengths)) / step_s,
+             "response/length_mean": sum(lengths) / len(lengths), "response/lengths": lengths,
+             "rollout/logprob_diff_tokens": sum(lengths), "time/update_s": update, "time/sync_s": 0.5,
+             "time/reward_s": 0.1, "time/rollout_s": 1.0, "time/wait_rollout_s": 1.1}
+        if several:
+            r["time/old_logprob_s"] = 0.3
+        if o.get("rollout.streaming") == "true":
+            r["rollout/group_admission"] = list(range(step * prompts, (step + 1) * prompts))
+        records.append(r)
+    return {"records": records, "prompts": prompts, "process_wall_s": t}
+
+
+def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
+    """The check's whole path with the runs and measurements made up (the real ones are a benchmark): the loop's
+    calibration read from its runs (sync, scoring, the rest, the colocated switch, the old-logprob pass), the inputs
+    checked, every mode of the shape run and scored, the JSON written in plan_score's format and rescored alike."""
+    from justrl_megatron.bench import longtail, plan_check, step
+    from justrl_megatron.bench.plan_score import FORMAT, rescore
+
+    monkeypatch.setattr(step, "bench_step", _fake_bench_step)
+    monkeypatch.setattr(longtail, "sample_lengths", lambda model, shape: [3, 8, 20, 40, 12, 5, 500])
+    monkeypatch.setattr(plan_check, "measure_update", lambda prompt_len: [(1000, 1.0), (2000, 1.9)])
+    monkeypatch.setattr(plan_check, "machine_speed", lambda: {"matmul_gflops": 90.0, "steal_s": 0.0})
+    monkeypatch.setattr(plan_check, "measure_decode", lambda model, shape: {
+        "fixed_s": -0.001, "per_seq_s": 0.001, "per_context_token_s": 1e-6, "prefill_s_per_token": 1e-5,
+        "by_seqs": {1: 0.02, 4: 0.025, 16: 0.04}, "prompt_len": 55.0})
+    out = tmp_path / "check.json"
+    shape = longtail.SHAPES["heldout-minibatch"]
+    report = plan_check.plan_check([shape], warmup=1, repeats=3, out=str(out), progress=False)
+    written = json.loads(out.read_text())
+    assert written["format"] == FORMAT and list(written["shapes"]) == ["heldout-minibatch"]
+    entry = written["shapes"]["heldout-minibatch"]
+    x, loop = entry["inputs"], entry["calibration"]["loop"]
+    assert (x["optimizer_steps"], x["prompts_per_step"], x["n"], x["max_response_length"]) == (3, 6, 4, 512)
+    assert x["sync_s"] == 0.5 and x["reward_s_per_group"] == pytest.approx(0.1 / 6)
+    assert x["overhead_s"] == pytest.approx(3.0 - 1.1 - 0.5)  # the step beside the batch's wait, update and sync
+    assert x["colocated_switch_s"] == pytest.approx(2.0)  # what a colocated step costs beyond the split one
+    assert x["logprob_s_per_token"] > 0 and x["update_s_per_token"] > 0 and x["decode"]["fixed_s"] == 0.0
+    assert set(loop["runs"]) == {"short", "cap", "two prompts", "colocated"}
+    assert list(entry["modes"]) == ["colocated sync", "split sync", "one-step-off", "streaming eta=1",
+                                    "streaming eta=3"]
+    assert all(len(m["records"]) == 4 and m["warmup"] == 1 for m in entry["modes"].values())
+    assert set(entry["scores"]) == set(entry["modes"]) and entry["scores"] == report["shapes"]["heldout-minibatch"][
+        "scores"]
+    again = rescore(str(out))
+    assert again["differs"] == [] and again["shapes"]["heldout-minibatch"] == entry["scores"]

@@ -188,10 +188,8 @@ def measure_loop(model: str | None, shape: Shape) -> dict:
         if label == "colocated":
             # what a colocated step costs beyond the split one's phases: sleep / wake, the in-process handover in
             # place of the split sync, the rest of its step (0 at least: the planner adds it)
-            beyond = [r["time"] - p["time"] - sum(r.get(f"time/{k}_s", 0.0) for k in
-                                                   ("rollout", "reward", "old_logprob", "ref_logprob", "update"))
-                      for p, r in timed]
-            out["colocated_beyond_split_s"] = statistics.median(beyond) - out["sync_s"] - out["overhead_s"]
+            beyond = statistics.median(_unaccounted(p, r, ()) for p, r in timed)
+            out["colocated_beyond_split_s"] = beyond - out["sync_s"] - out["overhead_s"]
             out["colocated_switch_s"] = max(0.0, out["colocated_beyond_split_s"])
             continue
         steps = run["prompts"] // int(dict(o.split("=", 1) for o in [*shape.overrides(), *extra]
@@ -205,10 +203,16 @@ def measure_loop(model: str | None, shape: Shape) -> dict:
             out.update(
                 sync_s=statistics.median(r["time/sync_s"] for _, r in timed),
                 reward_s_per_group=statistics.median(r.get("time/reward_s", 0.0) for _, r in timed) / groups,
-                overhead_s=statistics.median(max(0.0, r["time"] - p["time"] - sum(r.get(f"time/{k}_s", 0.0) for k in (
-                    "wait_rollout", "old_logprob", "ref_logprob", "update", "sync"))) for p, r in timed))
+                overhead_s=statistics.median(max(0.0, _unaccounted(p, r, ("sync",))) for p, r in timed))
     out["logprob_s_per_token"] = sum(s for _, s in logprob) / sum(c for c, _ in logprob) if logprob else 0.0
     return out
+
+
+def _unaccounted(previous: dict, record: dict, also: tuple[str, ...]) -> float:
+    """A step's wall time (between step ends) less its timed phases: waiting for the batch (rollout and scoring),
+    reference and old logprobs, the update, and `also`."""
+    phases = ("wait_rollout", "old_logprob", "ref_logprob", "update", *also)
+    return record["time"] - previous["time"] - sum(record.get(f"time/{k}_s", 0.0) for k in phases)
 
 
 def workload_shared_prompt(cfg) -> bool:
