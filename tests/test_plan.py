@@ -590,10 +590,11 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     """The check's whole path with the runs and measurements made up (the real ones are a benchmark): the loop's
     calibration read from its runs (sync, scoring, the rest, the colocated switch, the old-logprob pass), the inputs
     checked, every mode of the shape run and scored, the JSON written in plan_score's format and rescored alike."""
-    from justrl_megatron.bench import longtail, plan_check, step
+    from justrl_megatron.bench import longtail, plan_calibrate, plan_check, step
     from justrl_megatron.bench.plan_score import FORMAT, rescore
 
     monkeypatch.setattr(step, "bench_step", _fake_bench_step)
+    monkeypatch.setattr(plan_calibrate, "workload_shared_prompt", lambda shape: True)  # (composing the config: slow)
     monkeypatch.setattr(longtail, "sample_lengths", lambda model, shape: [3, 8, 20, 40, 12, 5, 500])
     monkeypatch.setattr(plan_check, "measure_update", lambda prompt_len: [(1000, 1.0), (2000, 1.9)])
     monkeypatch.setattr(plan_check, "machine_speed", lambda: {"matmul_gflops": 90.0, "steal_s": 0.0})

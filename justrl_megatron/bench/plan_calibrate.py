@@ -175,8 +175,7 @@ def measure_loop(model: str | None, shape: Shape) -> dict:
     (docs/benchmarks.md, the planner's check), so only the loop's own update predicts the loop."""
     from .step import bench_step
 
-    cfg = workload_config(shape.overrides())
-    shared = workload_shared_prompt(cfg)
+    shared = workload_shared_prompt(shape)
     out = {"shared_prompt": shared, "update_points": [], "runs": {}}
     logprob = []  # (computed tokens per trainer, seconds)
     for label, extra, nproc in loop_runs(shape):
@@ -195,7 +194,7 @@ def measure_loop(model: str | None, shape: Shape) -> dict:
         steps = run["prompts"] // int(dict(o.split("=", 1) for o in [*shape.overrides(), *extra]
                                            )["trainer.mini_batch_size"])
         for _, r in timed:
-            computed, response, seconds = loop_update_point(r, groups, cfg.rollout.n, shared)
+            computed, response, seconds = loop_update_point(r, groups, shape.n, shared)
             out["update_points"].append((computed / shape.trainers, response / shape.trainers, seconds, steps))
             if steps > 1:
                 logprob.append((computed / shape.trainers, r.get("time/old_logprob_s", 0.0)))
@@ -215,11 +214,11 @@ def _unaccounted(previous: dict, record: dict, also: tuple[str, ...]) -> float:
     return record["time"] - previous["time"] - sum(record.get(f"time/{k}_s", 0.0) for k in phases)
 
 
-def workload_shared_prompt(cfg) -> bool:
-    """Whether the workload's trainer shares each group's prompt (the CPU runs the local spec)."""
+def workload_shared_prompt(shape: Shape) -> bool:
+    """Whether the shape's trainer shares each group's prompt (the CPU runs the local spec)."""
     from ..model.attention import resolve_shared_prompt
 
-    return resolve_shared_prompt(cfg.trainer.shared_prompt, "local")
+    return resolve_shared_prompt(workload_config(shape.overrides()).trainer.shared_prompt, "local")
 
 
 def machine_speed(repeats: int = 5) -> dict:
