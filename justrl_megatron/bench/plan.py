@@ -330,8 +330,8 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         next_gid += max(room, 0)
         kept: list[tuple[int, list[int]]] = []  # (version at admission, lengths)
         reward = 0.0
+        expiring = {g for g, (v, _) in admitted.items() if version + 1 - v > eta}  # the step must take these
         while len(kept) < P:
-            expiring = {g for g, (v, _) in admitted.items() if version + 1 - v > eta}
             ready = [(ft, g) for ft, g in buffer if ft <= t]
             pick = next((i for i, (_, g) in enumerate(ready) if g in expiring), None)
             if pick is None and ready and P - len(kept) > len(expiring - {g for _, g in ready}):
@@ -346,6 +346,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             _, gid = ready[pick]
             buffer.remove(ready[pick])
             kept.append(admitted.pop(gid))
+            expiring.discard(gid)
             t += x.reward_s_per_group
             reward += x.reward_s_per_group
             advance(t)
