@@ -50,11 +50,17 @@ class Engine:
         self.waiting: deque = deque()  # (gid, lengths, prompt_len)
         self.started: dict[int, int] = {}  # gid -> engine step at which its samples started
         self.busy_s = 0.0
+        self._next: float | None = None  # next_finish's answer until the engine changes
+
+    def hold_until(self, t: float) -> None:
+        """Nothing generates before t (a weight sync)."""
+        self.t, self._next = max(self.t, t), None
 
     def add(self, gid: int, lengths: list[int], prompt_len: int, t: float) -> None:
         if self.idle():
             self.t = max(self.t, t)  # idle until the group arrives
         self.waiting.append((gid, lengths, prompt_len))
+        self._next = None
 
     def _fill(self) -> None:
         while self.waiting and len(self.left) < self.slots:
@@ -77,13 +83,16 @@ class Engine:
 
     def next_finish(self) -> float:
         """When the next sample finishes if nothing else happens (inf: nothing runs)."""
-        self._fill()
-        return self.t + self._chunk(math.inf)[1] if self.heap else math.inf
+        if self._next is None:
+            self._fill()
+            self._next = self.t + self._chunk(math.inf)[1] if self.heap else math.inf
+        return self._next
 
     def run_until(self, t_end: float) -> list[tuple[int, float]]:
         """Step until the first step boundary at or after t_end (or until nothing runs); finished (gid, time)."""
         done = []
         while self.t < t_end:
+            self._next = None
             self._fill()
             if not self.heap:
                 if t_end < math.inf:
@@ -107,6 +116,7 @@ class Engine:
         return self.run_until(math.inf)
 
     def abort(self, gids: set[int]) -> None:
+        self._next = None
         gone = [s for s in self.heap if s[1] in gids]
         self.context -= sum(ctx - (finish - self.clock) for finish, _, ctx in gone)
         self.heap = [s for s in self.heap if s[1] not in gids]
@@ -287,7 +297,7 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             ready = done + reward
         t += x.sync_s
         for e in pool:
-            e.t = max(e.t, t)  # the engines take the weights; nothing generates meanwhile
+            e.hold_until(t)  # the engines take the weights; nothing generates meanwhile
         version = step
         if not ahead:
             groups, gen_version = submit(t), version
@@ -309,18 +319,27 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
     records, t, version, next_gid = [], 0.0, 0, 0
     router = _Router(pool, x)
 
-    def advance(until: float) -> None:
+    def advance(until: float, every: bool = False) -> None:
+        """Engines to the first step boundary at or after `until`: every one (before an admission or a sync), or
+        only those with a sample finishing by then (the others would only move their clock: they get there later
+        in one go, the same steps)."""
+        size = len(buffer)
         for e in pool:
-            buffer.extend((ft, gid) for gid, ft in e.run_until(until))
-        buffer.sort()
+            if every or e.next_finish() <= until:
+                buffer.extend((ft, gid) for gid, ft in e.run_until(until))
+        if len(buffer) > size:
+            buffer.sort()
+
+    def ready_count() -> int:  # the finished groups at or before t lead the buffer
+        return bisect.bisect_right(buffer, (t, math.inf))
 
     def next_event() -> float:  # a finished group not yet ready (an engine's step ran past t), or the next finish
-        later = [ft for ft, _ in buffer if ft > t]
-        return min(later + [e.next_finish() for e in pool])
+        later = buffer[ready_count()][0] if ready_count() < len(buffer) else math.inf
+        return min([later] + [e.next_finish() for e in pool])
 
     for step in range(1, steps + 1):
         start, busy0 = t, sum(e.busy_s for e in pool)
-        advance(t)
+        advance(t, every=True)
         room = capacity - len(admitted)
         if last_step is not None:  # no more than the remaining steps take
             room = min(room, (last_step - step + 1) * P - len(admitted))
@@ -332,7 +351,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         reward = 0.0
         expiring = {g for g, (v, _) in admitted.items() if version + 1 - v > eta}  # the step must take these
         while len(kept) < P:
-            ready = [(ft, g) for ft, g in buffer if ft <= t]
+            ready = buffer[:ready_count()]
             pick = next((i for i, (_, g) in enumerate(ready) if g in expiring), None)
             if pick is None and ready and P - len(kept) > len(expiring - {g for _, g in ready}):
                 pick = 0
@@ -355,12 +374,12 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         tokens, response = _tokens(x, groups)
         update = x.update_s(groups, trainers)
         t += update + x.overhead_s
-        advance(t)
+        advance(t, every=True)
         sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps
-        advance(sync_start)
+        advance(sync_start, every=True)
         t = sync_start + x.sync_s
         for e in pool:
-            e.t = max(e.t, t)
+            e.hold_until(t)
         version = step
         too_old = {g for g, (v, _) in admitted.items() if v < version - eta}  # publish's min_version
         for e in pool:
