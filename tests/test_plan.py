@@ -3,7 +3,6 @@ refused in one line, the check's scoring rule and rescoring, the shapes and cali
 the robust split, and the 32-H100 figures docs/benchmarks.md prints reproduced from its printed inputs."""
 
 import json
-import math
 
 import pytest
 
@@ -501,7 +500,7 @@ def test_plan_inputs_from_the_calibration_are_checked():
     assert (d["logprob_s_per_token"], d["colocated_switch_s"], d["prompt_len"]) == (0.002, 0.7, 55)
 
 
-# --- sensitivity and the robust split ----------------------------------------------------------------------------------
+# --- sensitivity and the robust split ---------------------------------------------------------------------------------
 
 def test_plan_scenarios_scale_and_replace_inputs(tmp_path):
     from justrl_megatron.bench.plan_inputs import PlanInputsError
@@ -624,7 +623,7 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     assert again["differs"] == [] and again["shapes"]["heldout-minibatch"] == entry["scores"]
 
 
-# --- the 32-H100 figures docs/benchmarks.md prints, from the inputs it prints ------------------------------------------
+# --- the 32-H100 figures docs/benchmarks.md prints, from the inputs it prints -----------------------------------------
 
 DOCS = __import__("pathlib").Path(__file__).resolve().parent.parent / "docs"
 

@@ -17,11 +17,14 @@ over the wall time between step ends), generated tokens/s (its response tokens o
 (streaming: running sequences / the most the admission lets the engine hold), trainer idle fraction (the
 step's wall time minus the trainer's own work: update, old and reference logprobs, rewards; the rest it waited, for
 rollouts or in the weight sync for a rollout rank still generating).
+
+A workload is a `Shape` (prompts, responses per prompt, cap, mini-batch, streaming bounds, ranks) and the modes run
+on it; `SHAPES` holds this one and the ones the planner's check runs (bench/plan_check.py), `parse_shape` reads one
+from the command line.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass
 

@@ -25,7 +25,8 @@ def measure_decode(model: str | None, shape: Shape) -> dict:
     rollout rank builds (make_engine in a child process, prefix caching off as streaming runs it), real prompts.
     A step's cost is (time of 33 tokens - time of 1) / 32, at each of DECODE_BATCHES running sequences (`by_seqs`,
     the line fixed + per_seq fitted through them beside it); the context slope from one sequence at the shape's cap
-    (TAIL_TOKENS at least) against 33 (the regime of a long tail; a slope from a large batch's short contexts came out 3-4x lower)."""
+    (TAIL_TOKENS at least) against 33 (the regime of a long tail; a slope from a large batch's short contexts came
+    out 3-4x lower)."""
     import time
 
     from transformers import AutoTokenizer
@@ -138,10 +139,11 @@ def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) ->
 
 def fit_update_cost(points) -> tuple[float, float, float]:
     """(fixed seconds per optimizer step, seconds per computed token, extra seconds per response token): least
-    squares over (computed, response, seconds[, optimizer steps: 1 if not given]) points. A response token costs more than a prompt token (the log-prob head), so
-    a per-token rate from short responses underestimates long ones. Where the points cannot tell the three apart
-    (one update size, or a negative term: noise), the fixed cost is 0 and the fit runs through the origin; where
-    that still yields a negative extra cost (the response share does not vary), one rate per computed token."""
+    squares over (computed, response, seconds[, optimizer steps: 1 if not given]) points. A response token costs
+    more than a prompt token (the log-prob head), so a per-token rate from short responses underestimates long ones.
+    Where the points cannot tell the three apart (one update size, or a negative term: noise), the fixed cost is 0
+    and the fit runs through the origin; where that still yields a negative extra cost (the response share does not
+    vary), one rate per computed token."""
     import numpy as np
 
     c, r, t = (np.array([p[i] for p in points], dtype=float) for i in range(3))

@@ -131,7 +131,7 @@ def read_json(path: str, what: str):
             from None
 
 
-# --- the checks --------------------------------------------------------------------------------------------------------
+# --- the checks -------------------------------------------------------------------------------------------------------
 
 # times that are work (a zero makes the step free); the other times may be 0 (a cost the workload does not have)
 _WORK_TIMES = {"update_s_per_token", "sync_s"}

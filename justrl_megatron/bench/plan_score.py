@@ -1,4 +1,4 @@
-"""The planner scored against real runs, and `justrl-bench --plan-rescore FILE`: the score recomputed from a check's JSON.
+"""The planner scored against real runs, and `justrl-bench --plan-rescore FILE`: a check's JSON scored again.
 
 The score is the plan a user has before a run: response lengths drawn from the initial model's sample, `DRAWS`
 draws of a run of the measured length (a cold start, its warm-up steps untimed, its timed steps), each draw's mean
