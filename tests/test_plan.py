@@ -553,6 +553,7 @@ def test_plan_robust_split_has_the_best_worst_case():
     (["--plan-check", "prompts=3,mini_batch=2"], "mini_batch=2 must divide prompts=3"),
     (["--plan-check", "heldout"], "unknown shape 'heldout'"),
     (["--plan-check", "--json", "/nonexistent/dir/check.json"], "no folder"),
+    (["--plan-check", "--plan-assignment", "static", "load"], "give one --plan-assignment"),
 ])
 def test_plan_check_refuses_a_bad_shape_before_anything_runs(argv, message, capsys):
     from justrl_megatron.bench.cli import main
@@ -613,6 +614,7 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     assert x["overhead_s"] == pytest.approx(3.0 - 1.1 - 0.5)  # the step beside the batch's wait, update and sync
     assert x["colocated_switch_s"] == pytest.approx(2.0)  # what a colocated step costs beyond the split one
     assert x["logprob_s_per_token"] > 0 and x["update_s_per_token"] > 0 and x["decode"]["fixed_s"] == 0.0
+    assert x["engine_assignment"] == "static"  # the engine path today; --plan-assignment load once it feeds by load
     assert set(loop["runs"]) == {"short", "cap", "two prompts", "colocated"}
     assert list(entry["modes"]) == ["colocated sync", "split sync", "one-step-off", "streaming eta=1",
                                     "streaming eta=3"]

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan-etas", type=int, nargs="+", default=[1, 2, 4], help="--plan: streaming bounds")
     g.add_argument("--plan-steps", type=int, default=40, help="--plan: steps simulated (the first 4 untimed)")
     g.add_argument("--plan-assignment", nargs="+", choices=["static", "load"],
-                   help="--plan: how groups reach engines, each planned (default: the inputs' engine_assignment)")
+                   help="--plan: how groups reach engines, each planned (default: the inputs' engine_assignment); "
+                   "--plan-check: the one the engine path being checked uses (default static)")
     g.add_argument("--plan-sensitivity", metavar="SCENARIOS.json", help="--plan with --plan-gpus: per streaming "
                    "eta, the split with the best worst case over these variations of the inputs, and each at it")
     g.add_argument("--plan-check", nargs="*", metavar="SHAPE", help="measure the planner's inputs here, run every "
@@ -508,8 +509,10 @@ def _plan_check(a, argv) -> int:
     if a.json and not Path(a.json).resolve().parent.is_dir():
         raise ValueError(f"--json {a.json}: no folder {Path(a.json).resolve().parent} to write the check into")
     header = {"command": "justrl-bench " + " ".join(argv), "machine": machine_info()}
+    if len(a.plan_assignment or []) > 1:
+        raise ValueError("--plan-check: give one --plan-assignment, the one the engine path being checked uses")
     report = plan_check(shapes, model=a.model, warmup=a.warmup, repeats=a.repeats, out=a.json,
-                        progress=not a.no_table, header=header)
+                        progress=not a.no_table, header=header, assignment=(a.plan_assignment or ["static"])[0])
     for name, entry in report["shapes"].items():
         print(f"{name}: {drift_line(entry)}")
     print(score_table({name: e["scores"] for name, e in report["shapes"].items()},

@@ -40,9 +40,10 @@ def measure_plan_inputs(model: str | None, shape: Shape) -> dict:
             "train_phase_s_per_token": train_slope}
 
 
-def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int]) -> dict:
-    """The planner's inputs (as JSON, checked) from the measurements, the shape's sizes and a length sample. The
-    decode line's fit may cross zero; with the measured table it is not used, so it is kept at 0 at least."""
+def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int], assignment: str = "static") -> dict:
+    """The planner's inputs (as JSON, checked) from the measurements, the shape's sizes, a length sample and how the
+    engine path assigns groups to engines. The decode line's fit may cross zero; with the measured table it is not
+    used, so it is kept at 0 at least."""
     d, loop = measured["decode"], measured["loop"]
     inputs = {"decode": {"fixed_s": max(0.0, d["fixed_s"]), "per_seq_s": max(0.0, d["per_seq_s"]),
                          "per_context_token_s": d["per_context_token_s"],
@@ -55,13 +56,15 @@ def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int]) -> dict:
               "reward_s_per_group": loop["reward_s_per_group"], "overhead_s": loop["overhead_s"],
               "lengths": [min(max(1, int(x)), shape.cap) for x in lengths], "prompt_len": round(d["prompt_len"]),
               "prompts_per_step": shape.prompts, "n": shape.n, "max_response_length": shape.cap,
-              "shared_prompt": loop["shared_prompt"]}
+              "shared_prompt": loop["shared_prompt"], "engine_assignment": assignment}
     return PlanInputs.from_dict(inputs).to_dict()
 
 
 def plan_check(shapes: list[Shape], *, model: str | None = None, warmup: int = 1, repeats: int = 3,
-               out: str | None = None, progress: bool = True, header: dict | None = None) -> dict:
-    """The check of `shapes` (see the module's docstring); the report in plan_score's format."""
+               out: str | None = None, progress: bool = True, header: dict | None = None,
+               assignment: str = "static") -> dict:
+    """The check of `shapes` (see the module's docstring); the report in plan_score's format. `assignment`: how the
+    engine path being checked sends groups to engines (it matters with several engines per shape)."""
     report = {"format": FORMAT, **(header or {}), "load_start": list(os.getloadavg()), "shapes": {}}
 
     def save():
@@ -72,11 +75,11 @@ def plan_check(shapes: list[Shape], *, model: str | None = None, warmup: int = 1
     for shape in shapes:
         speed = {"inputs": machine_speed()}
         measured = measure_plan_inputs(model, shape)
-        plan_inputs_for(measured, shape, [shape.cap])  # a measurement the planner refuses stops it before the runs
+        plan_inputs_for(measured, shape, [shape.cap], assignment)  # a measurement the planner refuses stops it before the runs
         speed["before"] = machine_speed()
         raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, shape=shape, progress=progress)
         speed["after"] = machine_speed()
-        entry = {"shape": asdict(shape), "inputs": plan_inputs_for(measured, shape, raw["lengths"]),
+        entry = {"shape": asdict(shape), "inputs": plan_inputs_for(measured, shape, raw["lengths"], assignment),
                  "calibration": measured, "speed": speed, "histogram": raw["histogram"],
                  "load_end": list(os.getloadavg()),
                  "modes": {name: {k: m[k] for k in ("plan", "warmup", "records", "process_wall_s")}
