@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from .. import compat
+from .longtail import CHECKED_SHAPES, SHAPES
 
 PHASES = ("rewards", "rollout", "train", "sync", "step")
 MULTI_RANK_PHASES = ("train", "sync")  # the others launch their own processes or run on one rank
@@ -93,9 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan-gpus", type=int, help="--plan: the best rollout:trainer split of this many GPUs per mode "
                    "(default: 1 trainer + 1 engine)")
     g.add_argument("--plan-etas", type=int, nargs="+", default=[1, 2, 4], help="--plan: streaming bounds")
-    g.add_argument("--plan-check", nargs="+", metavar="WORKLOAD", choices=["longtail", "rollout-bound"],
-                   help="measure the planner's inputs here, run the workloads' modes (bench/longtail.py), and "
-                        "print predicted against measured per mode")
+    g.add_argument("--plan-steps", type=int, default=40, help="--plan: steps simulated (the first 4 untimed)")
+    g.add_argument("--plan-assignment", nargs="+", choices=["static", "load"],
+                   help="--plan: how groups reach engines, each planned (default: the inputs' engine_assignment); "
+                   "--plan-check: the one the engine path being checked uses (default static)")
+    g.add_argument("--plan-sensitivity", metavar="SCENARIOS.json", help="--plan with --plan-gpus: per streaming "
+                   "eta, the split with the best worst case over these variations of the inputs, and each at it")
+    g.add_argument("--plan-check", nargs="*", metavar="SHAPE", help="measure the planner's inputs here, run every "
+                   "mode of each shape (a name: " + ", ".join(SHAPES) + "; or prompts=4,n=8,cap=640,mini_batch=2,"
+                   "etas=1+2,ranks=1+1; none: " + " ".join(CHECKED_SHAPES) + "), and score the drawn-length "
+                   "predictions against the runs (bench/plan_check.py)")
+    g.add_argument("--plan-rescore", metavar="CHECK.json", help="score a --plan-check JSON again (bench/plan_score.py)")
     p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # one phase of a multi-phase run
     return p
@@ -109,7 +118,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown phase {bad}; choose from {', '.join(PHASES)}")
     a.phase = list(dict.fromkeys(a.phase))
-    if not a.phase and not a.vs and not a.child and not a.plan and not a.plan_check:
+    if not a.phase and not a.vs and not a.child and not a.plan and a.plan_check is None and not a.plan_rescore:
         parser.error("nothing to do: give --phase (one or more of " + ", ".join(PHASES) + ") and/or --vs trl")
     if a.warmup < 0 or a.repeats < 1:
         parser.error(f"--warmup must be >= 0 and --repeats >= 1 (got {a.warmup}, {a.repeats})")
@@ -431,37 +440,95 @@ def print_report(report: dict) -> None:
                       f"{'met' if raw['meets_target'] else 'NOT met'})")
 
 
+def plan_problem(a) -> str | None:
+    """The planner's command-line counts, checked before anything runs."""
+    if a.plan_gpus is not None and a.plan_gpus < 2:
+        return f"--plan-gpus must be >= 2 (a split needs a trainer and an engine), got {a.plan_gpus}"
+    if any(eta < 1 for eta in a.plan_etas):
+        return f"--plan-etas must each be >= 1 (streaming's staleness bound), got {' '.join(map(str, a.plan_etas))}"
+    if a.plan_steps < 5:
+        return f"--plan-steps must be >= 5 (the first 4 are untimed), got {a.plan_steps}"
+    if a.plan_sensitivity and not (a.plan and a.plan_gpus):
+        return "--plan-sensitivity needs --plan INPUTS.json and --plan-gpus N"
+    return None
+
+
 def run_plan(a, argv) -> int:
-    """--plan: predictions from an inputs file; --plan-check: inputs measured, modes run, both side by side."""
+    """--plan: predictions from an inputs file; --plan-check: inputs measured, modes run, scored; --plan-rescore:
+    a check's JSON scored again. Bad input is refused in one line before anything is simulated or run."""
+    from .plan_inputs import PlanInputsError
+
+    problem = plan_problem(a)
+    try:
+        if problem:
+            raise PlanInputsError(problem)
+        if a.plan_rescore:
+            return _plan_rescore(a)
+        if a.plan_check is not None:
+            return _plan_check(a, argv)
+        return _plan(a, argv)
+    except (PlanInputsError, ValueError) as exc:
+        print(f"justrl-bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(a, argv) -> int:
+    import dataclasses
+
     from .plan import load_inputs, plan_all, table
+    from .plan_inputs import read_json
+    from .plan_sensitivity import load_scenarios, robust_split, sensitivity_table
 
-    machine = machine_info()
-    if a.plan_check:
-        from .longtail import plan_check, speed_drift
-
-        report = plan_check(a.plan_check, model=a.model, warmup=a.warmup, repeats=a.repeats, out=a.json,
-                            progress=not a.no_table)
-        report["machine"] = {**machine, "load_average_end": list(os.getloadavg())}
-        report["command"] = "justrl-bench " + " ".join(argv)
-        for workload in a.plan_check:
-            w = report[workload]
-            start = w["speed_inputs"]
-            print(f"{workload}: predicted (lengths: drawn from the initial sample | the run's own, replayed) against "
-                  f"measured; the machine {100 * speed_drift(start, w['speed_before']):+.0f}% / "
-                  f"{100 * speed_drift(start, w['speed_after']):+.0f}% slower before / after the runs than at the "
-                  f"inputs, {w['speed_after']['steal_s'] - start['steal_s']:.0f} s stolen since")
-            for name, r in w["rows"].items():
-                m, s, u = r["measured"], r["sample"], r["trace"]
-                print(f"  {name:16s} step s measured {r['measured_mean_step_s']:7.1f} (mean; median {m['step_s']:.1f})"
-                      f"  predicted {s['step_s']:7.1f} "
-                      f"({100 * s['step_error']:+.0f}%) | {u['step_s']:7.1f} ({100 * u['step_error']:+.0f}%)   "
-                      f"trainer idle {m['trainer_idle_frac']:.2f} vs {u['trainer_idle_frac']:.2f}")
-    else:
-        plans = plan_all(load_inputs(a.plan), gpus=a.plan_gpus, etas=a.plan_etas)
-        report = {"machine": machine, "command": "justrl-bench " + " ".join(argv), "plans": plans}
-        print(table(plans))
+    inputs = load_inputs(a.plan)
+    scenarios = load_scenarios(a.plan_sensitivity) if a.plan_sensitivity else None
+    report = {"machine": machine_info(), "command": "justrl-bench " + " ".join(argv), "inputs": inputs.to_dict()}
+    report["robust" if scenarios else "plans"] = []
+    for assignment in a.plan_assignment or [inputs.engine_assignment]:
+        if scenarios is None:
+            x = dataclasses.replace(inputs, engine_assignment=assignment)
+            report["plans"] += plan_all(x, gpus=a.plan_gpus, etas=a.plan_etas, steps=a.plan_steps)
+            continue
+        for eta in a.plan_etas:
+            base = {**read_json(a.plan, "plan inputs"), "engine_assignment": assignment}
+            robust = robust_split(base, scenarios, "streaming", gpus=a.plan_gpus, eta=eta, steps=a.plan_steps)
+            report["robust"].append({**robust, "assignment": assignment})
+            print(f"streaming eta={eta}, {assignment} assignment:\n{sensitivity_table(robust)}\n")
+    if scenarios is None:
+        print(table(report["plans"]))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
+def _plan_check(a, argv) -> int:
+    from .longtail import parse_shape
+    from .plan_check import drift_line, plan_check
+    from .plan_score import score_table
+
+    shapes = [parse_shape(spec) for spec in a.plan_check or CHECKED_SHAPES]  # refused here, before anything runs
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        raise ValueError(f"--json {a.json}: no folder {Path(a.json).resolve().parent} to write the check into")
+    header = {"command": "justrl-bench " + " ".join(argv), "machine": machine_info()}
+    if len(a.plan_assignment or []) > 1:
+        raise ValueError("--plan-check: give one --plan-assignment, the one the engine path being checked uses")
+    report = plan_check(shapes, model=a.model, warmup=a.warmup, repeats=a.repeats, out=a.json,
+                        progress=not a.no_table, header=header, assignment=(a.plan_assignment or ["static"])[0])
+    for name, entry in report["shapes"].items():
+        print(f"{name}: {drift_line(entry)}")
+    print(score_table({name: e["scores"] for name, e in report["shapes"].items()},
+                      {name: e["shape"]["tuned"] for name, e in report["shapes"].items()}))
+    return 0
+
+
+def _plan_rescore(a) -> int:
+    from .plan_score import rescore, score_table
+
+    out = rescore(a.plan_rescore)
+    print(score_table(out["shapes"], out["tuned"]))
+    for shape, mode, key, stored, now in out["differs"]:
+        print(f"{shape}, {mode}: {key} was {stored} in the file, this planner gives {now}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str) + "\n")
     return 0
 
 
@@ -477,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"justrl-bench: under torchrun only the {' and '.join(MULTI_RANK_PHASES)} phases run; launch the "
               f"others without torchrun (step takes --nproc)", file=sys.stderr)
         return 2
-    if a.plan or a.plan_check:
+    if a.plan or a.plan_check is not None or a.plan_rescore:
         return run_plan(a, argv)
     machine = machine_info()
     isolate = len(a.phase) + bool(a.vs) > 1 and world == 1

@@ -14,6 +14,8 @@ It replays what the code does (rollout/batch_source.py, stream_source.py, engine
 - streaming eta: (eta + 1) x prompts_per_step groups admitted and not yet taken, topped up when a step starts (after
   the previous sync); a step takes first the groups admitted eta versions ago (waiting for them), then any others in
   the order they finished; the sync pauses every engine (requests kept) and drops groups the bound no longer allows.
+- a started group goes to one engine (`engine_assignment`): "static", group id % engines (split.py today), or
+  "load", the engine with the least outstanding work in expected tokens (_Router).
 Response lengths are drawn per sample from a given distribution with a fixed seed, so a plan is deterministic, or
 replayed from a run's metrics (a trace: what a check of the model against that run compares); the figures are means
 over the steps after `warmup`.
@@ -21,102 +23,16 @@ over the steps after `warmup`.
 
 from __future__ import annotations
 
+import bisect
 import heapq
-import json
 import math
 import random
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
+
+from .plan_inputs import DecodeCost, PlanInputs, load_inputs  # noqa: F401  (the planner's API: inputs, then plans)
 
 MODES = ("colocated sync", "split sync", "one-step-off", "streaming")
-
-
-@dataclass
-class DecodeCost:
-    """Seconds per engine step: fixed + per running sequence + per token of context held by them (KV reads), and
-    the prefill of a started sequence's prompt. `by_seqs` ({running sequences: seconds}, context aside), where
-    measured, replaces the first two: a step at a handful of sequences costs more than a line through large batches
-    says (the per-step floor), and a long tail runs at one or two."""
-
-    fixed_s: float
-    per_seq_s: float
-    per_context_token_s: float = 0.0
-    prefill_s_per_token: float = 0.0
-    by_seqs: dict | None = None
-
-    def __post_init__(self):
-        self._table = sorted((int(b), float(s)) for b, s in (self.by_seqs or {}).items())
-
-    def step_s(self, seqs: int, context: float) -> float:
-        return self.base_s(seqs) + self.per_context_token_s * context
-
-    def base_s(self, seqs: int) -> float:
-        """The table interpolated linearly (its first value below it, its last segment's line above it); the
-        line fixed + per_seq without a table."""
-        table = self._table
-        if not table:
-            return self.fixed_s + self.per_seq_s * seqs
-        if len(table) == 1 or seqs <= table[0][0]:
-            return table[0][1]
-        (b0, s0), (b1, s1) = next((pair for pair in zip(table, table[1:]) if seqs <= pair[1][0]), table[-2:])
-        return s0 + (s1 - s0) * (seqs - b0) / (b1 - b0)
-
-
-@dataclass
-class PlanInputs:
-    """What a plan needs; every time is one device's (a trainer's or an engine's)."""
-
-    decode: DecodeCost
-    update_fixed_s: float  # one optimizer step's fixed cost (optimizer, launches) per mini-batch
-    update_s_per_token: float  # forward + backward per computed token (see shared_prompt), one trainer device
-    sync_s: float  # one weight sync: trainer and engines busy
-    lengths: list[int]  # the response-length distribution (samples of it)
-    prompt_len: int
-    prompts_per_step: int
-    n: int
-    max_response_length: int
-    logprob_s_per_token: float = 0.0  # the old-logprob forward (only with several optimizer steps per step)
-    optimizer_steps: int = 1  # prompts_per_step / mini_batch_size
-    reward_s_per_group: float = 0.0  # scoring n responses (trainer rank 0)
-    overhead_s: float = 0.0  # the rest of a step on the trainer (bookkeeping, transfers, logging)
-    engine_max_seqs: int = 256
-    colocated_switch_s: float = 0.0  # colocated: sleep / wake of the engine around the trainer's turn
-    # trainer.shared_prompt on: a group's n responses attend to one copy of its prompt, so the update computes
-    # prompt_len once per group, not n times (the trained tokens counted in tokens/s stay prompt + response per sample)
-    shared_prompt: bool = False
-    # what a response token costs the update beyond a prompt token (the log-prob head runs on responses only; on the
-    # CPU demo model about as much again as the layers)
-    update_s_per_response_token: float = 0.0
-    notes: dict = field(default_factory=dict)
-
-    def update_s(self, groups: list[list[int]], trainers: int) -> float:
-        """One step's update of `groups` (their response lengths) on `trainers` devices. The layers run over every
-        response token and each prompt n times or, with the shared prompt, once per group; the head over responses."""
-        response = sum(sum(g) for g in groups)
-        computed = response + self.prompt_len * len(groups) * (1 if self.shared_prompt else self.n)
-        per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
-        work = per_token * computed + self.update_s_per_response_token * response
-        return self.optimizer_steps * self.update_fixed_s + work / trainers
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "PlanInputs":
-        """From JSON; `lengths` may be {"lognormal": {"median": M, "sigma": S}} (at the cap above it)."""
-        d = dict(d)
-        d["decode"] = DecodeCost(**d["decode"])
-        if isinstance(d["lengths"], dict):
-            d["lengths"] = lognormal_lengths(cap=d["max_response_length"], **d["lengths"]["lognormal"])
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def lognormal_lengths(*, median: float, sigma: float, cap: int, points: int = 400) -> list[int]:
-    """`points` evenly spaced quantiles of a log-normal length distribution, the mass above the cap at the cap: a
-    stated assumption where no measured histogram exists."""
-    z = statistics.NormalDist()
-    return [min(cap, max(1, round(median * math.exp(sigma * z.inv_cdf((i + 0.5) / points))))) for i in range(points)]
 
 
 class Engine:
@@ -132,17 +48,25 @@ class Engine:
         self.context = 0  # tokens of context held by the unfinished samples
         self.left: dict[int, int] = {}  # gid -> unfinished samples
         self.waiting: deque = deque()  # (gid, lengths, prompt_len)
+        self.started: dict[int, int] = {}  # gid -> engine step at which its samples started
         self.busy_s = 0.0
+        self._next: float | None = None  # next_finish's answer until the engine changes
+
+    def hold_until(self, t: float) -> None:
+        """Nothing generates before t (a weight sync)."""
+        self.t, self._next = max(self.t, t), None
 
     def add(self, gid: int, lengths: list[int], prompt_len: int, t: float) -> None:
         if self.idle():
             self.t = max(self.t, t)  # idle until the group arrives
         self.waiting.append((gid, lengths, prompt_len))
+        self._next = None
 
     def _fill(self) -> None:
         while self.waiting and len(self.left) < self.slots:
             gid, lengths, p = self.waiting.popleft()
             self.left[gid] = len(lengths)
+            self.started[gid] = self.clock
             for x in lengths:
                 heapq.heappush(self.heap, (self.clock + max(1, x), gid, p + max(1, x)))
             self.context += p * len(lengths)
@@ -159,13 +83,16 @@ class Engine:
 
     def next_finish(self) -> float:
         """When the next sample finishes if nothing else happens (inf: nothing runs)."""
-        self._fill()
-        return self.t + self._chunk(math.inf)[1] if self.heap else math.inf
+        if self._next is None:
+            self._fill()
+            self._next = self.t + self._chunk(math.inf)[1] if self.heap else math.inf
+        return self._next
 
     def run_until(self, t_end: float) -> list[tuple[int, float]]:
         """Step until the first step boundary at or after t_end (or until nothing runs); finished (gid, time)."""
         done = []
         while self.t < t_end:
+            self._next = None
             self._fill()
             if not self.heap:
                 if t_end < math.inf:
@@ -181,7 +108,7 @@ class Engine:
                 self.context -= ctx
                 self.left[gid] -= 1
                 if self.left[gid] == 0:
-                    del self.left[gid]
+                    del self.left[gid], self.started[gid]
                     done.append((gid, self.t))
         return done
 
@@ -189,6 +116,7 @@ class Engine:
         return self.run_until(math.inf)
 
     def abort(self, gids: set[int]) -> None:
+        self._next = None
         gone = [s for s in self.heap if s[1] in gids]
         self.context -= sum(ctx - (finish - self.clock) for finish, _, ctx in gone)
         self.heap = [s for s in self.heap if s[1] not in gids]
@@ -196,6 +124,13 @@ class Engine:
         self.waiting = deque(w for w in self.waiting if w[0] not in gids)
         for g in gids:
             self.left.pop(g, None)
+            self.started.pop(g, None)
+
+    def outstanding(self, remaining) -> float:
+        """Expected tokens still to generate: `remaining(generated)` for each running sample, a whole response
+        (`remaining(0)`) for each queued one."""
+        running = sum(left * remaining(self.clock - self.started[gid]) for gid, left in self.left.items())
+        return running + remaining(0) * sum(len(lengths) for _, lengths, _ in self.waiting)
 
     def idle(self) -> bool:
         return not self.heap and not self.waiting
@@ -210,6 +145,39 @@ def _steps_to_reach(a: float, g: float, dt: float, k_max: int) -> int:
     else:
         k = math.ceil((-(a - g / 2) + math.sqrt((a - g / 2) ** 2 + 2 * g * dt)) / g)
     return max(1, min(k_max, k))
+
+
+class _Router:
+    """Which engine a started group goes to; it stays there (its n samples share the prompt's prefill).
+    static: group id % engines (rollout/split.py's assignment). load: the engine with the least outstanding work in
+    expected tokens (Engine.outstanding): a running sample that has generated g tokens is expected to need
+    E[L - g | L > g] more, L drawn from the length distribution (what an engine knows: not the sample's own
+    length); ties go to the lowest engine."""
+
+    def __init__(self, pool: list[Engine], x: PlanInputs):
+        self.pool, self.prompt_len, self.by_load = pool, x.prompt_len, x.engine_assignment == "load"
+        self.sorted = sorted(min(int(v), x.max_response_length) for v in x.lengths)
+        self.suffix = [0.0] * (len(self.sorted) + 1)  # suffix[i]: the sum of sorted[i:]
+        for i in range(len(self.sorted) - 1, -1, -1):
+            self.suffix[i] = self.suffix[i + 1] + self.sorted[i]
+
+    def remaining(self, generated: int) -> float:
+        i = bisect.bisect_right(self.sorted, generated)
+        longer = len(self.sorted) - i
+        return self.suffix[i] / longer - generated if longer else 0.0
+
+    def place(self, groups: list[tuple[int, list[int]]], t: float) -> None:
+        """Groups (gid, lengths) started at time t (every engine advanced to t), in order."""
+        if not self.by_load:
+            for gid, lengths in groups:
+                self.pool[gid % len(self.pool)].add(gid, lengths, self.prompt_len, t)
+            return
+        loads = [(e.outstanding(self.remaining), i) for i, e in enumerate(self.pool)]
+        heapq.heapify(loads)
+        for gid, lengths in groups:
+            load, i = heapq.heappop(loads)
+            self.pool[i].add(gid, lengths, self.prompt_len, t)
+            heapq.heappush(loads, (load + self.remaining(0) * len(lengths), i))
 
 
 class _Lengths:
@@ -252,6 +220,8 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
     busy = statistics.mean(r["trainer_busy_s"] for r in timed)
     span = timed[-1]["end"] - timed[0]["end"] + timed[0]["step_s"]
     engine_busy = sum(r["engine_busy_s"] for r in timed) / len(pool)
+    before = records[warmup - 1]["engine_busy_each"] if warmup else [0.0] * len(pool)
+    each_idle = [min(1.0, max(0.0, 1 - (b1 - b0) / span)) for b0, b1 in zip(before, timed[-1]["engine_busy_each"])]
     return {"mode": mode if mode != "streaming" else f"streaming eta={eta}", "trainers": trainers,
             "engines": engines, "gpus": gpus, "step_s": step_s, "step_s_all": [r["step_s"] for r in records],
             "tokens_per_step": tokens, "trained_tokens_per_s": tokens / step_s,
@@ -259,6 +229,7 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
             "generated_tokens_per_s": statistics.mean(r["generated"] for r in timed) / step_s,
             "trainer_idle_frac": min(1.0, max(0.0, 1 - busy / step_s)),
             "engine_idle_frac": min(1.0, max(0.0, 1 - engine_busy / span)),
+            "engine_idle_spread": max(each_idle) - min(each_idle), "assignment": x.engine_assignment,
             "staleness_max": max(r["staleness"] for r in timed),
             "dropped_groups": sum(r.get("dropped", 0) for r in timed)}
 
@@ -274,12 +245,17 @@ def predict_window(inputs: PlanInputs, mode: str, *, warmup: int, timed: int, dr
     for key in ("step_s", "tokens_per_step", "trained_tokens_per_s", "trained_tokens_per_s_per_gpu",
                 "generated_tokens_per_s", "trainer_idle_frac", "engine_idle_frac"):
         out[key] = statistics.mean(r[key] for r in runs)
-    steps = sorted(r["step_s"] for r in runs)  # how far one run of this many steps may land from the mean
+    p10, median, p90 = interval([r["step_s"] for r in runs])  # where one run of this many steps may land
     out.update(staleness_max=max(r["staleness_max"] for r in runs),
                dropped_groups=sum(r["dropped_groups"] for r in runs), draws=draws,
-               step_s_draws=[r["step_s"] for r in runs], step_s_p10=steps[len(steps) // 10],
-               step_s_p90=steps[-1 - len(steps) // 10])
+               step_s_draws=[r["step_s"] for r in runs], step_s_p10=p10, step_s_median=median, step_s_p90=p90)
     return out
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """(p10, median, p90) of `values`, the percentiles by nearest rank (of 32 draws: the 4th lowest and highest)."""
+    ranked = sorted(values)
+    return ranked[len(ranked) // 10], statistics.median(ranked), ranked[-1 - len(ranked) // 10]
 
 
 def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
@@ -288,11 +264,12 @@ def _tokens(x: PlanInputs, groups: list[list[int]]) -> tuple[int, int]:
 
 
 def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) -> list[dict]:
-    """colocated sync, split sync, one-step-off: a batch is generated with one version, spread gid % engines."""
+    """colocated sync, split sync, one-step-off: a batch is generated with one version, spread by the router."""
+    router = _Router(pool, x)
+
     def submit(t: float) -> list[list[int]]:
         groups = [draw.group(x.n) for _ in range(x.prompts_per_step)]
-        for gid, lengths in enumerate(groups):
-            pool[gid % len(pool)].add(gid, lengths, x.prompt_len, t)
+        router.place(list(enumerate(groups)), t)
         return groups
 
     def finish() -> float:  # the slowest engine completes the batch
@@ -320,7 +297,7 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             ready = done + reward
         t += x.sync_s
         for e in pool:
-            e.t = max(e.t, t)  # the engines take the weights; nothing generates meanwhile
+            e.hold_until(t)  # the engines take the weights; nothing generates meanwhile
         version = step
         if not ahead:
             groups, gen_version = submit(t), version
@@ -328,7 +305,8 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             ready = done + reward
         records.append({"step_s": t - start, "end": t, "tokens": tokens, "generated": response,
                         "trainer_busy_s": update + reward, "staleness": staleness,
-                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0})
+                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0,
+                        "engine_busy_each": [e.busy_s for e in pool]})
     return records
 
 
@@ -339,31 +317,41 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
     admitted: dict[int, tuple[int, list[int]]] = {}  # gid -> (version at admission, lengths)
     buffer: list[tuple[float, int]] = []  # finished (time, gid), in finish order
     records, t, version, next_gid = [], 0.0, 0, 0
+    router = _Router(pool, x)
 
-    def advance(until: float) -> None:
+    def advance(until: float, every: bool = False) -> None:
+        """Engines to the first step boundary at or after `until`: every one (before an admission or a sync), or
+        only those with a sample finishing by then (the others would only move their clock: they get there later
+        in one go, the same steps)."""
+        size = len(buffer)
         for e in pool:
-            buffer.extend((ft, gid) for gid, ft in e.run_until(until))
-        buffer.sort()
+            if every or e.next_finish() <= until:
+                buffer.extend((ft, gid) for gid, ft in e.run_until(until))
+        if len(buffer) > size:
+            buffer.sort()
+
+    def ready_count() -> int:  # the finished groups at or before t lead the buffer
+        return bisect.bisect_right(buffer, (t, math.inf))
 
     def next_event() -> float:  # a finished group not yet ready (an engine's step ran past t), or the next finish
-        later = [ft for ft, _ in buffer if ft > t]
-        return min(later + [e.next_finish() for e in pool])
+        later = buffer[ready_count()][0] if ready_count() < len(buffer) else math.inf
+        return min([later] + [e.next_finish() for e in pool])
 
     for step in range(1, steps + 1):
         start, busy0 = t, sum(e.busy_s for e in pool)
-        advance(t)
+        advance(t, every=True)
         room = capacity - len(admitted)
         if last_step is not None:  # no more than the remaining steps take
             room = min(room, (last_step - step + 1) * P - len(admitted))
-        for _ in range(max(room, 0)):  # _admit: top up to the bound
-            gid, next_gid = next_gid, next_gid + 1
+        for gid in range(next_gid, next_gid + max(room, 0)):  # _admit: top up to the bound
             admitted[gid] = (version, draw.group(x.n))
-            pool[gid % len(pool)].add(gid, admitted[gid][1], x.prompt_len, t)
+        router.place([(gid, admitted[gid][1]) for gid in range(next_gid, next_gid + max(room, 0))], t)
+        next_gid += max(room, 0)
         kept: list[tuple[int, list[int]]] = []  # (version at admission, lengths)
         reward = 0.0
+        expiring = {g for g, (v, _) in admitted.items() if version + 1 - v > eta}  # the step must take these
         while len(kept) < P:
-            expiring = {g for g, (v, _) in admitted.items() if version + 1 - v > eta}
-            ready = [(ft, g) for ft, g in buffer if ft <= t]
+            ready = buffer[:ready_count()]
             pick = next((i for i, (_, g) in enumerate(ready) if g in expiring), None)
             if pick is None and ready and P - len(kept) > len(expiring - {g for _, g in ready}):
                 pick = 0
@@ -377,6 +365,7 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             _, gid = ready[pick]
             buffer.remove(ready[pick])
             kept.append(admitted.pop(gid))
+            expiring.discard(gid)
             t += x.reward_s_per_group
             reward += x.reward_s_per_group
             advance(t)
@@ -385,12 +374,12 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         tokens, response = _tokens(x, groups)
         update = x.update_s(groups, trainers)
         t += update + x.overhead_s
-        advance(t)
+        advance(t, every=True)
         sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps
-        advance(sync_start)
+        advance(sync_start, every=True)
         t = sync_start + x.sync_s
         for e in pool:
-            e.t = max(e.t, t)
+            e.hold_until(t)
         version = step
         too_old = {g for g, (v, _) in admitted.items() if v < version - eta}  # publish's min_version
         for e in pool:
@@ -400,7 +389,8 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
             del admitted[g]
         records.append({"step_s": t - start, "end": t, "tokens": tokens, "generated": response,
                         "trainer_busy_s": update + reward, "staleness": staleness, "dropped": len(too_old),
-                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0})
+                        "engine_busy_s": sum(e.busy_s for e in pool) - busy0,
+                        "engine_busy_each": [e.busy_s for e in pool]})
     return records
 
 
@@ -426,14 +416,16 @@ def plan_all(inputs: PlanInputs, *, gpus: int | None = None, trainers: int = 1, 
 
 
 def table(plans: list[dict]) -> str:
-    """The plans as a text table."""
-    lines = [f"{'mode':18s} {'trainers':>8s} {'engines':>7s} {'step s':>8s} {'tok/s/GPU':>10s} {'trainer idle':>12s} "
-             f"{'engine idle':>11s} {'staleness':>9s}"]
-    lines += [f"{p['mode']:18s} {p['trainers']:8d} {p['engines']:7d} {p['step_s']:8.1f} "
-              f"{p['trained_tokens_per_s_per_gpu']:10.1f} {p['trainer_idle_frac']:12.2f} "
-              f"{p['engine_idle_frac']:11.2f} {p['staleness_max']:9d}" for p in plans]
+    """The plans as a markdown table; each against colocated sync with the same engine assignment, where listed."""
+    colocated = {p["assignment"]: p for p in plans if p["mode"] == "colocated sync"}
+    lines = ["| mode | assignment | trainers + engines | s / step | trained tok/s per GPU | trainer idle | engine idle "
+             "(spread) | staleness | dropped groups | vs colocated |", "| --- " * 10 + "|"]
+    for p in plans:
+        base = colocated.get(p["assignment"])
+        ratio = f"{p['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x" if base else "-"
+        layout = f"{p['gpus']} (both)" if p["mode"] == "colocated sync" else f"{p['trainers']} + {p['engines']}"
+        lines.append(f"| {p['mode']} | {p['assignment']} | {layout} | {p['step_s']:.1f} | "
+                     f"{p['trained_tokens_per_s_per_gpu']:,.0f} | {p['trainer_idle_frac']:.2f} | "
+                     f"{p['engine_idle_frac']:.2f} ({p['engine_idle_spread']:.2f}) | {p['staleness_max']} | "
+                     f"{p['dropped_groups']} | {ratio} |")
     return "\n".join(lines)
-
-
-def load_inputs(path: str) -> PlanInputs:
-    return PlanInputs.from_dict(json.loads(open(path).read()))
