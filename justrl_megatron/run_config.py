@@ -13,6 +13,10 @@ data.train stops the run (the saved sampler position indexes its rows), a change
 anew and said so, one line each.
 hydra's run_dir/hydra/config.yaml is rewritten by every launch that passed the checks; the history keeps every such
 launch, resolved, with the command that made it.
+What a launch decides only once the model is built (model.attention_backend=auto, measured on rank 0; the fast paths
+after JUSTRL_FAST_PATHS_OFF, model/fast_paths.py) is written beside its entry (NNNN.resolved.yaml, `record_resolved`);
+a launch that resolves them otherwise than the one before says so in one line, or stops under
+model.fast_paths.strict_resume (the two attention kernels' bf16 gradients differ).
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def pinned_root(key: str) -> str | None:
 
 
 FINGERPRINTS = ".data.json"  # NNNN.data.json beside NNNN.yaml
+RESOLVED = ".resolved.yaml"  # NNNN.resolved.yaml beside NNNN.yaml
 _HASH_CHUNK = 1 << 20
 
 
@@ -262,3 +267,43 @@ def record_launch(cfg, step: int | None, fingerprints: dict | None = None) -> Pa
     tmp.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
     os.replace(tmp, path)  # a reader never sees half an entry
     return path
+
+
+class ResolvedChoiceChanged(RuntimeError):
+    """A launch resolved its fast paths otherwise than the one before, under model.fast_paths.strict_resume."""
+
+
+def _resolved_of(entry: Path) -> dict | None:
+    path = entry.with_name(entry.stem + RESOLVED)
+    try:
+        return dict(OmegaConf.to_container(OmegaConf.load(path)))
+    except (OSError, ValueError):
+        return None  # an entry from before resolved choices were recorded: nothing to compare
+
+
+def record_resolved(run_dir, choices: dict, *, strict: bool = False) -> str | None:
+    """Write `choices` (dotted key -> value, e.g. FastPaths.record()) beside the newest history entry, this launch's
+    (rank 0, after the model is built), and compare them with the launch before. Returns one line naming what
+    differs (None: nothing, or nothing to compare with); raises ResolvedChoiceChanged instead under `strict`.
+    Writes nothing where the run dir has no history (a policy built outside justrl-train)."""
+    entries = history(run_dir)
+    if not entries:
+        return None
+    current = entries[-1]
+    path = current.with_name(current.stem + RESOLVED)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(dict(choices))))
+    os.replace(tmp, path)
+    before = _resolved_of(entries[-2]) if len(entries) > 1 else None
+    if before is None:
+        return None
+    differ = [f"{k} {_show(before.get(k, UNSET))} -> {_show(v)}" for k, v in choices.items()
+              if before.get(k, UNSET) != v]
+    if not differ:
+        return None
+    line = (f"this launch resolved {', '.join(differ)} where the last launch ({entries[-2].name}) had the other "
+            f"(numerics differ slightly: bf16 gradients of the two attention kernels by up to 3e-2); set the keys "
+            f"explicitly to keep the earlier choice")
+    if strict:
+        raise ResolvedChoiceChanged(f"{line}; model.fast_paths.strict_resume=true stops the run")
+    return line

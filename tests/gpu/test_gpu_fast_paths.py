@@ -66,12 +66,15 @@ def _samples(n=4, seed=0):
             for i, L in enumerate(torch.randint(20, 300, (n,), generator=g))]
 
 
-def test_rope_once_gives_megatrons_logprobs_exactly(monkeypatch):
+def test_rope_once_gives_megatrons_logprobs_exactly():
+    import dataclasses
+
     from justrl_megatron.train.step import compute_logprobs
 
     policy, samples = _tiny_policy(), _samples()
+    assert policy.fast_paths.rope_once
     fast = compute_logprobs(policy, samples, max_tokens_per_micro_batch=4096)
-    monkeypatch.setenv("JUSTRL_FAST_PATHS_OFF", "rope_once")
+    policy.fast_paths = dataclasses.replace(policy.fast_paths, rope_once=False)  # the step reads it from the policy
     slow = compute_logprobs(policy, samples, max_tokens_per_micro_batch=4096)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
@@ -83,16 +86,12 @@ def test_compiled_head_equals_the_eager_head():
     w = torch.randn(4224, 256, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
     t = torch.randint(0, 4100, (3000,), device="cuda", generator=g)
     outs = []
-    real = logprobs._kernels
     for compiled in (False, True):
-        logprobs._kernels = lambda device, c=compiled: real(device, c)
-        try:
-            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=4100, with_entropy=True, chunk_size=1000)
-            (lp.sum() + 0.1 * ent.sum()).backward()
-            outs.append((lp, ent, hh.grad, ww.grad))
-        finally:
-            logprobs._kernels = real
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=4100, with_entropy=True, chunk_size=1000,
+                                                compiled=compiled)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        outs.append((lp, ent, hh.grad, ww.grad))
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), *outs):
         bound = 1e-5 if a.dtype == torch.float32 else 1e-2  # fp32 sums in another order; bf16 one rounding
         assert _rel(a.float(), b.float()) <= bound, name
