@@ -114,7 +114,8 @@ def fp8_linear_classes():
 def hopper_problem() -> str | None:
     """None on a Hopper GPU (compute capability 9.x) under CUDA, else why model.fp8 cannot run here."""
     if not torch.cuda.is_available():
-        return "model.fp8=true needs an NVIDIA Hopper GPU (FP8 rowwise matmuls); none here (no CUDA): set model.fp8=false"
+        return ("model.fp8=true needs an NVIDIA Hopper GPU (FP8 rowwise matmuls); none here (no CUDA): set "
+                "model.fp8=false")
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
         name = torch.cuda.get_device_name()
