@@ -65,7 +65,9 @@ BUILTIN_SHAPES = {
 }
 
 
-def resolve_shape(model: str) -> ModelShape:
+def resolve_shape(model) -> ModelShape:
+    if isinstance(model, ModelShape):  # a shape made by the caller (gpu_check's MoE slice)
+        return model
     if model in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[model]
     from transformers import AutoConfig
@@ -304,7 +306,8 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     t_fwd_bwd = [u - o for u, o in zip(t_update, t_optimizer)] if len(t_optimizer) == len(t_update) else []
 
     return {
-        "phase": "train", "model": model, "parameters": num_parameters(shape),
+        "phase": "train", "model": model if isinstance(model, str) else shape.family,
+        "parameters": num_parameters(shape),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world,
         "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "sequence_parallel": bool(policy.config.sequence_parallel),
         "dtype": str(policy.dtype).replace("torch.", ""), "transformer_impl": policy.transformer_impl,
