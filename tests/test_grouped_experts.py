@@ -20,7 +20,7 @@ BF16_TOL = 2e-2
 
 
 def _pair(dtype):
-    """(sequential, grouped) GPTModels with identical weights."""
+    """(sequential, grouped) GPTModels with identical weights, on this machine's device."""
     from justrl_megatron.distributed import init_distributed, init_model_parallel
     from justrl_megatron.model.build import build_model_chunks
     from justrl_megatron.model.grouped_experts import grouped_experts_module
@@ -41,10 +41,13 @@ def _pair(dtype):
 
 
 def _logits_and_grads(model, tokens):
+    """Logits of `tokens` and every parameter's gradient of a fixed random projection of them (on the model's
+    device; also tests/gpu/test_gpu_grouped_experts.py's)."""
     model.zero_grad()
-    pos = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+    tokens = tokens.to(next(model.parameters()).device)
+    pos = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
     logits = model(tokens, pos, attention_mask=None).float()
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.device)
     (logits * w).sum().backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), grads

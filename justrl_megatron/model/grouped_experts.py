@@ -12,7 +12,8 @@ the dispatcher already sorted by expert, with the group offsets made on the devi
 The stacked weights are not kept for backward: a saved-tensor hook stacks them again there, so the extra memory is
 one layer's stacked experts while that layer runs, never one copy per layer until its backward.
 Same arithmetic as the sequential experts: fp32 bit for bit on the CPU, bf16 within one rounding of each matmul's
-output (the grouped kernel may sum in another order; tests/test_grouped_experts.py states the bounds).
+output (the grouped kernel may sum in another order; tests/test_grouped_experts.py states the bounds). On CUDA the
+grouped kernels take bf16 only: an fp32 model there keeps the sequential forward.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def _grouped_experts_class():
             return (out * probs.unsqueeze(-1)).to(out.dtype)
 
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-            if permuted_local_hidden_states.numel() == 0:
+            x = permuted_local_hidden_states
+            if x.numel() == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
+                # nothing routed here; or fp32/fp16 on CUDA, where torch's grouped kernels are bf16 only
                 return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
             experts = self.local_experts
             out = grouped_swiglu_experts(

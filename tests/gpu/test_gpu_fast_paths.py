@@ -49,6 +49,15 @@ def test_auto_backend_picks_a_working_backend_and_says_why(caplog):
         assert "model.attention_backend=auto" in caplog.text and "cudnn" in caplog.text
 
 
+def test_the_policy_decides_auto_once_and_every_attention_layer_takes_it():
+    policy = _tiny_policy(attention_backend="auto")
+    chosen = policy.fast_paths.attention_backend
+    assert chosen in ("cudnn", "flash")
+    cores = [m for m in policy.modules[0].modules() if isinstance(m, attention.SDPAttention)]
+    assert cores and {c.backend for c in cores} == {chosen}  # resolved, not "auto" decided per layer again
+    assert policy.fast_paths.record()["model.attention_backend"] == chosen
+
+
 def _tiny_policy(**kw):
     from justrl_megatron.bench.train import BUILTIN_SHAPES
     from justrl_megatron.model.policy import Policy
