@@ -13,10 +13,7 @@ data.train stops the run (the saved sampler position indexes its rows), a change
 anew and said so, one line each.
 hydra's run_dir/hydra/config.yaml is rewritten by every launch that passed the checks; the history keeps every such
 launch, resolved, with the command that made it.
-What a launch decides only once the model is built (model.attention_backend=auto, measured on rank 0; the fast paths
-after JUSTRL_FAST_PATHS_OFF, model/fast_paths.py) is written beside its entry (NNNN.resolved.yaml, `record_resolved`);
-a launch that resolves them otherwise than the one before says so in one line, or stops under
-model.fast_paths.strict_resume (the two attention kernels' bf16 gradients differ).
+What a launch decides only once the model is built is recorded beside its entry by run_history.record_resolved.
 """
 
 from __future__ import annotations
@@ -31,7 +28,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-HISTORY_DIR = "config_history"
+from .run_history import UNSET, history, history_dir, show as _show
+
 
 _SAMPLER = "the saved sampler position indexes the prompt list this setting builds"
 _LAYOUT = ("the checkpoint's optimizer state and RNG states are laid out for the model-parallel sizes it was saved "
@@ -70,16 +68,6 @@ PINNED = {
 }
 
 
-def history_dir(run_dir) -> Path:
-    return Path(run_dir) / HISTORY_DIR
-
-
-def history(run_dir) -> list[Path]:
-    """The history entries of a run dir, oldest first."""
-    folder = history_dir(run_dir)
-    return sorted(p for p in folder.glob("[0-9][0-9][0-9][0-9]*.yaml")) if folder.is_dir() else []
-
-
 def flatten(tree, prefix: str = "") -> dict:
     """{"trainer.lr": 1e-6, ...}: dotted keys of the leaves (lists are leaves; an empty dict is a leaf)."""
     if not isinstance(tree, dict) or not tree:
@@ -96,7 +84,6 @@ def pinned_root(key: str) -> str | None:
 
 
 FINGERPRINTS = ".data.json"  # NNNN.data.json beside NNNN.yaml
-RESOLVED = ".resolved.yaml"  # NNNN.resolved.yaml beside NNNN.yaml
 _HASH_CHUNK = 1 << 20
 
 
@@ -235,17 +222,10 @@ class ResumeCheck:
                 f"({self.previous.name}):\n{lines}")
 
 
-UNSET = "(unset)"  # a key one of the two configs lacks (a setting added or removed by a code update)
-
-
 def _short(fingerprint: str) -> str:
     """"sha256:0123456789ab" / "revision:0123456789ab": enough of a fingerprint to tell two apart."""
     kind, _, digest = fingerprint.partition(":")
     return f"{kind}:{digest[:12]}"
-
-
-def _show(value) -> str:
-    return repr(value) if isinstance(value, str) and value != UNSET else str(value)
 
 
 def record_launch(cfg, step: int | None, fingerprints: dict | None = None) -> Path:
@@ -268,42 +248,3 @@ def record_launch(cfg, step: int | None, fingerprints: dict | None = None) -> Pa
     os.replace(tmp, path)  # a reader never sees half an entry
     return path
 
-
-class ResolvedChoiceChanged(RuntimeError):
-    """A launch resolved its fast paths otherwise than the one before, under model.fast_paths.strict_resume."""
-
-
-def _resolved_of(entry: Path) -> dict | None:
-    path = entry.with_name(entry.stem + RESOLVED)
-    try:
-        return dict(OmegaConf.to_container(OmegaConf.load(path)))
-    except (OSError, ValueError):
-        return None  # an entry from before resolved choices were recorded: nothing to compare
-
-
-def record_resolved(run_dir, choices: dict, *, strict: bool = False) -> str | None:
-    """Write `choices` (dotted key -> value, e.g. FastPaths.record()) beside the newest history entry, this launch's
-    (rank 0, after the model is built), and compare them with the launch before. Returns one line naming what
-    differs (None: nothing, or nothing to compare with); raises ResolvedChoiceChanged instead under `strict`.
-    Writes nothing where the run dir has no history (a policy built outside justrl-train)."""
-    entries = history(run_dir)
-    if not entries:
-        return None
-    current = entries[-1]
-    path = current.with_name(current.stem + RESOLVED)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(dict(choices))))
-    os.replace(tmp, path)
-    before = _resolved_of(entries[-2]) if len(entries) > 1 else None
-    if before is None:
-        return None
-    differ = [f"{k} {_show(before.get(k, UNSET))} -> {_show(v)}" for k, v in choices.items()
-              if before.get(k, UNSET) != v]
-    if not differ:
-        return None
-    line = (f"this launch resolved {', '.join(differ)} where the last launch ({entries[-2].name}) had the other "
-            f"(numerics differ slightly: bf16 gradients of the two attention kernels by up to 3e-2); set the keys "
-            f"explicitly to keep the earlier choice")
-    if strict:
-        raise ResolvedChoiceChanged(f"{line}; model.fast_paths.strict_resume=true stops the run")
-    return line

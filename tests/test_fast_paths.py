@@ -75,7 +75,7 @@ def _history(run_dir, n):
 
 
 def test_resolved_choices_are_recorded_and_a_resume_that_differs_says_so(tmp_path):
-    from justrl_megatron.run_config import ResolvedChoiceChanged, record_resolved
+    from justrl_megatron.run_history import ResolvedChoiceChanged, record_resolved
 
     first = fast_paths.FastPaths(attention_backend="cudnn").record()
     assert record_resolved(tmp_path, first) is None  # no history: a policy built outside justrl-train
@@ -94,6 +94,9 @@ def test_resolved_choices_are_recorded_and_a_resume_that_differs_says_so(tmp_pat
     _history(tmp_path, 4)
     with pytest.raises(ResolvedChoiceChanged, match="strict_resume"):
         record_resolved(tmp_path, first, strict=True)
+    from justrl_megatron.run_config import history
+
+    assert [p.name for p in history(tmp_path)] == [f"{n:04d}.yaml" for n in (1, 2, 3, 4)]  # records are no entries
 
 
 def test_the_policy_resolves_its_fast_paths_once_and_its_modules_read_them(monkeypatch):

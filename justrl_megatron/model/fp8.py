@@ -128,9 +128,7 @@ def problems(cfg, shape=None) -> list[str]:
     """model.fp8's refusals, one line each, before the model loads."""
     if not getattr(cfg.model, "fp8", False):
         return []
-    from .spec import _runs_te
-
-    out = []
+    out = []  # (with TransformerEngine's spec: spec.transformer_engine_problems)
     why = hopper_problem()
     if why:
         out.append(why)
@@ -142,7 +140,4 @@ def problems(cfg, shape=None) -> list[str]:
                    "set one of them off")
     if cfg.model.dtype == "fp32":
         out.append("model.fp8=true trains bf16 weights (FP8 matmuls, bf16 outputs); set model.dtype=bf16 or auto")
-    if _runs_te(cfg.model.transformer_impl):
-        out.append("model.fp8=true is the local spec's FP8 (TransformerEngine has its own recipes); set "
-                   "model.transformer_impl=local")
     return out

@@ -26,17 +26,12 @@ def problems(cfg, shape=None) -> list[str]:
     """model.moe_grouped_gemm's refusals, one line each."""
     if not getattr(cfg.model, "moe_grouped_gemm", False):
         return []
-    from .spec import _runs_te
-
-    out = []
+    out = []  # (with TransformerEngine's spec: spec.transformer_engine_problems)
     if shape is not None and not shape.num_experts:
         out.append("model.moe_grouped_gemm=true needs an MoE model (this one has no experts); set it to false")
     if not hasattr(torch, "_grouped_mm"):
         out.append(f"model.moe_grouped_gemm=true needs torch._grouped_mm (torch {torch.__version__} lacks it); set "
                    f"it to false")
-    if _runs_te(cfg.model.transformer_impl):
-        out.append("model.moe_grouped_gemm=true is the local spec's grouped experts (TransformerEngine has its own); "
-                   "set model.transformer_impl=local")
     if cfg.model.lora.enabled and any(t in ("fc1", "fc2") for t in cfg.model.lora.targets):
         out.append("model.moe_grouped_gemm=true does not run LoRA adapters on the experts; drop fc1/fc2 from "
                    "model.lora.targets or set model.moe_grouped_gemm=false")

@@ -255,7 +255,7 @@ class Policy:
             routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend,
             fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8)
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 decides, as for the launch's other checks
-            from ..run_config import record_resolved
+            from ..run_history import record_resolved
 
             note = record_resolved(cfg.trainer.run_dir, policy.fast_paths.record(),
                                    strict=bool(model.fast_paths.strict_resume))

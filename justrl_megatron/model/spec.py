@@ -54,6 +54,11 @@ def transformer_engine_problems(cfg, shape=None) -> list[str]:
         problems.append("parallel.context > 1 with the TE spec has no fp32 attention (TE's fused and flash attention "
                         "take bf16/fp16, its unfused one has no context parallelism); set model.dtype=bf16, or "
                         "model.transformer_impl=local")
+    if _runs_te(cfg.model.transformer_impl):  # the local spec's own modules (block_spec)
+        for key, what in (("moe_grouped_gemm", "grouped experts (TransformerEngine has its own)"),
+                          ("fp8", "FP8 linears (TransformerEngine has its own recipes)")):
+            if getattr(cfg.model, key, False):
+                problems.append(f"model.{key}=true is the local spec's {what}; set model.transformer_impl=local")
     fixes = {}  # the setting asked for -> what to use instead
     if cfg.model.transformer_impl == "te":
         fixes["model.transformer_impl=te"] = "model.transformer_impl=auto or local"
