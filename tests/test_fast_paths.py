@@ -45,27 +45,31 @@ def test_an_override_typo_is_refused_by_the_config_preflight_in_one_line(monkeyp
     validate(cfg, world_size=1)  # a valid override passes
 
 
-def _decide_on_two_ranks(rank, init_file, out_dir):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_auto_is_decided_on_rank_0_and_every_rank_takes_its_answer(rank, monkeypatch):
+    """Only trainer rank 0 measures; what it decides is what distributed.trainer_broadcast hands every rank (here
+    the broadcast is stood in for: rank 0 sends cudnn, whatever the other ranks' own timing would say)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    from justrl_megatron import distributed
+
+    sent = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(distributed, "trainer_broadcast", lambda obj: sent.append(obj) or "cudnn")
     asked = []
 
-    def decide():
-        asked.append(rank)
-        return "cudnn" if rank == 0 else "flash"  # the ranks' own timings disagree
+    def decide(choice):  # the ranks' own timings disagree
+        asked.append(choice)
+        return "cudnn" if rank == 0 else "flash"
 
-    got = fast_paths.broadcast_choice(decide)
-    (out_dir / f"{rank}.txt").write_text(f"{got} {asked}")
-    dist.destroy_process_group()
-
-
-def test_auto_is_decided_on_rank_0_and_every_rank_takes_its_answer(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_decide_on_two_ranks, args=(str(tmp_path / "init"), tmp_path), nprocs=2, join=True)
-    assert (tmp_path / "0.txt").read_text() == "cudnn [0]"
-    assert (tmp_path / "1.txt").read_text() == "cudnn []"  # rank 1 never measured
+    got = fast_paths.resolve(None, attention_backend="auto", decide_attention=decide)
+    assert got.attention_backend == "cudnn"
+    assert asked == (["auto"] if rank == 0 else [])  # rank 1 never measured
+    assert sent == (["cudnn"] if rank == 0 else [None])
+    asked.clear()
+    assert fast_paths.resolve(None, attention_backend="flash", decide_attention=lambda c: asked.append(c) or c) \
+        .attention_backend == "flash" and asked == ["flash"]  # a fixed choice: no broadcast, each rank checks it
 
 
 def _history(run_dir, n):

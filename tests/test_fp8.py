@@ -91,3 +91,17 @@ def test_fp8_is_refused_without_a_hopper_gpu_in_one_line_before_the_model_loads(
     said = "\n".join(fp8.problems(cfg))
     assert "parallel.tensor=1" in said and "model.dtype=bf16" in said and "model.lora" in said
     assert fp8.problems(compose([])) == []
+
+
+def test_fp8_and_grouped_experts_are_local_spec_settings(monkeypatch):
+    """Where TransformerEngine would build the model (transformer_impl auto with TE, or te), both are refused in one
+    line each, by the spec's TE check (TE has its own FP8 recipes and grouped experts)."""
+    from justrl_megatron.config import compose
+    from justrl_megatron.model import spec
+
+    monkeypatch.setattr(spec, "te_available", lambda: True)
+    cfg = compose(["model.fp8=true", "model.moe_grouped_gemm=true"])
+    lines = [p for p in spec.transformer_engine_problems(cfg) if "local spec's" in p]
+    assert len(lines) == 2 and all(p.endswith("set model.transformer_impl=local") for p in lines)
+    assert not [p for p in spec.transformer_engine_problems(compose(["model.fp8=true", "model.transformer_impl=local"]))
+                if "local spec's" in p]

@@ -29,7 +29,6 @@ from typing import Callable
 
 SWITCHES = ("rope_once", "foreach_grad_norm", "fused_adamw", "compiled_head")
 ENV = "JUSTRL_FAST_PATHS_OFF"
-BACKENDS = ("flash", "cudnn")  # what `model.attention_backend` resolves to (auto is measured)
 
 
 def parse_off(raw: str | None) -> set[str]:
@@ -77,18 +76,16 @@ def switches(settings=None, override: str | None = None) -> dict[str, bool]:
     return {n: bool(get(n, True) if settings is not None else True) and n not in off for n in SWITCHES}
 
 
-def broadcast_choice(decide: Callable[[], str], choices: tuple[str, ...] = BACKENDS) -> str:
-    """`decide()` on global rank 0, the same answer on every rank (one small broadcast; no process group: the local
-    answer). The index travels as a tensor on the backend's device (NCCL takes CUDA tensors only)."""
-    import torch
+def broadcast_choice(decide: Callable[[], str]) -> str:
+    """`decide()` on trainer rank 0, its answer on every trainer rank (distributed.trainer_broadcast); without a
+    process group, the local answer."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    from ..distributed import trainer_broadcast
+
+    if not dist.is_available() or not dist.is_initialized():
         return decide()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    index = torch.tensor([choices.index(decide()) if dist.get_rank() == 0 else -1], device=device)
-    dist.broadcast(index, src=0)
-    return choices[int(index.item())]
+    return trainer_broadcast(decide() if dist.get_rank() == 0 else None)
 
 
 def resolve(settings=None, *, attention_backend: str = "auto", decide_attention: Callable[[str], str] | None = None,

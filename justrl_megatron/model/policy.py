@@ -182,9 +182,10 @@ class Policy:
         torch.manual_seed(seed)
         device = compat.default_device()
         heads = (shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim)
-        fast = fast_paths_mod.resolve(
+        fast = fast_paths_mod.resolve(  # (TransformerEngine's spec attends with its own kernels: nothing to time)
             fast_paths, attention_backend=attention_backend,
-            decide_attention=lambda choice: decide_attention_backend(choice, device, torch_dtype, *heads))
+            decide_attention=None if impl == "te" else
+            lambda choice: decide_attention_backend(choice, device, torch_dtype, *heads))
 
         config = transformer_config(
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
