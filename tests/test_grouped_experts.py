@@ -74,10 +74,11 @@ def test_grouped_experts_equal_the_sequential_experts(dtype, monkeypatch):
         assert (got_grads[name] - ref).abs().max() <= BF16_TOL * (1 + ref.abs().max()), name
 
 
-def test_the_stacked_weights_are_not_kept_for_backward():
+@pytest.mark.parametrize("align", [1, 16])
+def test_the_stacked_weights_are_not_kept_for_backward(align):
     """The stack the grouped matmul multiplies by is rebuilt in backward, not saved: what the forward keeps is the
-    tokens and activations, not [experts, out, in] copies of the weights (and the gradients still match a plain
-    autograd stack)."""
+    tokens and activations, not [experts, out, in] copies of the weights; the output and gradients equal per-expert
+    matmuls, also with every group padded to 16 rows as on CUDA (an empty expert included)."""
     from justrl_megatron.model.grouped_experts import grouped_swiglu_experts
 
     g = torch.Generator().manual_seed(0)
@@ -94,7 +95,7 @@ def test_the_stacked_weights_are_not_kept_for_backward():
 
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        out = grouped_swiglu_experts(x, counts, probs, fc1, fc2, act)
+        out = grouped_swiglu_experts(x, counts, probs, fc1, fc2, act, align=align)  # 16: CUDA's padded groups
     assert (experts, hidden, 2 * ffn) not in saved and (experts, ffn, hidden) not in saved
     out.backward(torch.ones_like(out))
     grads = [x.grad] + [w.grad for w in fc1 + fc2]

@@ -67,19 +67,48 @@ class _Restacked:
         return saved
 
 
+# CUDA's grouped kernels read each group through TMA, which wants every group to start 16 bytes in: the weight
+# gradient's grouped GEMM splits the token dimension, so each expert's tokens are padded to a multiple of 16 rows
+CUDA_GROUP_ALIGN = 16
+
+
+def padded_layout(tokens_per_expert: torch.Tensor, tokens: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(row -> padded position [tokens], padded group ends [E] int32, padded rows) with every expert's group rounded
+    up to a multiple of `align`, made on the device without a host sync (the padded size is the bound
+    tokens + E x (align - 1), whatever the counts)."""
+    counts = tokens_per_expert.to(torch.int64)
+    experts = counts.numel()
+    padded = (counts + align - 1) // align * align
+    starts, padded_starts = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
+    expert = torch.repeat_interleave(torch.arange(experts, device=counts.device), counts, output_size=tokens)
+    rows = torch.arange(tokens, device=counts.device)
+    return padded_starts[expert] + rows - starts[expert], torch.cumsum(padded, 0).to(torch.int32), \
+        tokens + experts * (align - 1)
+
+
 def grouped_swiglu_experts(hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
-                           fc1_weights: list[torch.Tensor], fc2_weights: list[torch.Tensor], activation) -> torch.Tensor:
+                           fc1_weights: list[torch.Tensor], fc2_weights: list[torch.Tensor], activation,
+                           align: int = 1) -> torch.Tensor:
     """The experts' output for `hidden` [T, h] sorted by expert (`tokens_per_expert` [E] rows each): fc1 (grouped),
     `activation(fc1 output, probs)` (SwiGLU with the routing weight), fc2 (grouped). Weights as megatron holds them:
-    fc1 [2 f, h], fc2 [h, f] per expert."""
-    offsets = torch.cumsum(tokens_per_expert.to(device=hidden.device, dtype=torch.int64), 0).to(torch.int32)
+    fc1 [2 f, h], fc2 [h, f] per expert. `align` > 1: each group padded with zero rows to a multiple of it (zero
+    rows with zero weight add nothing to any output or gradient)."""
+    counts = tokens_per_expert.to(device=hidden.device)
+    position = None
+    if align > 1:
+        position, offsets, rows = padded_layout(counts, hidden.size(0), align)
+        hidden = hidden.new_zeros(rows, hidden.size(1)).index_copy(0, position, hidden)
+        probs = probs.new_zeros(rows).index_copy(0, position, probs)
+    else:
+        offsets = torch.cumsum(counts.to(torch.int64), 0).to(torch.int32)
     hooks = _Restacked()
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         w1 = hooks.stack(fc1_weights).transpose(1, 2)  # [E, h, 2f]
         inter = torch._grouped_mm(hidden, w1, offs=offsets)
         inter = activation(inter, probs)
         w2 = hooks.stack(fc2_weights).transpose(1, 2)  # [E, f, h]
-        return torch._grouped_mm(inter, w2, offs=offsets)
+        out = torch._grouped_mm(inter, w2, offs=offsets)
+    return out if position is None else out.index_select(0, position)
 
 
 def _grouped_experts_class():
@@ -118,7 +147,8 @@ def _grouped_experts_class():
             experts = self.local_experts
             out = grouped_swiglu_experts(
                 permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                [e.linear_fc1.weight for e in experts], [e.linear_fc2.weight for e in experts], self._activation)
+                [e.linear_fc1.weight for e in experts], [e.linear_fc2.weight for e in experts], self._activation,
+                align=CUDA_GROUP_ALIGN if x.is_cuda else 1)
             return out, None
 
     return GroupedExperts
