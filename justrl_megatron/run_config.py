@@ -13,6 +13,7 @@ data.train stops the run (the saved sampler position indexes its rows), a change
 anew and said so, one line each.
 hydra's run_dir/hydra/config.yaml is rewritten by every launch that passed the checks; the history keeps every such
 launch, resolved, with the command that made it.
+What a launch decides only once the model is built is recorded beside its entry by run_history.record_resolved.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-HISTORY_DIR = "config_history"
+from .run_history import UNSET, history, history_dir, show as _show
+
 
 _SAMPLER = "the saved sampler position indexes the prompt list this setting builds"
 _LAYOUT = ("the checkpoint's optimizer state and RNG states are laid out for the model-parallel sizes it was saved "
@@ -64,16 +66,6 @@ PINNED = {
     "data.shuffle": _SAMPLER,
     "trainer.seed": "the prompt order and every step's rollout seed derive from it",
 }
-
-
-def history_dir(run_dir) -> Path:
-    return Path(run_dir) / HISTORY_DIR
-
-
-def history(run_dir) -> list[Path]:
-    """The history entries of a run dir, oldest first."""
-    folder = history_dir(run_dir)
-    return sorted(p for p in folder.glob("[0-9][0-9][0-9][0-9]*.yaml")) if folder.is_dir() else []
 
 
 def flatten(tree, prefix: str = "") -> dict:
@@ -230,17 +222,10 @@ class ResumeCheck:
                 f"({self.previous.name}):\n{lines}")
 
 
-UNSET = "(unset)"  # a key one of the two configs lacks (a setting added or removed by a code update)
-
-
 def _short(fingerprint: str) -> str:
     """"sha256:0123456789ab" / "revision:0123456789ab": enough of a fingerprint to tell two apart."""
     kind, _, digest = fingerprint.partition(":")
     return f"{kind}:{digest[:12]}"
-
-
-def _show(value) -> str:
-    return repr(value) if isinstance(value, str) and value != UNSET else str(value)
 
 
 def record_launch(cfg, step: int | None, fingerprints: dict | None = None) -> Path:
@@ -262,3 +247,4 @@ def record_launch(cfg, step: int | None, fingerprints: dict | None = None) -> Pa
     tmp.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
     os.replace(tmp, path)  # a reader never sees half an entry
     return path
+

@@ -15,17 +15,107 @@ TINY = dict(family="qwen2", num_layers=2, hidden_size=32, ffn_hidden_size=48, nu
             qkv_bias=True, tie_word_embeddings=False, init_std=0.02)
 
 
-def test_switches_are_read_from_the_environment(monkeypatch):
+def test_switches_come_from_the_config_and_the_override_turns_them_off(monkeypatch):
     monkeypatch.delenv(fast_paths.ENV, raising=False)
-    assert all(fast_paths.enabled(n) for n in fast_paths.SWITCHES)
-    monkeypatch.setenv(fast_paths.ENV, "rope_once, fused_adamw")
-    assert not fast_paths.enabled("rope_once") and not fast_paths.enabled("fused_adamw")
-    assert fast_paths.enabled("compiled_head")
-    monkeypatch.setenv(fast_paths.ENV, "all")
-    assert not any(fast_paths.enabled(n) for n in fast_paths.SWITCHES)
-    monkeypatch.setenv(fast_paths.ENV, "rope_twice")
+    assert fast_paths.switches() == {n: True for n in fast_paths.SWITCHES}
+    assert fast_paths.switches({"rope_once": False}) == {**{n: True for n in fast_paths.SWITCHES}, "rope_once": False}
+    monkeypatch.setenv(fast_paths.ENV, "compiled_head, fused_adamw")
+    got = fast_paths.switches({"rope_once": False})
+    assert got == {"rope_once": False, "foreach_grad_norm": True, "fused_adamw": False, "compiled_head": False}
+    assert fast_paths.switches(None, override="all") == {n: False for n in fast_paths.SWITCHES}
     with pytest.raises(ValueError, match="unknown fast path.*rope_twice"):
-        fast_paths.enabled("rope_once")
+        fast_paths.switches(None, override="rope_twice")
+    resolved = fast_paths.resolve({"rope_once": False}, attention_backend="auto")
+    assert resolved.record() == {"model.attention_backend": "flash", "model.fast_paths.rope_once": False,
+                                 "model.fast_paths.foreach_grad_norm": True, "model.fast_paths.fused_adamw": False,
+                                 "model.fast_paths.compiled_head": False,
+                                 f"env.{fast_paths.ENV}": "compiled_head, fused_adamw"}
+
+
+def test_an_override_typo_is_refused_by_the_config_preflight_in_one_line(monkeypatch):
+    from justrl_megatron.config import ConfigError, compose, validate
+
+    cfg = compose([])
+    monkeypatch.setenv(fast_paths.ENV, "rope_once,fused_adam")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=1)
+    lines = [line for line in str(err.value).splitlines() if fast_paths.ENV in line]
+    assert len(lines) == 1 and "fused_adam'" in lines[0] and "known: rope_once" in lines[0]
+    monkeypatch.setenv(fast_paths.ENV, "all")
+    validate(cfg, world_size=1)  # a valid override passes
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_auto_is_decided_on_rank_0_and_every_rank_takes_its_answer(rank, monkeypatch):
+    """Only trainer rank 0 measures; what it decides is what distributed.trainer_broadcast hands every rank (here
+    the broadcast is stood in for: rank 0 sends cudnn, whatever the other ranks' own timing would say)."""
+    import torch.distributed as dist
+
+    from justrl_megatron import distributed
+
+    sent = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(distributed, "trainer_broadcast", lambda obj: sent.append(obj) or "cudnn")
+    asked = []
+
+    def decide(choice):  # the ranks' own timings disagree
+        asked.append(choice)
+        return "cudnn" if rank == 0 else "flash"
+
+    got = fast_paths.resolve(None, attention_backend="auto", decide_attention=decide)
+    assert got.attention_backend == "cudnn"
+    assert asked == (["auto"] if rank == 0 else [])  # rank 1 never measured
+    assert sent == (["cudnn"] if rank == 0 else [None])
+    asked.clear()
+    assert fast_paths.resolve(None, attention_backend="flash", decide_attention=lambda c: asked.append(c) or c) \
+        .attention_backend == "flash" and asked == ["flash"]  # a fixed choice: no broadcast, each rank checks it
+
+
+def _history(run_dir, n):
+    folder = run_dir / "config_history"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{n:04d}.yaml").write_text("trainer:\n  lr: 1.0e-06\n")
+
+
+def test_resolved_choices_are_recorded_and_a_resume_that_differs_says_so(tmp_path):
+    from justrl_megatron.run_history import ResolvedChoiceChanged, record_resolved
+
+    first = fast_paths.FastPaths(attention_backend="cudnn").record()
+    assert record_resolved(tmp_path, first) is None  # no history: a policy built outside justrl-train
+    assert not (tmp_path / "config_history").exists()
+    _history(tmp_path, 1)
+    assert record_resolved(tmp_path, first) is None  # the first launch: nothing to compare with
+    saved = (tmp_path / "config_history" / "0001.resolved.yaml").read_text()
+    assert "model.attention_backend: cudnn" in saved and "model.fast_paths.rope_once: true" in saved
+    _history(tmp_path, 2)
+    assert record_resolved(tmp_path, first) is None  # resolved alike: silent
+    _history(tmp_path, 3)
+    second = fast_paths.FastPaths(attention_backend="flash", rope_once=False, override="rope_once").record()
+    note = record_resolved(tmp_path, second)
+    assert "\n" not in note and "model.attention_backend 'cudnn' -> 'flash'" in note
+    assert "model.fast_paths.rope_once True -> False" in note and "(0002.yaml)" in note
+    _history(tmp_path, 4)
+    with pytest.raises(ResolvedChoiceChanged, match="strict_resume"):
+        record_resolved(tmp_path, first, strict=True)
+    from justrl_megatron.run_config import history
+
+    assert [p.name for p in history(tmp_path)] == [f"{n:04d}.yaml" for n in (1, 2, 3, 4)]  # records are no entries
+
+
+def test_the_policy_resolves_its_fast_paths_once_and_its_modules_read_them(monkeypatch):
+    from justrl_megatron.model.attention import SDPAttention
+    from justrl_megatron.model.hf_config import ModelShape
+    from justrl_megatron.model.policy import Policy
+
+    monkeypatch.setenv(fast_paths.ENV, "fused_adamw")
+    policy = Policy.build(ModelShape(**TINY), dtype="fp32", transformer_impl="local", lr=1e-3, seed=3,
+                          fast_paths={"compiled_head": False})
+    monkeypatch.delenv(fast_paths.ENV)  # decided at build: a later change of the environment changes nothing
+    assert policy.fast_paths == fast_paths.FastPaths(fused_adamw=False, compiled_head=False, override="fused_adamw")
+    assert policy.config.justrl_fast_paths is policy.fast_paths
+    cores = [m for m in policy.modules[0].modules() if isinstance(m, SDPAttention)]
+    assert cores and all(c.backend == "flash" for c in cores)  # the CPU's answer, decided once
 
 
 def test_attention_backend_is_validated_and_flash_off_cuda():
@@ -75,7 +165,7 @@ def test_rope_from_rows_per_token_equals_megatrons_packed_rope(dtype, monkeypatc
                       response_ids=torch.randint(1, 120, (n,), generator=g).tolist(), advantage=1.0)
                for n in (5, 1, 9)]
     mb = make_micro_batch(samples, [0, 1, 2], pad_to_multiple_of=8)  # 21 tokens + 3 of padding
-    assert step._rope_positions(mb) is None  # the CPU keeps megatron's path (its speed and figures unchanged)
+    assert step._rope_positions(mb, True) is None  # the CPU keeps megatron's path (its speed and figures unchanged)
     model = unwrap(policy.chunks[0])
     model.eval()
 
@@ -102,8 +192,8 @@ def _head_inputs(dtype, rows=37, hidden=16, vocab=50, padded=56, seed=0):
 
 
 def _head(h, w, t, vocab, chunk, fused, monkeypatch):
-    monkeypatch.setattr(logprobs, "_kernels", (lambda d: logprobs._fused_kernels_eager()) if fused else
-                        (lambda d: None))
+    monkeypatch.setattr(logprobs, "_kernels", (lambda d, c=False: logprobs._fused_kernels_eager()) if fused else
+                        (lambda d, c=False: None))
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=vocab, with_entropy=True, chunk_size=chunk)
     (lp.sum() + 0.3 * ent.sum()).backward()

@@ -39,12 +39,13 @@ def test_dry_run_without_a_bundle_says_so_and_prints_the_plan(tmp_path):
     proc = _run("--dry-run", JUSTRL_WHEELS_DIR=str(tmp_path / "absent"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bundle missing" in proc.stdout and "tools/gpu_wheels.sh" in proc.stdout
-    for stage in ("probe", "pytest", "mfu", "train", "budget"):
+    for stage in ("probe", "pytest", "mfu", "moe", "fp8", "train", "budget"):
         assert f"  {stage}" in proc.stdout
-    # the three calls, each planned to fit one device call
-    assert "call 1: bash tools/gpu_check.sh   (420 s of stages)" in proc.stdout
-    assert "call 2: bash tools/gpu_check.sh --stages train   (170 s of stages)" in proc.stdout
-    assert "call 3: bash tools/gpu_check.sh --stages budget   (300 s of stages)" in proc.stdout
+    # the four calls, each planned to fit one device call; the first is the same-card A/B
+    assert "call 1: bash tools/gpu_check.sh   (390 s of stages)" in proc.stdout
+    assert "call 2: bash tools/gpu_check.sh --stages pytest   (300 s of stages)" in proc.stdout
+    assert "call 3: bash tools/gpu_check.sh --stages train   (170 s of stages)" in proc.stdout
+    assert "call 4: bash tools/gpu_check.sh --stages budget   (300 s of stages)" in proc.stdout
     # the 1.5B update on one 80 GB H100 fits without recompute with the CUDA kernels (fused SwiGLU and norms)
     assert "memory plan: recompute=none, 16384 tokens/micro-batch" in proc.stdout
 

@@ -4,9 +4,10 @@ A device call has a hard 10-minute limit; the kit plans each call at <= 8 minute
 installing the carried wheels and starting Python, the rest (TOTAL_CAP_S) for the stages. The stages that do not fit
 the first call run in a second one:
 
-    bash tools/gpu_check.sh                    # call 1: probe, mfu, pytest  (30 + 90 + 300 s)
-    bash tools/gpu_check.sh --stages train     # call 2: the train phase under the memory plan (170 s)
-    bash tools/gpu_check.sh --stages budget    # call 3: the token-budget search (300 s)
+    bash tools/gpu_check.sh                    # call 1, the same-card A/B: probe, mfu, moe, fp8 (30+150+90+120 s)
+    bash tools/gpu_check.sh --stages pytest    # call 2: the CUDA tests (300 s)
+    bash tools/gpu_check.sh --stages train     # call 3: the train phase under the memory plan (170 s)
+    bash tools/gpu_check.sh --stages budget    # call 4: the token-budget search (300 s)
 
 Any stage can be redone alone the same way (`--stages pytest`); the last stage of a call (a stage run alone too) may
 use the rest of the call's time. Stages, each in a process group of its own with its own time cap (a crash, hang or CUDA OOM in one is recorded and the next still runs; the whole group is killed after
@@ -23,7 +24,14 @@ every stage, so nothing a stage left behind holds the GPU into the next; the exi
   mfu     the fast paths of model/fast_paths.py and model.attention_backend, on this card in one process: kernel
           microbenchmarks (bench/kernels.py: attention flash vs cuDNN, SwiGLU, AdamW foreach vs fused, the log-prob
           head eager vs compiled, each with its output difference), then the train phase with recompute none for
-          the baseline (all off, flash), all on, and each alone; host syncs of one update for baseline and all
+          the baseline (all off, flash), all on, and each alone; host syncs of one update for baseline and all;
+          then a JustRL-shaped batch (bench/packed_shape.py: groups of 8, log-normal lengths, shared 300-token
+          prompts, trainer.shared_prompt on) packed to the memory plan's budget, with the attention backend auto
+          and flash
+  moe     grouped vs sequential MoE experts (model.moe_grouped_gemm) on a Qwen3-30B-A3B slice (2 layers at full
+          width, EP1, one 16K sequence): update tokens/s both ways, and their loss and grad norm
+  fp8     FP8 linears (model.fp8) vs bf16 at 16K: update time and MFU (bf16-equivalent FLOPs), and the loss and
+          grad norm of 20 updates on fixed data both ways against bench/update_ab.TOLERANCES
   budget  the largest token budget per micro-batch that fits: upward from the plan's budget (one update per try,
           catching an out-of-memory error: torch.cuda.OutOfMemoryError or the RuntimeError cuBLAS / cuDNN / NCCL
           raise), then bisection in 1,024-token steps; it stops before a try that would end past its deadline, with
@@ -74,11 +82,13 @@ STAGES = {  # name -> (time cap in seconds, what it does)
     "train": (170, f"train phase, {MODEL} shape, {PROMPT} + {RESPONSE} tokens, bf16, TP=1, under the memory plan"),
     "pytest": (300, "python -m pytest -m gpu tests/gpu (log: pytest.log, per-test timeout, -rA --durations=0)"),
     "budget": (300, "largest tokens per micro-batch that fit (upward from the plan, OOM caught, 1,024-token steps)"),
-    "mfu": (90, "kernel microbenchmarks, then the train phase once per fast path (baseline, each alone, all), "
-                 "recompute none, same card; host syncs per update"),
+    "mfu": (150, "kernel microbenchmarks, then the train phase once per fast path (baseline, each alone, all), "
+                 "recompute none, same card; host syncs per update; a JustRL-shaped packed batch, auto and flash"),
+    "moe": (90, "grouped vs sequential experts, Qwen3-30B-A3B slice (2 layers, full width, EP1), 16K tokens"),
+    "fp8": (120, "FP8 vs bf16 update at 16K (time, MFU), loss and grad norm of 20 updates on fixed data"),
 }
 # each call's stages fit TOTAL_CAP_S; the first is the default
-CALLS = (("probe", "mfu", "pytest"), ("train",), ("budget",))
+CALLS = (("probe", "mfu", "moe", "fp8"), ("pytest",), ("train",), ("budget",))
 PER_TEST_TIMEOUT_S = 120  # pytest-timeout, per test (setup and teardown included)
 BUDGET_STEP = 1024  # the budget search's resolution in tokens
 
@@ -454,13 +464,91 @@ def stage_mfu(progress, cap_s: float, out_dir: Path) -> dict:
             gc.collect()
             torch.cuda.empty_cache()
         progress(record)
+    record["justrl_packed"] = justrl_packed_rows(progress, record, t_end)
     base = record["variants"].get("baseline", {}).get("update")
     if base:
         for v in record["variants"].values():
             if v.get("update"):
                 v["update_speedup_vs_baseline"] = base["seconds"] / v["update"]["seconds"]
-    record["ok"] = all("error" not in v for v in record["variants"].values())
+    record["ok"] = all("error" not in v for v in [*record["variants"].values(), *record["justrl_packed"].values()])
     return record
+
+
+JUSTRL_GROUPS = 2  # 16 responses, ~100K tokens: several micro-batches at the plan's budget
+JUSTRL_BACKENDS = ("auto", "flash")
+
+
+def justrl_packed_rows(progress, record: dict, t_end: float) -> dict:
+    """The update on a JustRL-shaped batch (bench/packed_shape.py) under the memory plan (its recompute mode and the
+    largest token budget it allows), trainer.shared_prompt on, every fast path on; once per attention backend."""
+    import gc
+
+    import torch
+
+    from .packed_shape import justrl_samples
+    from .train import BUILTIN_SHAPES, bench_train
+
+    plan = memory_plan(torch.cuda.get_device_properties(0).total_memory, max_tokens=1 << 17)
+    samples = justrl_samples(JUSTRL_GROUPS, BUILTIN_SHAPES[MODEL].vocab_size, seed=0)
+    rows = {}
+    for backend in JUSTRL_BACKENDS:
+        if time.monotonic() > t_end - 30:
+            rows[backend] = {"error": "no time left in the stage"}
+            continue
+        try:
+            raw = bench_train(model=MODEL, samples=samples, shared_prompt="on", dtype="bf16", tp=1,
+                              transformer_impl="local", recompute=plan.recompute, steps=2, warmup=1,
+                              max_tokens_per_micro_batch=plan.max_tokens_per_micro_batch, attention_backend=backend)
+            rows[backend] = {"attention_backend": raw["attention_backend"], "recompute": plan.recompute,
+                             "budget": plan.max_tokens_per_micro_batch, "sequences": raw["num_sequences"],
+                             "tokens": raw["tokens_per_step"], "micro_batches": raw["micro_batches"],
+                             "update": _phase(raw["update"]), "forward_only": _phase(raw["logprob"]),
+                             "peak_allocated_gib": raw.get("gpu_peak_allocated_gib")}
+        except Exception as exc:  # noqa: BLE001  (one row failing still leaves the other's figures)
+            rows[backend] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        progress({**record, "justrl_packed": rows})
+    return rows
+
+
+def stage_moe(progress, cap_s: float, out_dir: Path) -> dict:
+    """Grouped vs sequential experts on the Qwen3-30B-A3B slice: tokens/s of the update both ways (MFU is left out:
+    bench/flops.py counts dense MLPs), and the two runs' loss and grad norm (same weights, same batch)."""
+    _require_cuda()
+    from .update_ab import QWEN3_30B_A3B_SLICE, TOLERANCES, speed
+
+    got = speed("moe_grouped_gemm", model=QWEN3_30B_A3B_SLICE, tokens=16384, prompt_len=1024, recompute="none")
+    tol = TOLERANCES["moe_grouped_gemm"]
+    off, on = got["off"], got["on"]
+    got["loss_abs_diff"] = abs(on["loss"] - off["loss"])
+    got["grad_norm_rel_diff"] = abs(on["grad_norm"] - off["grad_norm"]) / max(abs(off["grad_norm"]), 1e-12)
+    got["within_tolerance"] = got["loss_abs_diff"] <= tol["loss_abs"] and got["grad_norm_rel_diff"] <= tol["grad_rel"]
+    got["goal_2x"] = got["speedup"] >= 2.0
+    return {**got, "ok": got["within_tolerance"]}
+
+
+def stage_fp8(progress, cap_s: float, out_dir: Path) -> dict:
+    """FP8 vs bf16: the 16K update both ways (MFU over the same bf16 model FLOPs), then 20 updates on fixed data
+    both ways (4 x 2,048 tokens, lr 1e-5), their losses and grad norms against update_ab.TOLERANCES."""
+    _require_cuda()
+    from ..model.fp8 import hopper_problem
+    from .train import BUILTIN_SHAPES
+    from .update_ab import TOLERANCES, compare, speed, trajectory
+
+    why = hopper_problem()
+    if why:
+        return {"ok": False, "error": why}
+    record = {"speed": speed("fp8", model=MODEL, tokens=PROMPT + RESPONSE, prompt_len=PROMPT, recompute="none")}
+    record["goal_1.25x"] = record["speed"]["speedup"] >= 1.25
+    progress(record)
+    shape = BUILTIN_SHAPES[MODEL]
+    ref = trajectory(shape, fp8=False)
+    progress({**record, "bf16_trajectory": ref})
+    got = trajectory(shape, fp8=True)
+    record.update(bf16_trajectory=ref, fp8_trajectory=got, trajectory=compare(ref, got, **TOLERANCES["fp8"]))
+    return {**record, "ok": record["trajectory"]["ok"]}
 
 
 def _phase(p: dict) -> dict:
@@ -536,7 +624,7 @@ def stage_budget(progress, cap_s: float, out_dir: Path) -> dict:
 
 
 STAGE_FUNCTIONS = {"probe": stage_probe, "pytest": stage_pytest, "train": stage_train, "budget": stage_budget,
-                   "mfu": stage_mfu}
+                   "mfu": stage_mfu, "moe": stage_moe, "fp8": stage_fp8}
 
 
 def _stage_main(name: str, result: Path, cap_s: float, out_dir: Path) -> int:
@@ -723,6 +811,25 @@ def _result(s: dict) -> str:
     if s["stage"] == "budget" and "largest_fitting" in s:
         return (f"largest fitting {s['largest_fitting']} tokens/micro-batch (recompute={s['recompute']}, "
                 f"{len(s['trials'])} tries, {s['step']}-token steps), plan {s['plan_budget']}")
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    if s["stage"] == "mfu" and "variants" in s:
+        rows = [f"{n} {pct((v.get('update') or {}).get('mfu'))}" for n, v in s["variants"].items()]
+        rows += [f"justrl_packed[{n}] {pct((v.get('update') or {}).get('mfu'))}"
+                 for n, v in s.get("justrl_packed", {}).items()]
+        return "update MFU: " + ", ".join(rows)
+    if s["stage"] == "moe" and "speedup" in s:
+        return (f"grouped {s['on']['update_tokens_per_s']:,.0f} vs sequential {s['off']['update_tokens_per_s']:,.0f} "
+                f"tok/s ({s['speedup']:.2f}x); loss diff {s['loss_abs_diff']:.2g}, grad norm "
+                f"{100 * s['grad_norm_rel_diff']:.2g}%")
+    if s["stage"] == "fp8" and "speed" in s:
+        sp = s["speed"]
+        text = (f"update {sp['speedup']:.2f}x (MFU bf16 {pct(sp['off']['update_mfu'])}, fp8 "
+                f"{pct(sp['on']['update_mfu'])})")
+        if "trajectory" in s:
+            t = s["trajectory"]
+            text += (f"; {t['updates']} updates: loss diff <= {t['max_loss_abs_diff']:.2g}, grad norm "
+                     f"<= {100 * t['max_grad_norm_rel_diff']:.2g}% ({'within' if t['ok'] else 'OUTSIDE'} tolerance)")
+        return text
     return ""
 
 

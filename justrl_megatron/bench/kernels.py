@@ -133,21 +133,17 @@ def bench_head(rows: int = 15360, hidden: int = 1536, vocab: int = 151936, dtype
     w = (torch.randn(vocab, hidden, device=dev, dtype=dtype, generator=g) * 0.02)
     t = torch.randint(0, vocab, (rows,), device=dev, generator=g)
     result, outs = {"rows": rows, "hidden": hidden, "vocab": vocab}, {}
-    real = logprobs._kernels
-    for mode, kernels in (("eager", lambda device: None), ("compiled", lambda device: real(device, True))):
-        logprobs._kernels = kernels
-        try:
-            def run(keep=False):
-                hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
-                lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=vocab, with_entropy=True)
-                (lp.sum() + 0.01 * ent.sum()).backward()
-                if keep:
-                    outs[mode] = (lp.detach(), ent.detach(), hh.grad, ww.grad)
+    for mode in ("eager", "compiled"):
+        def run(keep=False, mode=mode):
+            hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+            lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=vocab, with_entropy=True,
+                                                    compiled=mode == "compiled")
+            (lp.sum() + 0.01 * ent.sum()).backward()
+            if keep:
+                outs[mode] = (lp.detach(), ent.detach(), hh.grad, ww.grad)
 
-            run(keep=True)
-            result[f"{mode}_ms"] = _time(run, repeats=3, warmup=1) * 1e3
-        finally:
-            logprobs._kernels = real
+        run(keep=True)
+        result[f"{mode}_ms"] = _time(run, repeats=3, warmup=1) * 1e3
     result["compiled_speedup"] = result["eager_ms"] / result["compiled_ms"]
     result["max_abs_diff"] = {name: _maxdiff(a, b) for name, a, b in
                               zip(("logp", "entropy", "grad_hidden", "grad_weight"), outs["compiled"], outs["eager"])}

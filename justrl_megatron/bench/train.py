@@ -65,7 +65,9 @@ BUILTIN_SHAPES = {
 }
 
 
-def resolve_shape(model: str) -> ModelShape:
+def resolve_shape(model) -> ModelShape:
+    if isinstance(model, ModelShape):  # a shape made by the caller (gpu_check's MoE slice)
+        return model
     if model in BUILTIN_SHAPES:
         return BUILTIN_SHAPES[model]
     from transformers import AutoConfig
@@ -195,14 +197,19 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
                 dtype: str = "auto", transformer_impl: str = "auto", recompute: str = "none", steps: int = 3,
                 warmup: int = 1, max_tokens_per_micro_batch: int | None = None, distributed_optimizer: bool = True,
                 peak: float | None = None, seed: int = 0, cp: int = 1, measure_activations: bool = False,
-                attention_backend: str = "auto", count_syncs: bool = False) -> dict:
+                attention_backend: str = "auto", count_syncs: bool = False, samples: list | None = None,
+                shared_prompt: str = "off", fast_paths: dict | None = None, moe_grouped_gemm: bool = False,
+                fp8: bool = False) -> dict:
     """Benchmark one policy update. ``tokens``: tokens per model replica per step (default 16384 on GPU, 2048 on
     CPU), as sequences of ``seq_len`` (default: one sequence of all of them on GPU, 512 on CPU) whose first
     ``prompt_len`` tokens are the prompt. ``peak``: the device's peak TFLOP/s, when not in the built-in table.
     ``cp``: context parallelism (each sequence split over ``cp`` ranks; a replica is TP x PP x CP ranks).
     ``measure_activations``: the last timed update runs under `saved_activation_bytes` (a Python call per saved
     tensor: negligible); reported per rank, the max over ranks. ``count_syncs`` (CUDA): one more update, untimed,
-    counting device-to-host syncs (`sync_counts`) in the whole update and in its optimizer step."""
+    counting device-to-host syncs (`sync_counts`) in the whole update and in its optimizer step. ``samples``: this
+    batch instead of the random one (bench/packed_shape.py's JustRL shape; ``tokens`` and ``seq_len`` are then
+    ignored), with ``shared_prompt`` (trainer.shared_prompt) its FLOPs count each prompt once. ``fast_paths``,
+    ``moe_grouped_gemm``, ``fp8``: the model settings of those names (Policy.build)."""
     from megatron.core import parallel_state as ps
 
     from ..distributed import init_distributed
@@ -223,17 +230,19 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     policy = Policy.build(shape, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, dtype=dtype,
                           transformer_impl=transformer_impl, recompute=recompute, lr=1e-6, warmup_steps=0,
                           weight_decay=0.1, grad_clip=1.0, distributed_optimizer=distributed_optimizer, seed=seed,
-                          max_sequence_length=max(seq_len, shape.max_position_embeddings), cp=cp,
-                          attention_backend=attention_backend)
+                          max_sequence_length=max(seq_len, shape.max_position_embeddings,
+                                                  *(x.length for x in samples or ())), cp=cp,
+                          attention_backend=attention_backend, shared_prompt=shared_prompt, fast_paths=fast_paths,
+                          moe_grouped_gemm=moe_grouped_gemm, fp8=fp8)
     t_optimizer = _time_optimizer_steps(policy)
     dp = ps.get_data_parallel_world_size()
     world = dist.get_world_size()
     _, rss_after_build = _peak_memory_gib()
     rng = random.Random(seed)
-    samples = [Sample(prompt_ids=[rng.randrange(shape.vocab_size) for _ in range(prompt_len)],
-                      response_ids=[rng.randrange(shape.vocab_size) for _ in range(seq_len - prompt_len)],
-                      advantage=rng.choice([-1.0, 1.0]), group=i)
-               for i in range(dp * tokens // seq_len)]
+    samples = samples or [Sample(prompt_ids=[rng.randrange(shape.vocab_size) for _ in range(prompt_len)],
+                                 response_ids=[rng.randrange(shape.vocab_size) for _ in range(seq_len - prompt_len)],
+                                 advantage=rng.choice([-1.0, 1.0]), group=i)
+                          for i in range(dp * tokens // seq_len)]
     budget = max_tokens_per_micro_batch or tokens
     kw = dict(max_tokens_per_micro_batch=budget)
 
@@ -277,8 +286,15 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         extra["saved_activations_gib"] = float(t.item())
 
     vocab = padded_vocab_size(shape.vocab_size, tp, 128)
-    fwd = forward_flops(shape, [s.length for s in samples], sum(len(s.response_ids) for s in samples), vocab)
-    total_tokens = sum(s.length for s in samples)
+    if policy.shared_prompt:  # each group's prompt runs once
+        from .packed_shape import shared_prompt_forward_flops
+
+        fwd = shared_prompt_forward_flops(shape, samples, vocab)
+    else:
+        fwd = forward_flops(shape, [s.length for s in samples], sum(len(s.response_ids) for s in samples), vocab)
+    total_tokens = sum(s.length for s in samples) - (
+        sum(len(s.prompt_ids) for s in samples) - sum(len(p) for p in {tuple(s.prompt_ids) for s in samples})
+        if policy.shared_prompt else 0)  # the tokens the model runs
     peak_tf = peak or peak_tflops(policy.dtype)
 
     def phase(times, flops):  # figures at the median step time; every step's time kept
@@ -290,7 +306,8 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
     t_fwd_bwd = [u - o for u, o in zip(t_update, t_optimizer)] if len(t_optimizer) == len(t_update) else []
 
     return {
-        "phase": "train", "model": model, "parameters": num_parameters(shape),
+        "phase": "train", "model": model if isinstance(model, str) else shape.family,
+        "parameters": num_parameters(shape),
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world,
         "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "sequence_parallel": bool(policy.config.sequence_parallel),
         "dtype": str(policy.dtype).replace("torch.", ""), "transformer_impl": policy.transformer_impl,
@@ -300,7 +317,8 @@ def bench_train(*, model: str = "tiny", tokens: int | None = None, seq_len: int 
         "peak_tflops": peak_tf, "update": phase(t_update, 3 * fwd), "logprob": phase(t_logprob, fwd),
         "fwd_bwd": phase(t_fwd_bwd, 3 * fwd) if t_fwd_bwd else None,
         "optimizer_s": statistics.median(t_optimizer) if t_optimizer else None, "optimizer_s_all": t_optimizer,
-        "attention_backend": attention_backend,
+        "attention_backend": policy.fast_paths.attention_backend, "shared_prompt": policy.shared_prompt,
+        "moe_grouped_gemm": moe_grouped_gemm, "fp8": fp8,
         mem_kind: mem, **extra, "grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss"),
     }
 

@@ -7,6 +7,9 @@ norm.py       RMSNorm for the local spec that works with sequence parallelism
 build.py      GPTModel chunks per (virtual) pipeline stage; hidden-state output for fused logprobs
 logprobs.py   chunked vocab-parallel logprobs + entropy (from logits, or fused with the output projection)
 policy.py     Policy: chunks in megatron DDP + (distributed) Adam + warmup/constant LR schedule
+grouped_experts.py  MoE experts as grouped GEMMs (model.moe_grouped_gemm)
+fp8.py        FP8 linear layers with rowwise scaling (model.fp8, Hopper)
+fast_paths.py the GPU fast-path switches and attention backend, decided once per launch and recorded
 moe.py        MoE training glue: router losses' weights per mini-batch and logged values, router load, routing replay
 lora.py       LoRA adapters on the TP-parallel linears (frozen base), adapters on/off, merged weights
 reference.py  reference-policy logprobs for the KL penalty: adapters off (LoRA) or a frozen copy of the weights
@@ -18,8 +21,9 @@ def problems(cfg, *, shape=None) -> list[str]:
     """What the model settings of `cfg` cannot run with, one line each, before any model is built. `shape` (a
     hf_config.ModelShape) enables the checks that need the model. Each feature's check (cfg, shape) -> lines lives in
     its module, imported only when asked, so `import justrl_megatron.model` stays cheap."""
-    from . import attention, hf_config, lora, moe, spec
+    from . import attention, fast_paths, fp8, grouped_experts, hf_config, lora, moe, spec
 
     checks = (attention.context_parallel_problems, moe.problems, spec.transformer_engine_problems,
-              attention.shared_prompt_config_problems, lora.problems, hf_config.shape_problems)
+              attention.shared_prompt_config_problems, lora.problems, hf_config.shape_problems, fast_paths.problems,
+              grouped_experts.problems, fp8.problems)
     return [line for check in checks for line in check(cfg, shape)]

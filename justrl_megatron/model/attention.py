@@ -664,7 +664,10 @@ class SDPAttention(_Base):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.attn_mask_type = attn_mask_type
-        self.backend = getattr(config, "justrl_attention_backend", "auto")  # set by model/policy.Policy.build
+        # the backend every rank agreed on (model/fast_paths.resolve, set by Policy.build); a model built without a
+        # Policy (tests, converters) decides per process
+        fast = getattr(config, "justrl_fast_paths", None)
+        self.backend = fast.attention_backend if fast is not None else "auto"
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError("SDPAttention runs without attention dropout (RL fine-tuning); set attention_dropout=0")

@@ -25,8 +25,11 @@ def build_model_chunks(
     max_sequence_length: int | None = None,
     make_vocab_size_divisible_by: int = 128,
     parallel_output: bool = True,
+    moe_grouped_gemm: bool = False,
+    fp8: bool = False,
 ):
-    """Return the list of GPTModel chunks of this rank (length = virtual pipeline size, 1 without VPP)."""
+    """Return the list of GPTModel chunks of this rank (length = virtual pipeline size, 1 without VPP).
+    `moe_grouped_gemm`, `fp8`: the local spec's grouped experts and FP8 linears (spec.block_spec)."""
     vpp = config.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     chunks = []
@@ -34,7 +37,8 @@ def build_model_chunks(
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, transformer_impl, vp_stage=stage),
+            transformer_layer_spec=block_spec(config, transformer_impl, vp_stage=stage,
+                                              moe_grouped_gemm=moe_grouped_gemm, fp8=fp8),
             vocab_size=vocab,
             max_sequence_length=max_sequence_length or shape.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

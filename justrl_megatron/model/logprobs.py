@@ -145,13 +145,9 @@ def _fused_kernels_eager():
     return _fused_max, _fused_sums, _fused_grad
 
 
-def _kernels(device, compiled: bool | None = None):
-    """(max, sums, grad) as compiled kernels on CUDA with `compiled_head` on (or `compiled=True`); None: the eager
-    chunk functions above."""
-    if compiled is None:
-        from . import fast_paths
-
-        compiled = device.type == "cuda" and fast_paths.enabled("compiled_head")
+def _kernels(device, compiled: bool = False):
+    """(max, sums, grad) as compiled kernels with `compiled` (the fast path `compiled_head`, which the step passes
+    on CUDA); None: the eager chunk functions above."""
     if not compiled:
         return None
     if not _COMPILED:
@@ -180,13 +176,13 @@ def _grad_of_chunk(raw, targets, start, real, lse, ent, g_logp, g_ent, out_dtype
 
 class _LogprobsFromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_size, rows, with_entropy):
+    def forward(ctx, logits, targets, group, vocab_size, rows, with_entropy, compiled):
         start, real = _vocab_slice(logits.size(-1), group, vocab_size)
         n, acc = logits.size(0), _acc_dtype(logits.dtype)
         logp = torch.empty(n, dtype=acc, device=logits.device)
         ent = torch.empty(n if with_entropy else 0, dtype=acc, device=logits.device)
         lse = torch.empty(n, dtype=acc, device=logits.device)
-        kernels = _kernels(logits.device)
+        kernels = _kernels(logits.device, compiled)
         for a in range(0, n, rows):
             b = min(a + rows, n)
             lp, en, ls = _forward_stats(logits[a:b], targets[a:b], start, real, group, with_entropy, kernels)
@@ -194,36 +190,36 @@ class _LogprobsFromLogits(torch.autograd.Function):
             if with_entropy:
                 ent[a:b] = en
         ctx.save_for_backward(logits, targets, lse, ent)
-        ctx.meta = (group, start, real, rows, with_entropy)
+        ctx.meta = (group, start, real, rows, with_entropy, compiled)
         ctx.set_materialize_grads(False)  # an unused output (e.g. entropy without a bonus) costs nothing in backward
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, targets, lse, ent = ctx.saved_tensors
-        group, start, real, rows, with_entropy = ctx.meta
+        group, start, real, rows, with_entropy, compiled = ctx.meta
         g_ent = g_ent if with_entropy else None
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad = torch.empty_like(logits)
-        kernels = _kernels(logits.device)
+        kernels = _kernels(logits.device, compiled)
         for a in range(0, logits.size(0), rows):
             b = min(a + rows, logits.size(0))
             grad[a:b] = _grad_of_chunk(
                 logits[a:b], targets[a:b], start, real, lse[a:b], ent[a:b] if g_ent is not None else None,
                 None if g_logp is None else g_logp[a:b], None if g_ent is None else g_ent[a:b], grad.dtype, kernels)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 class _LogprobsFromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, group, vocab_size, rows, with_entropy):
+    def forward(ctx, hidden, weight, targets, group, vocab_size, rows, with_entropy, compiled):
         start, real = _vocab_slice(weight.size(0), group, vocab_size)
         n, acc = hidden.size(0), _acc_dtype(hidden.dtype)
         logp = torch.empty(n, dtype=acc, device=hidden.device)
         ent = torch.empty(n if with_entropy else 0, dtype=acc, device=hidden.device)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
-        kernels = _kernels(hidden.device)
+        kernels = _kernels(hidden.device, compiled)
         for a in range(0, n, rows):
             b = min(a + rows, n)
             lp, en, ls = _forward_stats(hidden[a:b] @ weight.t(), targets[a:b], start, real, group, with_entropy,
@@ -232,21 +228,21 @@ class _LogprobsFromHidden(torch.autograd.Function):
             if with_entropy:
                 ent[a:b] = en
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.meta = (group, start, real, rows, with_entropy)
+        ctx.meta = (group, start, real, rows, with_entropy, compiled)
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        group, start, real, rows, with_entropy = ctx.meta
+        group, start, real, rows, with_entropy, compiled = ctx.meta
         g_ent = g_ent if with_entropy else None
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
-        kernels = _kernels(hidden.device)
+        kernels = _kernels(hidden.device, compiled)
         for a in range(0, hidden.size(0), rows):
             b = min(a + rows, hidden.size(0))
             h = hidden[a:b]
@@ -257,26 +253,27 @@ class _LogprobsFromHidden(torch.autograd.Function):
                 grad_h[a:b] = gz @ weight
             if need_w:
                 grad_w += (gz.t() @ h).to(grad_w.dtype)
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int | None = None,
-                         with_entropy: bool = False, chunk_size: int | None = None, group=None):
+                         with_entropy: bool = False, chunk_size: int | None = None, group=None, compiled: bool = False):
     """Log-probabilities (and entropy) of ``targets`` [N] under vocab-parallel ``logits`` [N, V_local].
 
     ``group``: the tensor-parallel group whose ranks hold consecutive vocab slices (None: the whole vocabulary is
     here). ``vocab_size``: the real vocabulary (ids at or past it are padding and excluded from the softmax).
     Returns ``(logp [N], entropy [N] | None)`` in fp32 (fp64 for fp64 input), differentiable w.r.t. ``logits``.
+    ``compiled``: the per-chunk math as compiled kernels (fast path `compiled_head`).
     """
     _check(logits.size(0), targets)
     rows = chunk_rows(logits.size(-1), chunk_size)
-    logp, ent = _LogprobsFromLogits.apply(logits, targets, group, vocab_size, rows, with_entropy)
+    logp, ent = _LogprobsFromLogits.apply(logits, targets, group, vocab_size, rows, with_entropy, compiled)
     return logp, (ent if with_entropy else None)
 
 
 def logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          vocab_size: int | None = None, with_entropy: bool = False, chunk_size: int | None = None,
-                         group=None):
+                         group=None, compiled: bool = False):
     """As `logprobs_from_logits` for logits = hidden [N, H] @ weight[V_local, H]^T, never materialising them.
 
     ``hidden`` must be the full sequence on every TP rank (after megatron's copy-to-TP / sequence-parallel gather,
@@ -286,7 +283,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if hidden.size(-1) != weight.size(-1):
         raise ValueError(f"hidden size {hidden.size(-1)} does not match the output weight {tuple(weight.shape)}")
     rows = chunk_rows(weight.size(0), chunk_size)
-    logp, ent = _LogprobsFromHidden.apply(hidden, weight, targets, group, vocab_size, rows, with_entropy)
+    logp, ent = _LogprobsFromHidden.apply(hidden, weight, targets, group, vocab_size, rows, with_entropy, compiled)
     return logp, (ent if with_entropy else None)
 
 

@@ -157,13 +157,14 @@ def _use_fused_adamw(optimizer) -> list[str]:
     return switched
 
 
-def install_optimizer_kernels(optimizer, device) -> list[str]:
+def install_optimizer_kernels(optimizer, device, fast: fast_paths.FastPaths | None = None) -> list[str]:
     """The fast paths of the optimizer step for a policy on `device` (see the module docstring); nothing on the CPU.
-    Returns (and logs) what was installed or put back."""
+    `fast`: the policy's resolved fast paths (None: all on). Returns (and logs) what was installed or put back."""
     if torch.device(device).type != "cuda":
         return []
-    done = _bind_foreach(fast_paths.enabled("foreach_grad_norm"))
-    if fast_paths.enabled("fused_adamw"):
+    fast = fast or fast_paths.FastPaths()
+    done = _bind_foreach(fast.foreach_grad_norm)
+    if fast.fused_adamw:
         done += _use_fused_adamw(optimizer)
     if done:
         logger.info("optimizer kernels: %s", "; ".join(done))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
@@ -34,7 +35,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from .. import compat
 from ..distributed import init_distributed, init_model_parallel
 from ..dtypes import resolve_dtype
-from .attention import resolve_shared_prompt
+from . import fast_paths as fast_paths_mod
+from .attention import attention_backend as decide_attention_backend, resolve_shared_prompt
 from .build import build_model_chunks
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
@@ -127,6 +129,8 @@ class Policy:
     shared_prompt: bool = False
     skipped_in_a_row: int = 0  # optimizer steps skipped in a row for a non-finite grad norm (train/step.py)
     routing_replay: object = None  # MoE, algo.routing_replay old|rollout: model/moe.RoutingReplay (train/step.py)
+    # the fast paths and attention kernel every rank runs with, decided once (model/fast_paths.resolve)
+    fast_paths: fast_paths_mod.FastPaths = field(default_factory=fast_paths_mod.FastPaths)
 
     @classmethod
     def build(cls, shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
@@ -137,7 +141,8 @@ class Policy:
               max_sequence_length: int | None = None, lora: dict | None = None, shared_prompt="off",
               cp: int = 1, moe_aux_loss_coef: float | None = None, moe_z_loss_coef: float | None = None,
               moe_permute_fusion: bool | None = None, routing_replay: str = "off",
-              attention_backend: str = "auto") -> "Policy":
+              attention_backend: str = "auto", fast_paths=None, moe_grouped_gemm: bool = False,
+              fp8: bool = False) -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
         `shared_prompt` auto | on | off (`resolve_shared_prompt`). `cp`: context-parallel size (the batch split is
@@ -145,7 +150,10 @@ class Policy:
         `moe_aux_loss_coef`: MoE models' load-balancing loss weight (None: the HF config's; 0: off; model/moe.py);
         `moe_z_loss_coef`: their router z-loss weight (None or 0: off); `moe_permute_fusion` (`_moe_options`).
         `routing_replay` off | old | rollout (model/moe.py). `attention_backend` auto | flash | cudnn: packed
-        attention on CUDA (model/attention.attention_backend)."""
+        attention on CUDA (model/attention.attention_backend), `auto` measured on rank 0 and broadcast;
+        `fast_paths`: the model.fast_paths section (None: all on), JUSTRL_FAST_PATHS_OFF applied on top
+        (model/fast_paths.py). `moe_grouped_gemm`: MoE experts as grouped GEMMs (model/grouped_experts.py); `fp8`:
+        the decoder's linears in FP8 (model/fp8.py, Hopper only)."""
         replay = routing_replay != "off" and bool(shape.num_experts)
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
@@ -172,6 +180,12 @@ class Policy:
         else:
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
+        device = compat.default_device()
+        heads = (shape.num_attention_heads // tp, shape.num_query_groups // tp, shape.head_dim)
+        fast = fast_paths_mod.resolve(  # (TransformerEngine's spec attends with its own kernels: nothing to time)
+            fast_paths, attention_backend=attention_backend,
+            decide_attention=None if impl == "te" else
+            lambda choice: decide_attention_backend(choice, device, torch_dtype, *heads))
 
         config = transformer_config(
             shape, tp=tp, pp=pp, vpp=vpp, ep=ep, sequence_parallel=sequence_parallel, dtype=torch_dtype,
@@ -179,10 +193,10 @@ class Policy:
             **_pipeline_options(pp, vpp), **gpu_fusions(impl), **_context_parallel_options(cp, impl),
             **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
-        config.justrl_attention_backend = attention_backend  # read by model/attention.SDPAttention
-        device = compat.default_device()
+        config.justrl_fast_paths = fast  # read by model/attention.SDPAttention
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
-                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                                     make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                     moe_grouped_gemm=moe_grouped_gemm, fp8=fp8)
         modules = [m.to(device) for m in modules]
         prepare_routers(modules)
         install_route_slots(modules)  # a recomputed MoE layer routes as its forward did (model/moe.RouteSlot)
@@ -201,7 +215,7 @@ class Policy:
                             bf16=torch_dtype == torch.bfloat16, fp16=False, params_dtype=torch_dtype,
                             use_distributed_optimizer=distributed_optimizer),
             chunks)
-        install_optimizer_kernels(optimizer, device)  # foreach grad norm, fused AdamW: CUDA without apex/TE only
+        install_optimizer_kernels(optimizer, device, fast)  # foreach grad norm, fused AdamW: CUDA without apex/TE only
         scheduler = ConfigScheduler(
             optimizer, init_lr=0.0 if warmup_steps else lr, max_lr=lr, min_lr=0.0, lr_warmup_steps=warmup_steps,
             lr_decay_steps=warmup_steps + 1, lr_decay_style="constant", start_wd=weight_decay, end_wd=weight_decay,
@@ -214,19 +228,22 @@ class Policy:
                    transformer_impl=impl, dtype=torch_dtype,
                    padded_vocab_size=padded_vocab_size(shape.vocab_size, tp, make_vocab_size_divisible_by),
                    hyper=hyper, lora=dict(lora) if lora else None, shared_prompt=shared,
-                   routing_replay=RoutingReplay(modules, source=routing_replay) if replay else None)
+                   routing_replay=RoutingReplay(modules, source=routing_replay) if replay else None,
+                   fast_paths=fast)
 
     @classmethod
     def from_config(cls, cfg, shape: ModelShape) -> "Policy":
         """`build` with the knobs of a composed config: cfg.model, cfg.parallel and cfg.trainer (the optimizer).
         `model.recompute=auto` is resolved by the memory plan first, as justrl-train does (it may also clamp
-        `trainer.max_tokens_per_micro_batch` in cfg)."""
+        `trainer.max_tokens_per_micro_batch` in cfg). The fast paths it resolves are recorded beside the launch's
+        config_history entry (rank 0; a resume that resolves otherwise says so, or stops under
+        model.fast_paths.strict_resume)."""
         if cfg.model.recompute == "auto":
             resolve_recompute(cfg, shape, int(os.environ.get("WORLD_SIZE", "1")))
         model, par, tr = cfg.model, cfg.parallel, cfg.trainer
         lo = model.lora
         lora = dict(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, targets=list(lo.targets)) if lo.enabled else None
-        return cls.build(
+        policy = cls.build(
             shape, tp=par.tensor, pp=par.pipeline, vpp=par.virtual_pipeline, ep=par.expert,
             sequence_parallel=par.sequence_parallel,
             dtype=model.dtype, transformer_impl=model.transformer_impl, recompute=model.recompute, lr=tr.lr,
@@ -236,7 +253,16 @@ class Policy:
             make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, seed=tr.seed, lora=lora,
             shared_prompt=tr.shared_prompt, cp=par.context, moe_aux_loss_coef=model.moe_aux_loss_coef,
             moe_z_loss_coef=model.moe_z_loss_coef, moe_permute_fusion=model.moe_permute_fusion,
-            routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend)
+            routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend,
+            fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8)
+        if int(os.environ.get("RANK", "0")) == 0:  # rank 0 decides, as for the launch's other checks
+            from ..run_history import record_resolved
+
+            note = record_resolved(cfg.trainer.run_dir, policy.fast_paths.record(),
+                                   strict=bool(model.fast_paths.strict_resume))
+            if note:
+                print(f"justrl-train: warning: {note}", file=sys.stderr, flush=True)
+        return policy
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
     @property

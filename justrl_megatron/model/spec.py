@@ -54,6 +54,11 @@ def transformer_engine_problems(cfg, shape=None) -> list[str]:
         problems.append("parallel.context > 1 with the TE spec has no fp32 attention (TE's fused and flash attention "
                         "take bf16/fp16, its unfused one has no context parallelism); set model.dtype=bf16, or "
                         "model.transformer_impl=local")
+    if _runs_te(cfg.model.transformer_impl):  # the local spec's own modules (block_spec)
+        for key, what in (("moe_grouped_gemm", "grouped experts (TransformerEngine has its own)"),
+                          ("fp8", "FP8 linears (TransformerEngine has its own recipes)")):
+            if getattr(cfg.model, key, False):
+                problems.append(f"model.{key}=true is the local spec's {what}; set model.transformer_impl=local")
     fixes = {}  # the setting asked for -> what to use instead
     if cfg.model.transformer_impl == "te":
         fixes["model.transformer_impl=te"] = "model.transformer_impl=auto or local"
@@ -129,8 +134,11 @@ def _moe_router_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = None):
-    """The decoder block spec for this pipeline stage (and virtual stage)."""
+def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = None, *,
+               moe_grouped_gemm: bool = False, fp8: bool = False):
+    """The decoder block spec for this pipeline stage (and virtual stage). Local spec only: `moe_grouped_gemm`
+    puts grouped experts in place of the sequential ones (grouped_experts.py), `fp8` FP8 linears in place of the
+    attention's and the dense MLP's (fp8.py); config validation refuses either with TE (`problems` of those)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     impl = resolve_impl(transformer_impl)
@@ -158,4 +166,17 @@ def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = No
             layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
             layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
         final_norm = RMSNorm
+        if moe_grouped_gemm and config.num_moe_experts:
+            from .grouped_experts import grouped_experts_module
+
+            layer.submodules.mlp.submodules.experts.module = grouped_experts_module()
+        if fp8:
+            from .fp8 import fp8_linear_classes
+
+            column, row = fp8_linear_classes()
+            attention = layer.submodules.self_attention.submodules
+            attention.linear_qkv, attention.linear_proj = column, row
+            if not config.num_moe_experts:  # MoE experts stay in model.dtype (grouped_experts.py)
+                layer.submodules.mlp.submodules.linear_fc1 = column
+                layer.submodules.mlp.submodules.linear_fc2 = row
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

@@ -37,7 +37,6 @@ from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
-from ..model import fast_paths
 from ..model.optimizer_kernels import fp32_norms
 from ..model.rope import rope_at_positions
 from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, \
@@ -134,14 +133,14 @@ def _num_targets(mb: MicroBatch, device) -> torch.Tensor:
     return torch.full((), mb.num_targets, dtype=torch.int, device=device)
 
 
-def _rope_positions(mb: MicroBatch):
+def _rope_positions(mb: MicroBatch, rope_once: bool):
     """The position ids RoPE rotates by, or None for megatron's segment offsets. Shared-prompt units need them
     (responses restart at the prompt's end, inside one segment); on CUDA every packed row uses them too
     (fast path `rope_once`: megatron's packed RoPE reads the boundaries on the host in every layer). The position
     ids restart at each sample, which is what the segment offsets give, so both rotate a token alike."""
     if mb.shared is not None:
         return mb.position_ids[0]
-    if mb.tokens.is_cuda and ps.get_context_parallel_world_size() == 1 and fast_paths.enabled("rope_once"):
+    if mb.tokens.is_cuda and ps.get_context_parallel_world_size() == 1 and rope_once:
         return mb.position_ids[0]
     return None
 
@@ -155,7 +154,7 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        with rope_at_positions(unwrap(model), _rope_positions(mb)), \
+        with rope_at_positions(unwrap(model), _rope_positions(mb, policy.fast_paths.rope_once)), \
                 _routes(policy, routes, mb, model):
             out = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params(),
                         padding_mask=moe.padding_mask(model, mb))
@@ -175,7 +174,8 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
 def _target_logprobs(policy, mb: MicroBatch, model, output: torch.Tensor, with_entropy: bool):
     hidden = output[0].index_select(0, mb.logit_positions)  # [N, h] positions that predict response tokens
     return logprobs_from_hidden(hidden, output_weight(model), mb.targets, vocab_size=policy.shape.vocab_size,
-                                with_entropy=with_entropy, group=_tp_group())
+                                with_entropy=with_entropy, group=_tp_group(),
+                                compiled=hidden.is_cuda and policy.fast_paths.compiled_head)
 
 
 def _scatter_to_samples(samples, per_mb: list[tuple[MicroBatch, torch.Tensor]], device) -> list[torch.Tensor]:

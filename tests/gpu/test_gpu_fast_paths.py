@@ -49,6 +49,15 @@ def test_auto_backend_picks_a_working_backend_and_says_why(caplog):
         assert "model.attention_backend=auto" in caplog.text and "cudnn" in caplog.text
 
 
+def test_the_policy_decides_auto_once_and_every_attention_layer_takes_it():
+    policy = _tiny_policy(attention_backend="auto")
+    chosen = policy.fast_paths.attention_backend
+    assert chosen in ("cudnn", "flash")
+    cores = [m for m in policy.modules[0].modules() if isinstance(m, attention.SDPAttention)]
+    assert cores and {c.backend for c in cores} == {chosen}  # resolved, not "auto" decided per layer again
+    assert policy.fast_paths.record()["model.attention_backend"] == chosen
+
+
 def _tiny_policy(**kw):
     from justrl_megatron.bench.train import BUILTIN_SHAPES
     from justrl_megatron.model.policy import Policy
@@ -66,12 +75,15 @@ def _samples(n=4, seed=0):
             for i, L in enumerate(torch.randint(20, 300, (n,), generator=g))]
 
 
-def test_rope_once_gives_megatrons_logprobs_exactly(monkeypatch):
+def test_rope_once_gives_megatrons_logprobs_exactly():
+    import dataclasses
+
     from justrl_megatron.train.step import compute_logprobs
 
     policy, samples = _tiny_policy(), _samples()
+    assert policy.fast_paths.rope_once
     fast = compute_logprobs(policy, samples, max_tokens_per_micro_batch=4096)
-    monkeypatch.setenv("JUSTRL_FAST_PATHS_OFF", "rope_once")
+    policy.fast_paths = dataclasses.replace(policy.fast_paths, rope_once=False)  # the step reads it from the policy
     slow = compute_logprobs(policy, samples, max_tokens_per_micro_batch=4096)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
@@ -83,16 +95,12 @@ def test_compiled_head_equals_the_eager_head():
     w = torch.randn(4224, 256, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
     t = torch.randint(0, 4100, (3000,), device="cuda", generator=g)
     outs = []
-    real = logprobs._kernels
     for compiled in (False, True):
-        logprobs._kernels = lambda device, c=compiled: real(device, c)
-        try:
-            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=4100, with_entropy=True, chunk_size=1000)
-            (lp.sum() + 0.1 * ent.sum()).backward()
-            outs.append((lp, ent, hh.grad, ww.grad))
-        finally:
-            logprobs._kernels = real
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = logprobs.logprobs_from_hidden(hh, ww, t, vocab_size=4100, with_entropy=True, chunk_size=1000,
+                                                compiled=compiled)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        outs.append((lp, ent, hh.grad, ww.grad))
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), *outs):
         bound = 1e-5 if a.dtype == torch.float32 else 1e-2  # fp32 sums in another order; bf16 one rounding
         assert _rel(a.float(), b.float()) <= bound, name

@@ -75,7 +75,7 @@ def test_optimizer_step_syncs_once(bf16_policy, monkeypatch):
     that shows this count can see them)."""
     from megatron.core.optimizer import clip_grads
     from megatron.core import utils
-    from justrl_megatron.model import optimizer_kernels as ok
+    from justrl_megatron.model import fast_paths, optimizer_kernels as ok
 
     policy = bf16_policy
     assert policy.device.type == "cuda" and policy.dtype == torch.bfloat16
@@ -91,13 +91,12 @@ def test_optimizer_step_syncs_once(bf16_policy, monkeypatch):
     steps = {str(s["step"].device) for i in inners for s in i.state.values()}
     assert steps == {str(policy.device)}, steps  # fused AdamW keeps its step counts on the device
 
-    monkeypatch.setenv("JUSTRL_FAST_PATHS_OFF", "foreach_grad_norm")
+    off = fast_paths.FastPaths(foreach_grad_norm=False)
     try:
-        assert ok.install_optimizer_kernels(policy.optimizer, policy.device)  # megatron's fallbacks put back
+        assert ok.install_optimizer_kernels(policy.optimizer, policy.device, off)  # megatron's fallbacks put back
         assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
         slow = _optimizer_step_syncs(policy, updates=1)
     finally:
-        monkeypatch.delenv("JUSTRL_FAST_PATHS_OFF")
         ok.install_optimizer_kernels(policy.optimizer, policy.device)
     assert clip_grads.l2_norm_impl is ok.foreach_l2_norm
     n_grads = sum(p.requires_grad for c in policy.chunks for p in c.parameters())
