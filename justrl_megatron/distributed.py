@@ -180,3 +180,15 @@ def trainer_broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def trainer_scatter(per_rank):
+    """Trainer rank 0's `per_rank[r]` on trainer rank r (the default group, as `trainer_broadcast`); the other ranks
+    pass None. Each rank receives its own object only (pickled; the messages are padded to the largest)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return per_rank[0]
+    box = [None]
+    dist.scatter_object_list(box, per_rank if dist.get_rank() == 0 else None, src=0)
+    return box[0]

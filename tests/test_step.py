@@ -283,6 +283,27 @@ def test_uneven_mini_batches_with_an_empty_dp_rank(layouts2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2", "dp2_distopt", "tp2_sp"])
+def test_sharded_step_matches_the_whole_batch_step_bitwise(layouts2, name):
+    """train/shard.py: each DP replica trains on the shard rank 0 scattered (only its samples) exactly as on the whole
+    list every rank holds (which the layouts above hold to TP1): metrics, old logprobs and gradients bitwise, for
+    several mini-batches after an old-logprob pass and for the on-policy single step."""
+    for v in layouts2:
+        for case in ("mini_batches", "on_policy"):
+            got = v[name]["sharded"][case]
+            assert got["metrics_equal"], (name, case, got["differing"])
+            assert got["old_equal"] and got["grads_equal"], (name, case)
+            whole, shard = got["gap_whole"], got["gap_shard"]
+            assert shard["logprob_diff_max"] == whole["logprob_diff_max"] > 0
+            assert shard["logprob_diff_tokens"] == whole["logprob_diff_tokens"]
+            # one replica: the same sum in the same order; two: float64 reassociation only
+            tol = 0 if name == "tp2_sp" else 2 * whole["logprob_diff_tokens"] * 2.0 ** -53 * whole["logprob_diff_mean"]
+            assert abs(shard["logprob_diff_mean"] - whole["logprob_diff_mean"]) <= tol
+        assert v[name]["sharded"]["mini_batches"]["optimizer_steps"] == 3
+        if name != "tp2_sp":  # at DP2 a replica holds part of the batch
+            assert v[name]["sharded"]["on_policy"]["held"] < v[name]["sharded"]["on_policy"]["batch"]
+
+
 def test_vocab_parallel_chunked_logprobs_match_naive(layouts2):
     for rank_verdict in layouts2:
         v = rank_verdict["vocab_parallel"]

@@ -1,6 +1,8 @@
 """GRPO samples -> packed micro-batches under a token budget, balanced over data-parallel ranks.
 
-Every rank holds the same full list of samples, so every rank computes the same plan locally (no communication):
+The plan of a pass (`plan_pass`) needs the whole batch: trainer rank 0 makes it and sends each DP replica its
+samples and its micro-batches (train/shard.py); a caller that holds the whole batch on every rank makes the same
+plan locally. For each pass (the old-logprob pass over the batch, each mini-batch of the update):
   1. `split_over_dp`: the samples of a mini-batch go to DP ranks, longest first, each to the rank with the fewest
      tokens so far (token-balanced, deterministic);
   2. `pack_micro_batches`: each rank's samples go into as few micro-batches as hold `max_tokens_per_micro_batch`
@@ -38,7 +40,7 @@ import torch
 
 @dataclass
 class Sample:
-    """One response of a GRPO group (the same full list on every rank)."""
+    """One response of a GRPO group."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -126,6 +128,22 @@ def pack_micro_batches(per_rank: Sequence[Sequence[int]], lengths: Sequence[int]
             # keep the original sample order inside each micro-batch; lightest-last is irrelevant for the math
             return [[sorted(b) for b in p] for p in plans]
         count += 1
+
+
+def plan_pass(samples: Sequence[Sample], ids: Sequence[int], max_tokens: int, dp_size: int, *,
+              shared_prompt: bool = False, multiple_of: int = 1) -> list[list[list[list[int]]]]:
+    """Every DP rank's micro-batches for one pass over the samples ``ids``: [DP rank][micro-batch] -> units (lists of
+    sample ids; one sample each unless ``shared_prompt``), the same count of micro-batches on every DP rank.
+    ``multiple_of``: that count is a multiple of it (the interleaved pipeline schedule)."""
+    if shared_prompt:
+        units = prompt_units(samples, ids, max_tokens)
+    else:  # every sample a unit of its own
+        check_samples_fit(ids, [s.length for s in samples], max_tokens)
+        units = [[i] for i in ids]
+    lengths = [unit_length(samples, u) for u in units]
+    plans = pack_micro_batches(split_over_dp(range(len(units)), lengths, dp_size), lengths, max_tokens,
+                               multiple_of=multiple_of)
+    return [[[units[u] for u in b] for b in rank] for rank in plans]
 
 
 @dataclass

@@ -40,7 +40,7 @@ from ..metrics import MetricsLogger, plot_curves, step_metrics
 from ..model.lora import has_lora
 from ..model.policy import Policy
 from ..rewards import make_scorer
-from ..rollout import RolloutEngine, RolloutInterrupted, SamplingConfig, logprob_gap
+from ..rollout import RolloutEngine, RolloutInterrupted, SamplingConfig
 from ..rollout.placement import make_placement
 from ..rollout.scoring import generate_and_score
 from ..rollout.source import make_source
@@ -50,6 +50,7 @@ from .batching import Sample
 from .hf_snapshots import HFSnapshots
 from .profiling import PhaseTimer, StepProfiler
 from .reference import Reference
+from .shard import Layout, Shard, logprob_gap, scatter_shards
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
 from .validation import Validation
 
@@ -109,13 +110,13 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         if scored.sampling_stats is not None and scored.sampling_stats.shortfall():
             logger.print(f"step {step}: {scored.sampling_stats.shortfall()}")
 
-        # 4. reward shaping (algo.overlong_buffer, algo.tool_*_penalty) and group advantages (algo.advantage)
-        advantages, shaping_metrics = _advantages(scored.batch, cfg, loss)
-        samples = _samples(scored.batch.prompts, scored.batch.rollouts, advantages, ro.n)
+        # 4. reward shaping (algo.overlong_buffer, algo.tool_*_penalty) and group advantages (algo.advantage) on
+        #    rank 0, which sends each DP replica only its samples (train/shard.py)
+        shard, samples, shaping_metrics = _samples(scored.batch if is_leader else None, cfg, loss, policy)
 
         # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates
         with placement.training():
-            update, old_logprobs = _train(policy, reference, samples, cfg, loss, timer)
+            update, gap = _train(policy, reference, shard, cfg, loss, timer)
 
         # 7. weight sync into the rollout engine, which is ready to generate the next step after it
         with timer("sync"):
@@ -123,7 +124,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
             placement.publish(version, source.min_version(version))
 
         # 8. metrics, and when due the validation of the new weights (avg@n on data.val) in the same record
-        metrics = _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics)
+        metrics = _step_record(scored, samples, gap, update, timer, shaping_metrics)
         if validation.due(step):
             metrics |= validation.run(engines, step)
         logger.log(step, metrics)
@@ -169,41 +170,68 @@ def _advantages(batch, cfg, loss: LossConfig) -> tuple[torch.Tensor, dict[str, f
     return advantages, metrics | penalty_metrics
 
 
-def _samples(prompts, rollouts, advantages, n: int) -> list[Sample]:
-    """The update's samples: sample i answers prompt i // n (its group) and carries its advantage."""
-    return [Sample(prompt_ids=prompts[i // n].ids, response_ids=rollouts.token_ids[i], advantage=float(advantages[i]),
-                   rollout_logprobs=rollouts.logprobs[i], group=i // n, truncated=bool(rollouts.truncated[i]),
-                   routed_experts=None if rollouts.routed_experts is None else rollouts.routed_experts[i],
-                   sampled_mask=None if rollouts.sampled_mask is None else rollouts.sampled_mask[i])
-            for i in range(len(rollouts.token_ids))]
+def _samples(batch, cfg, loss: LossConfig, policy) -> tuple[Shard, list[Sample] | None, dict[str, float]]:
+    """The update's samples: rank 0 (`batch`: the whole scored batch; None on the other ranks) builds them all and
+    plans the passes; every rank gets its DP replica's `Shard` (train/shard.py). Returns (this rank's shard, the
+    whole list on rank 0 else None, the reward shaping's metrics on rank 0 else {}). Sample i answers prompt i // n
+    (its group) and carries its advantage."""
+    samples, shaping_metrics = None, {}
+    if batch is not None:
+        advantages, shaping_metrics = _advantages(batch, cfg, loss)
+        rollouts, n = batch.rollouts, cfg.rollout.n
+        samples = [Sample(prompt_ids=batch.prompts[i // n].ids, response_ids=rollouts.token_ids[i],
+                          advantage=float(advantages[i]), rollout_logprobs=rollouts.logprobs[i], group=i // n,
+                          truncated=bool(rollouts.truncated[i]),
+                          routed_experts=None if rollouts.routed_experts is None else rollouts.routed_experts[i],
+                          sampled_mask=None if rollouts.sampled_mask is None else rollouts.sampled_mask[i])
+                   for i in range(len(rollouts.token_ids))]
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    shard = scatter_shards(samples, Layout.of(policy, budget), mini_batch_size=_mini_batch_size(cfg, samples),
+                           loss_agg=loss.aggregation, mask_truncated=loss.mask_truncated)
+    return shard, samples, shaping_metrics
 
 
-def _train(policy, reference, samples, cfg, loss: LossConfig, timer) -> tuple[dict, list]:
-    """Reference logprobs (algo.kl_coef), old logprobs and the mini-batch GRPO updates -> (update metrics, old
-    logprobs). One optimizer step needs no separate old-logprob pass: the update's forward gives them (the proximal
-    policy is the weights before the step, also for stale samples, whose behaviour logprobs the rollout correction
-    uses as they are)."""
-    tr, budget = cfg.trainer, cfg.trainer.max_tokens_per_micro_batch
-    ref = _reference_logprobs(reference, samples, budget, timer)
-    if tr.mini_batch_size >= tr.prompts_per_step and tr.old_logprobs == "auto":
+def _on_policy(cfg) -> bool:
+    """One optimizer step on samples of the current weights: the update's own forward gives the old logprobs."""
+    tr = cfg.trainer
+    return tr.mini_batch_size >= tr.prompts_per_step and tr.old_logprobs == "auto"
+
+
+def _mini_batch_size(cfg, samples) -> int | None:
+    """Samples per optimizer step (the whole batch for the on-policy single step); None off rank 0."""
+    if samples is None:
+        return None
+    return max(len(samples), 1) if _on_policy(cfg) else cfg.trainer.mini_batch_size * cfg.rollout.n
+
+
+def _train(policy, reference, shard: Shard, cfg, loss: LossConfig, timer) -> tuple[dict, dict]:
+    """Reference logprobs (algo.kl_coef), old logprobs and the mini-batch GRPO updates on this rank's shard ->
+    (update metrics, the trainer vs rollout logprob gap over the whole batch). One optimizer step needs no separate
+    old-logprob pass: the update's forward gives them (the proximal policy is the weights before the step, also for
+    stale samples, whose behaviour logprobs the rollout correction uses as they are)."""
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    ref = _reference_logprobs(reference, shard, budget, timer)
+    if _on_policy(cfg):
         with timer("update"):
-            return grpo_update_on_policy(policy, samples, max_tokens_per_micro_batch=budget, loss=loss,
-                                         ref_logprobs=ref)
-    with timer("old_logprob"):
-        old_logprobs = compute_logprobs(policy, samples, max_tokens_per_micro_batch=budget)
-    with timer("update"):
-        update = grpo_update(policy, samples, old_logprobs, mini_batch_size=tr.mini_batch_size * cfg.rollout.n,
-                             max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref)
-    return update, old_logprobs
+            update, old_logprobs = grpo_update_on_policy(policy, shard, max_tokens_per_micro_batch=budget,
+                                                         loss=loss, ref_logprobs=ref)
+    else:
+        with timer("old_logprob"):
+            old_logprobs = compute_logprobs(policy, shard, max_tokens_per_micro_batch=budget)
+        with timer("update"):
+            update = grpo_update(policy, shard, old_logprobs, mini_batch_size=shard.mini_batch_size,
+                                 max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref)
+    return update, logprob_gap(shard, old_logprobs, policy.device)
 
 
-def _step_record(scored, samples, old_logprobs, update, timer, shaping_metrics) -> dict[str, float]:
-    """A step's metrics: rewards, lengths, trainer vs rollout logprobs, the update's, timings, shaping, rounds."""
+def _step_record(scored, samples, gap, update, timer, shaping_metrics) -> dict[str, float]:
+    """A step's metrics on rank 0 (`samples`: the whole batch there; None elsewhere: {}): rewards, lengths, trainer
+    vs rollout logprobs (`gap`), the update's, timings, shaping, rounds."""
+    if samples is None:
+        return {}
     b, stats = scored.batch, scored.sampling_stats
     metrics = step_metrics(rewards=b.rewards, correct=b.correct, reward_stats=b.reward_stats, rollouts=b.rollouts,
-                           prompt_tokens=sum(len(s.prompt_ids) for s in samples),
-                           logprob_gap=logprob_gap(b.rollouts.logprobs, old_logprobs, b.rollouts.sampled_mask),
-                           update=update,
+                           prompt_tokens=sum(len(s.prompt_ids) for s in samples), logprob_gap=gap, update=update,
                            phase_seconds=timer.seconds, step_seconds=timer.elapsed())
     metrics |= shaping_metrics | (stats.metrics() if stats is not None else {})
     return metrics | {"rollout/staleness": scored.staleness}
@@ -242,12 +270,12 @@ def _weight_stream(policy, shape):
                                                  include_tied_lm_head=True)
 
 
-def _reference_logprobs(reference, samples, budget: int, timer):
+def _reference_logprobs(reference, shard, budget: int, timer):
     """The reference policy's logprobs of every response (None without a reference: algo.kl_coef = 0)."""
     if reference is None:
         return None
     with timer("ref_logprob"):
-        return reference.logprobs(samples, max_tokens_per_micro_batch=budget)
+        return reference.logprobs(shard, max_tokens_per_micro_batch=budget)
 
 
 def _close(logger, validation, scorer, placement) -> None:

@@ -1,14 +1,18 @@
 """One GRPO update on the Megatron policy: old-logprob recomputation and the clipped policy-gradient steps.
 
 Both go through megatron's own schedule (`get_forward_backward_func()`), so TP, SP, PP and virtual PP all work the
-same way. Every rank holds the full list of samples; each data-parallel replica takes its token-balanced share,
-packed into micro-batches (train/batching.py). The last pipeline stage never builds logits: the policy's output
-layer hands back hidden states and logprobs/entropy are computed from them in chunks (model/logprobs.py).
+same way. Each data-parallel replica trains on its token-balanced share, packed into micro-batches
+(train/batching.py): the samples come as a `Shard` (train/shard.py: trainer rank 0 planned the passes and sent each
+replica its samples), or as the whole list on every rank, from which each rank makes the same plan itself. Per-token
+logprobs (old, reference) come back for the whole batch on every rank, by sample index in the batch. The last
+pipeline stage never builds logits: the policy's output layer hands back hidden states and logprobs/entropy are
+computed from them in chunks (model/logprobs.py).
 
-Loss normalisation (JustRL: token-mean over the whole mini-batch): every rank knows every sample, so the global
-denominator (response tokens of the mini-batch over all micro-batches and DP ranks; sequences for the other
-modes) is computed locally, with no collective. Each micro-batch's loss is `policy_loss(..., denominator=D)`, a
-partial sum that adds up to the mini-batch loss; megatron is configured not to rescale it (model/policy.py).
+Loss normalisation (JustRL: token-mean over the whole mini-batch): the global denominator (response tokens of the
+mini-batch over all micro-batches and DP ranks; sequences for the other modes) comes with the plan of each
+mini-batch, counted where the whole batch is known, with no collective. Each micro-batch's loss is
+`policy_loss(..., denominator=D)`, a partial sum that adds up to the mini-batch loss; megatron is configured not to
+rescale it (model/policy.py).
 
 Non-finite gradients (as verl 0.4.0): an optimizer step whose global grad norm is NaN or inf is skipped — gradients
 zeroed, weights and optimizer state untouched — and counted (`skipped_steps`, `Policy.skipped_in_a_row`). A step that
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from typing import Callable, Sequence
 
@@ -39,9 +44,11 @@ from ..model import moe
 from ..model.logprobs import logprobs_from_hidden
 from ..model.optimizer_kernels import fp32_norms
 from ..model.rope import rope_at_positions
-from .batching import MicroBatch, Sample, check_samples_fit, gather_per_target, \
-    make_shared_micro_batch, pack_micro_batches, prompt_units, response_offsets, sampled_targets, \
-    split_for_context_parallel, split_over_dp, unit_length
+from .batching import MicroBatch, Sample, gather_per_target, make_shared_micro_batch, plan_pass, sampled_targets, \
+    split_for_context_parallel
+from .shard import Layout, PassPlan, Shard, loss_denominator, plan_shards
+
+__all__ = ["compute_logprobs", "grpo_update", "grpo_update_on_policy", "loss_denominator", "plan_micro_batches"]
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
@@ -75,26 +82,33 @@ def _reduce_over_training_ranks(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.
 
 def plan_micro_batches(policy, samples: Sequence[Sample], ids: Sequence[int], max_tokens_per_micro_batch: int
                        ) -> list[MicroBatch]:
-    """This DP rank's packed micro-batches for the samples ``ids`` (same count on every DP rank). With the policy's
-    `shared_prompt`, the units (a prompt and its responses, train/batching.py) are what is split and packed."""
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    multiple = ps.get_pipeline_model_parallel_world_size() if vpp else 1
+    """This DP rank's packed micro-batches for the samples ``ids`` of the whole list ``samples`` (same count on every
+    DP rank). With the policy's `shared_prompt`, the units (a prompt and its responses, train/batching.py) are what
+    is split and packed."""
+    layout = Layout.of(policy, max_tokens_per_micro_batch)
+    plan = plan_pass(samples, ids, layout.max_tokens, layout.dp_size, shared_prompt=layout.shared_prompt,
+                     multiple_of=layout.multiple_of)
+    return _micro_batches(policy, samples, PassPlan(plan[ps.get_data_parallel_rank()]))
+
+
+def _micro_batches(policy, samples: Sequence[Sample], plan: PassPlan) -> list[MicroBatch]:
+    """The packed micro-batches of this rank's pass `plan` (its units index ``samples``)."""
     pad = policy.config.tensor_model_parallel_size if policy.config.sequence_parallel else 1
-    if policy.shared_prompt:
-        units = prompt_units(samples, ids, max_tokens_per_micro_batch)
-    else:  # every sample a unit of its own
-        check_samples_fit(ids, [s.length for s in samples], max_tokens_per_micro_batch)
-        units = [[i] for i in ids]
-    lengths = [unit_length(samples, u) for u in units]
-    plans = pack_micro_batches(split_over_dp(range(len(units)), lengths, ps.get_data_parallel_world_size()), lengths,
-                               max_tokens_per_micro_batch, multiple_of=multiple)
     cp = ps.get_context_parallel_world_size()
     if cp > 1:  # each sequence split over the CP ranks, each part padded for SP (split_for_context_parallel)
-        return [split_for_context_parallel(make_shared_micro_batch(samples, [units[u] for u in b]), cp,
+        return [split_for_context_parallel(make_shared_micro_batch(samples, units), cp,
                                            ps.get_context_parallel_rank(), multiple_of=pad)
-                for b in plans[ps.get_data_parallel_rank()]]
-    return [make_shared_micro_batch(samples, [units[u] for u in b], pad_to_multiple_of=pad)
-            for b in plans[ps.get_data_parallel_rank()]]
+                for units in plan.micro_batches]
+    return [make_shared_micro_batch(samples, units, pad_to_multiple_of=pad) for units in plan.micro_batches]
+
+
+def _as_shard(policy, samples: Sequence[Sample] | Shard, max_tokens: int, **update) -> Shard:
+    """A `Shard` as it came (checked against the settings asked for), or this rank's shard of the whole list
+    ``samples`` that every rank holds (each rank plans the same passes itself)."""
+    if isinstance(samples, Shard):
+        samples.check(max_tokens=max_tokens, **update)
+        return samples
+    return plan_shards(samples, Layout.of(policy, max_tokens), whole=True, **update)[ps.get_data_parallel_rank()]
 
 
 def _routes(policy, routes: str | None, mb: MicroBatch, model):
@@ -178,14 +192,15 @@ def _target_logprobs(policy, mb: MicroBatch, model, output: torch.Tensor, with_e
                                 compiled=hidden.is_cuda and policy.fast_paths.compiled_head)
 
 
-def _scatter_to_samples(samples, per_mb: list[tuple[MicroBatch, torch.Tensor]], device) -> list[torch.Tensor]:
-    """Per-micro-batch target values -> one fp32 CPU tensor per sample, identical on all training ranks."""
-    offsets = response_offsets(samples)
+def _scatter_to_samples(shard: Shard, per_mb: list[tuple[MicroBatch, torch.Tensor]], device) -> list[torch.Tensor]:
+    """Per-micro-batch target values -> one fp32 CPU tensor per sample of the whole batch, identical on all training
+    ranks (each replica writes its shard's samples)."""
+    offsets = [0, *itertools.accumulate(shard.response_lengths)]
     flat = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
     if _is_contributor():
         starts = torch.tensor(offsets[:-1], dtype=torch.int64)
         for mb, values in per_mb:
-            ids = torch.tensor(mb.sample_ids, dtype=torch.int64)
+            ids = torch.tensor([shard.ids[k] for k in mb.sample_ids], dtype=torch.int64)
             pos = (starts[ids[mb.row.cpu()]] + mb.col.cpu()).to(device)
             flat[pos] = values.float()
     flat = _reduce_over_training_ranks(flat).cpu()
@@ -194,16 +209,19 @@ def _scatter_to_samples(samples, per_mb: list[tuple[MicroBatch, torch.Tensor]], 
 
 # --- public API ------------------------------------------------------------------------------------------------------
 
-def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_batch: int,
+def compute_logprobs(policy, samples: Sequence[Sample] | Shard, *, max_tokens_per_micro_batch: int,
                      with_entropy: bool = False):
-    """Response-token logprobs of the current weights, one fp32 CPU tensor per sample, the same on every rank.
+    """Response-token logprobs of the current weights, one fp32 CPU tensor per sample of the whole batch (``samples``
+    the whole list, or this rank's `Shard` of it), the same on every rank.
 
     Forward-only through megatron's schedule, without autograd. With ``with_entropy`` returns
     ``(logprobs, entropies)``.
     """
-    if not samples:
+    shard = _as_shard(policy, samples, max_tokens_per_micro_batch)
+    if not shard.num_samples:
         return ([], []) if with_entropy else []
-    micro_batches = plan_micro_batches(policy, samples, range(len(samples)), max_tokens_per_micro_batch)
+    samples = shard.samples
+    micro_batches = _micro_batches(policy, samples, shard.logprob_pass)
 
     def loss_fn(mb, model, output):
         logp, ent = _target_logprobs(policy, mb, model, output, with_entropy)
@@ -214,29 +232,13 @@ def compute_logprobs(policy, samples: Sequence[Sample], *, max_tokens_per_micro_
     results = _run_schedule(policy, micro_batches, loss_fn, forward_only=True, routes=routes)
     if routes == "record":  # this rank's samples' experts, whole (the update fetches the ones it trains)
         policy.routing_replay.end_recording()
-    logprobs = _scatter_to_samples(samples, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
+    logprobs = _scatter_to_samples(shard, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
                                    policy.device)
     if not with_entropy:
         return logprobs
-    entropy = _scatter_to_samples(samples, [(mb, r["entropy"]) for mb, r in zip(micro_batches, results)],
+    entropy = _scatter_to_samples(shard, [(mb, r["entropy"]) for mb, r in zip(micro_batches, results)],
                                   policy.device)
     return logprobs, entropy
-
-
-def loss_denominator(samples: Sequence[Sample], ids: Sequence[int], loss_agg: str, mask_truncated: bool = False
-                     ) -> int:
-    """The mini-batch's global denominator: response tokens (token-mean), sequences (verl04-dynbsz) or responses with
-    a token (seq-mean-*). ``mask_truncated``: truncated responses are out of the loss, so out of every count too."""
-    if loss_agg not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {loss_agg!r}; known: {AGG_MODES}")
-    if mask_truncated:
-        ids = [i for i in ids if not samples[i].truncated]
-    # tool rollouts: only the tokens the model sampled count (a tool's output is context)
-    if loss_agg == "token-mean":
-        return sum(samples[i].num_sampled for i in ids)
-    if loss_agg == "verl04-dynbsz":  # verl divides by the mini-batch size: every sequence, empty or not
-        return len(ids)
-    return sum(1 for i in ids if samples[i].num_sampled)
 
 
 def _padded(values: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
@@ -254,14 +256,17 @@ def _empty_stats(device) -> dict:
     return stats
 
 
-def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor], *, mini_batch_size: int,
+def grpo_update(policy, samples: Sequence[Sample] | Shard, old_logprobs: Sequence[torch.Tensor], *,
+                mini_batch_size: int,
                 max_tokens_per_micro_batch: int, loss: LossConfig | None = None,
                 ref_logprobs: Sequence[torch.Tensor] | None = None, on_grads: Callable | None = None,
                 **loss_settings) -> dict[str, float]:
     """One RL step of GRPO updates: ``ceil(len(samples) / mini_batch_size)`` optimizer steps over consecutive
     mini-batches, then one LR-scheduler step. Returns metrics, the same on every rank.
 
-    ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
+    ``samples``: the whole list on every rank, or this rank's `Shard` of it (planned with the same
+    ``mini_batch_size``, aggregation and mask_truncated). ``old_logprobs`` (and ``ref_logprobs``) cover the whole
+    batch, by sample index. ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
     `compute_logprobs` before the first step). ``loss``: the algo.LossConfig (its defaults when None), with any of
     its fields replaced by keyword (``clip_high=``, ``kl_coef=``, ...). ``ref_logprobs``: the reference policy's
     (needed only with kl_coef > 0). mask_truncated takes truncated samples out of the loss and its denominator;
@@ -269,14 +274,14 @@ def grpo_update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.
     ``on_grads``: called as ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the
     optimizer step); for tests and diagnostics.
     """
-    if len(old_logprobs) != len(samples):
-        raise ValueError(f"{len(old_logprobs)} old logprob sequences for {len(samples)} samples")
-    return _update(policy, samples, old_logprobs, mini_batch_size=mini_batch_size,
-                   max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                   loss=(loss or LossConfig()).but(**loss_settings), ref_logprobs=ref_logprobs, on_grads=on_grads)[0]
+    loss = (loss or LossConfig()).but(**loss_settings)
+    shard = _update_shard(policy, samples, max_tokens_per_micro_batch, mini_batch_size, loss)
+    if len(old_logprobs) != shard.num_samples:
+        raise ValueError(f"{len(old_logprobs)} old logprob sequences for {shard.num_samples} samples")
+    return _update(policy, shard, old_logprobs, loss=loss, ref_logprobs=ref_logprobs, on_grads=on_grads)[0]
 
 
-def grpo_update_on_policy(policy, samples: Sequence[Sample], *, max_tokens_per_micro_batch: int,
+def grpo_update_on_policy(policy, samples: Sequence[Sample] | Shard, *, max_tokens_per_micro_batch: int,
                           loss: LossConfig | None = None, ref_logprobs: Sequence[torch.Tensor] | None = None,
                           on_grads: Callable | None = None,
                           **loss_settings) -> tuple[dict[str, float], list[torch.Tensor]]:
@@ -284,26 +289,33 @@ def grpo_update_on_policy(policy, samples: Sequence[Sample], *, max_tokens_per_m
     the separate old-logprob pass: the update's own forward pass gives the old logprobs (detached, so the ratio is
     exactly 1 and the gradient is the same as with a recomputation). Saves one forward pass over the batch.
 
-    Returns (metrics, old logprobs): the logprobs of the weights before the step, one fp32 CPU tensor per sample,
-    as `compute_logprobs` would have returned them (for the trainer vs rollout-engine parity check).
+    Returns (metrics, old logprobs): the logprobs of the weights before the step, one fp32 CPU tensor per sample of
+    the whole batch, as `compute_logprobs` would have returned them (for the trainer vs rollout-engine parity check).
+    A `Shard` must have been planned with one mini-batch (mini_batch_size >= the batch's samples).
     """
-    return _update(policy, samples, None, mini_batch_size=max(len(samples), 1),
-                   max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                   loss=(loss or LossConfig()).but(**loss_settings), ref_logprobs=ref_logprobs, on_grads=on_grads)
-
-
-def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor] | None, *, mini_batch_size: int,
-            max_tokens_per_micro_batch: int, loss: LossConfig, ref_logprobs: Sequence[torch.Tensor] | None,
-            on_grads: Callable | None) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
-    kl_coef, loss_agg, mask_truncated = loss.kl_coef, loss.aggregation, loss.mask_truncated
-    rollout_correction = loss.rollout_correction
-    if mini_batch_size < 1:
-        raise ValueError(f"mini_batch_size must be >= 1, got {mini_batch_size}")
-    reuse_forward = old_logprobs is None
-    if reuse_forward and mini_batch_size < len(samples):
+    loss = (loss or LossConfig()).but(**loss_settings)
+    whole = None if isinstance(samples, Shard) else max(len(samples), 1)
+    shard = _update_shard(policy, samples, max_tokens_per_micro_batch, whole, loss)
+    if len(shard.update_passes) > 1:
         raise ValueError("old logprobs can come from the update's own forward pass only with one optimizer step "
-                         f"per batch (mini_batch_size {mini_batch_size} < {len(samples)} samples)")
+                         f"per batch (mini_batch_size {shard.mini_batch_size} < {shard.num_samples} samples)")
+    return _update(policy, shard, None, loss=loss, ref_logprobs=ref_logprobs, on_grads=on_grads)
+
+
+def _update_shard(policy, samples: Sequence[Sample] | Shard, max_tokens: int, mini_batch_size: int | None,
+                  loss: LossConfig) -> Shard:
+    return _as_shard(policy, samples, max_tokens, mini_batch_size=mini_batch_size, loss_agg=loss.aggregation,
+                     mask_truncated=loss.mask_truncated)
+
+
+def _update(policy, shard: Shard, old_logprobs: Sequence[torch.Tensor] | None, *, loss: LossConfig,
+            ref_logprobs: Sequence[torch.Tensor] | None, on_grads: Callable | None
+            ) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
+    kl_coef, loss_agg = loss.kl_coef, loss.aggregation
+    rollout_correction, mask_truncated = loss.rollout_correction, loss.mask_truncated
+    samples = shard.samples
+    reuse_forward = old_logprobs is None
     if kl_coef and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs (reference-policy logprobs of every response)")
     if ps.get_context_parallel_world_size() > 1 and loss_agg not in CP_LOSS_AGGS:
@@ -324,10 +336,12 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
                    if policy.shape.num_experts else contextlib.nullcontext())
     grad_norms, steps_ok, micro_batch_counts, tokens_total, router_losses = [], [], [], 0, []
 
-    for step, start in enumerate(range(0, len(samples), mini_batch_size)):
-        ids = list(range(start, min(start + mini_batch_size, len(samples))))
-        denom = max(loss_denominator(samples, ids, loss_agg, mask_truncated), 1)
-        micro_batches = plan_micro_batches(policy, samples, ids, max_tokens_per_micro_batch)
+    # the whole batch's logprobs, indexed like this shard's samples
+    old_logprobs = None if reuse_forward else [old_logprobs[i] for i in shard.ids]
+    ref_logprobs = None if ref_logprobs is None else [ref_logprobs[i] for i in shard.ids]
+    for step, plan in enumerate(shard.update_passes):
+        denom = plan.denominator
+        micro_batches = _micro_batches(policy, samples, plan)
         for mb in micro_batches:
             if not reuse_forward:
                 mb.extras["old"] = gather_per_target(old_logprobs, mb)
@@ -345,7 +359,7 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
             if rollout_correction != "none":
                 mb.extras["rollout"] = gather_per_target([s.rollout_logprobs for s in samples], mb)
         micro_batch_counts.append(len(micro_batches))
-        tokens_total += sum(samples[i].length for i in ids)
+        tokens_total += plan.num_tokens
 
         loss_fn = functools.partial(_grpo_loss, policy, loss, denom)
         for chunk in policy.chunks:
@@ -376,16 +390,18 @@ def _update(policy, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tens
     # verl 0.4.0 steps its LR scheduler once per RL step whether or not the optimizer stepped: so does this
     policy.scheduler.step(increment=1)
     if reuse_forward:  # the one mini-batch's forward pass ran on the weights before the step
-        old_logprobs = _scatter_to_samples(samples, forward_logprobs, policy.device)
-    metrics = _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                                tokens_total, lr, rollout_correction, with_kl=bool(kl_coef))
+        old_logprobs = _scatter_to_samples(shard, forward_logprobs, policy.device)
+    else:
+        old_logprobs = None
+    metrics = _finalize_metrics(policy, totals, grad_norms, steps_ok, micro_batch_counts, tokens_total, lr,
+                                rollout_correction, with_kl=bool(kl_coef))
     # MoE: actor/moe_aux_loss (megatron's switch loss), actor/moe_z_loss, mean over layers and micro-batches; the
     # update's router load per layer (max / mean tokens per expert)
     for name in router_losses[0]:
         metrics[name] = sum(r[name] for r in router_losses) / len(router_losses)
     if policy.shape.num_experts:
         metrics.update(router_load.imbalance())
-    return metrics, list(old_logprobs)
+    return metrics, old_logprobs
 
 
 def optimizer_step_if_finite(policy) -> tuple[bool, float]:
@@ -563,8 +579,8 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
     return loss, _num_targets(mb, device), stats
 
 
-def _finalize_metrics(policy, samples, old_logprobs, totals, grad_norms, steps_ok, micro_batch_counts,
-                      tokens_total, lr, rollout_correction: str = "none", with_kl: bool = False) -> dict[str, float]:
+def _finalize_metrics(policy, totals, grad_norms, steps_ok, micro_batch_counts, tokens_total, lr,
+                      rollout_correction: str = "none", with_kl: bool = False) -> dict[str, float]:
     device = policy.device
     contributor = _is_contributor() and totals is not None
     sums = torch.stack([totals[k] if contributor else torch.zeros((), device=device) for k in SUM_KEYS])

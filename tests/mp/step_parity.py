@@ -6,7 +6,8 @@ MODE ref (1 process): the TP1 reference. Saves the weights (dist_checkpointing) 
 logits of a packed row, per-sample logprobs, loss, grad norm, metrics, gradients — and checks what needs no other
 layout: packed logprobs vs padded rows, zero advantages leave the weights unchanged, recompute gives the same grads.
 MODE layouts2 (2 processes): TP2, TP2+SP, PP2, DP2 (plain and distributed optimizer), TP2+SP with tied embeddings,
-and the vocab-parallel chunked logprob/entropy against the naive full-vocabulary computation.
+and the vocab-parallel chunked logprob/entropy against the naive full-vocabulary computation; at DP2 and TP2+SP
+also the update on the shards trainer rank 0 scatters (train/shard.py) against the one on the whole list.
 MODE layouts4 (4 processes): TP2 x PP2, and PP2 x virtual PP2 (x DP2) with tied embeddings; one update per policy
 loss (gspo, cispo; ppo is every layout's step) at TP2 x PP2.
 MODE guard2 (2 processes): a NaN put into one rank's gradients (DP2, DP2 with the distributed optimizer, TP2) makes
@@ -187,6 +188,56 @@ def reuse_forward_check(out, shape, correction="none", **layout):
             "grad_norm": m_reuse["grad_norm"]}
 
 
+def sharded_check(out, shape, **layout):
+    """The step on the shards rank 0 scatters (train/shard.py: each DP replica only its samples) vs on the whole list
+    every rank holds, from the same weights: several mini-batches after an old-logprob pass, and the on-policy single
+    step, with rollout correction and a KL term (the rollout and reference logprobs travel with the shard). Metrics,
+    old logprobs and the first step's gradients must be bitwise equal; the logprob gap's max and count too, its mean
+    within float64 reassociation."""
+    from justrl_megatron.rollout import logprob_gap as whole_batch_gap
+    from justrl_megatron.train.shard import Layout, logprob_gap, scatter_shards
+
+    samples = make_samples()
+    for s, lp in zip(samples, torch.load(f"{out}/ref_{shape}.pt")["old"]):
+        s.rollout_logprobs = lp.tolist()
+    kw = {**STEP_KW, "rollout_correction": "tis", "kl_coef": 0.1}
+    verdict = {}
+    for name, mini in (("mini_batches", 5), ("on_policy", len(samples))):
+        runs = {}
+        for way in ("whole", "shard"):
+            policy = build(shape, **layout)
+            load_ckpt(policy, f"{out}/weights_{shape}")
+            grads = {}
+
+            def capture(pol, step):
+                if step == 0:
+                    grads.update({k: p.main_grad.detach().clone() for k, p in params(pol).items()})
+
+            batch = samples
+            if way == "shard":
+                batch = scatter_shards(samples if dist.get_rank() == 0 else None, Layout.of(policy, MAX_TOKENS),
+                                       mini_batch_size=mini, loss_agg=STEP_KW["loss_agg"])
+            ref = [lp - 0.1 for lp in compute_logprobs(policy, batch, max_tokens_per_micro_batch=MAX_TOKENS)]
+            if name == "on_policy":
+                metrics, old = grpo_update_on_policy(policy, batch, max_tokens_per_micro_batch=MAX_TOKENS,
+                                                     ref_logprobs=ref, on_grads=capture, **kw)
+            else:
+                old = compute_logprobs(policy, batch, max_tokens_per_micro_batch=MAX_TOKENS)
+                metrics = grpo_update(policy, batch, old, mini_batch_size=mini, max_tokens_per_micro_batch=MAX_TOKENS,
+                                      ref_logprobs=ref, on_grads=capture, **kw)
+            gap = (logprob_gap(batch, old, policy.device) if way == "shard"
+                   else whole_batch_gap([s.rollout_logprobs for s in samples], old))
+            runs[way] = (metrics, old, grads, gap, batch)
+        (m_w, old_w, g_w, gap_w, _), (m_s, old_s, g_s, gap_s, shard) = runs["whole"], runs["shard"]
+        verdict[name] = {
+            "metrics_equal": m_w == m_s, "differing": [k for k in m_w if m_w[k] != m_s.get(k)],
+            "old_equal": len(old_w) == len(old_s) and all(torch.equal(a, b) for a, b in zip(old_w, old_s)),
+            "grads_equal": bool(g_w) and g_w.keys() == g_s.keys() and all(torch.equal(g_w[k], g_s[k]) for k in g_w),
+            "gap_whole": gap_w, "gap_shard": gap_s, "optimizer_steps": m_s["num_optimizer_steps"],
+            "held": len(shard.samples), "batch": len(samples)}
+    return verdict
+
+
 # --- modes ----------------------------------------------------------------------------------------------------------
 
 def mode_ref(out):
@@ -287,7 +338,7 @@ def mode_ref(out):
     return verdict
 
 
-def run_layout(out, name, shape, uneven=False, **layout):
+def run_layout(out, name, shape, uneven=False, sharded=False, **layout):
     from megatron.core import parallel_state as ps
 
     samples = make_samples()
@@ -321,6 +372,8 @@ def run_layout(out, name, shape, uneven=False, **layout):
                            ("loss", "grad_norm", "grad_norm_max", "num_optimizer_steps", "num_micro_batches",
                             "num_response_tokens", "entropy")}
     entry["reuse_forward"] = reuse_forward_check(out, shape, **layout)
+    if sharded:
+        entry["sharded"] = sharded_check(out, shape, **layout)
     if layout.get("distopt", True) and ps.get_data_parallel_world_size() > 1:
         return entry, False  # the distributed optimizer leaves only this rank's shard of the grads reduced
     with torch.no_grad():
@@ -451,9 +504,9 @@ def main(out, mode):
         verdict = {}
         if mode == "layouts2":
             verdict["vocab_parallel"] = vocab_parallel_logprobs_check()
-            layouts = {"tp2": ("qwen", dict(tp=2)), "tp2_sp": ("qwen", dict(tp=2, sp=True)),
-                       "pp2": ("qwen", dict(pp=2)), "dp2": ("qwen", dict(distopt=False)),
-                       "dp2_distopt": ("qwen", dict(distopt=True, uneven=True)),
+            layouts = {"tp2": ("qwen", dict(tp=2)), "tp2_sp": ("qwen", dict(tp=2, sp=True, sharded=True)),
+                       "pp2": ("qwen", dict(pp=2)), "dp2": ("qwen", dict(distopt=False, sharded=True)),
+                       "dp2_distopt": ("qwen", dict(distopt=True, uneven=True, sharded=True)),
                        "tp2_sp_tied": ("llama", dict(tp=2, sp=True))}
         else:
             layouts = {"tp2pp2": ("qwen", dict(tp=2, pp=2)),
