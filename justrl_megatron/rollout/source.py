@@ -5,7 +5,7 @@ The loop asks a source for each step's scored groups and knows nothing of how th
     engines = placement.start(export_weights)   # the engines' client (rollout/engines.py)
     source = make_source(cfg, engines, sampler, scorer, tokenizer, leader=rank == 0)
     source.restore(checkpointed_state)          # work that was in flight at the checkpoint
-    scored = source.next_batch(step, version, timer)   # the same ScoredStep on every trainer rank; None: a stop
+    scored = source.next_batch(step, version, timer)   # a ScoredStep (its batch: on trainer rank 0); None: a stop
     placement.publish(version, source.min_version(version))  # the staleness bound: the source's, computed once
     checkpoint {..., "inflight": source.state()}
     at a stop, beside that checkpoint: source.stop_state()   # what the resume continues (streaming: partial samples)
@@ -41,7 +41,7 @@ SOURCES = {
 class ScoredStep:
     """What a source hands the update: the step's groups, how they were sampled, how stale they are."""
 
-    batch: ScoredBatch
+    batch: ScoredBatch | None  # read on trainer rank 0 only (a source may leave it None elsewhere)
     sampling_stats: Any  # .metrics() -> dict and .shortfall() -> str | None; None: nothing to report
     staleness: int  # updates between the weights that generated the batch and the current ones
 
@@ -57,9 +57,10 @@ class BatchSource(Protocol):
         """What this source cannot run with (one line each, said before any model loads)."""
 
     def next_batch(self, step: int, version: int, timer) -> ScoredStep | None:
-        """`step`'s scored groups on every trainer rank (`version`: updates so far; `timer`: a
-        train/profiling.PhaseTimer for the phases' seconds). None: a stop cut it short; the sampler is where a
-        resumed run must draw from."""
+        """`step`'s scored groups (`version`: updates so far; `timer`: a train/profiling.PhaseTimer for the phases'
+        seconds). The loop reads the batch on trainer rank 0 only (it sends each DP replica its samples), the
+        staleness and stats on every trainer rank. None: a stop cut it short; the sampler is where a resumed run
+        must draw from."""
 
     def min_version(self, version: int) -> int | None:
         """When weights `version` are published: the oldest weights whose in-flight work the engines may keep

@@ -8,7 +8,9 @@ takes, how stale they may be); the engines are driven one way in all of them (ro
     source.stop_state()                          # at a stop: every admitted group with its samples so far
 
 Trainer rank 0 decides and scores; a colocated job's other trainer ranks step their engines meanwhile
-(`Engines.follow`), a split job's wait. The step's batch then reaches every trainer rank.
+(`Engines.follow`), a split job's wait. The step's batch stays on trainer rank 0 (the ScoredStep's `batch` is None
+elsewhere): the loop sends each DP replica its samples (train/shard.py); every rank gets the staleness, the step's
+figures and the sampler's position.
 
 Nothing is lost at a stop, in any mode: the engines abort every group and hand back what it sampled so far (tokens,
 behaviour logprobs, per-token versions); the resumed run continues each group where it stopped, under the weight
@@ -108,28 +110,30 @@ class GroupSource:
         raise NotImplementedError
 
     def next_batch(self, step: int, version: int, timer):
-        """The step's groups on every trainer rank (a ScoredStep, rollout/source.py). None: a stop (SIGTERM / SIGUSR1
+        """The step's groups (a ScoredStep, rollout/source.py; its batch on trainer rank 0 only). None: a stop (SIGTERM / SIGUSR1
         / Ctrl-C) came while the step waited for them: every trainer rank returns None, and what the step had taken
         goes back among the admitted groups."""
-        payload = None
+        full = None
         if self.leader:
             try:
-                payload = self._leader_step(step, version)
+                full = self._leader_step(step, version)
             except RolloutInterrupted:
-                payload = "interrupted"
+                full = "interrupted"
             finally:
                 self.engines.release()
         else:
             self.engines.follow()
-        payload = trainer_broadcast(payload)
-        if payload == "interrupted":
+        # the other trainer ranks get what every rank needs, not the batch: rank 0 sends each its samples
+        # (train/shard.py)
+        light = trainer_broadcast(full[1:] if isinstance(full, tuple) else full)
+        if light == "interrupted":
             return None
-        prompts, rollouts, rewards, correct, reward_stats, stats, seconds, sampler_state = payload
+        stats, seconds, sampler_state = light[1:]
         self.sampler.load_state_dict(sampler_state)  # only trainer rank 0 draws: every rank keeps its position
         timer.seconds |= seconds
-        staleness = int(stats.figures["rollout/staleness_max"])
+        staleness = int(light[0])
         check_staleness(version - staleness, version, self.eta)  # the bound, once more, on every trainer rank
-        return ScoredStep(ScoredBatch(prompts, rollouts, rewards, correct, reward_stats), stats, staleness)
+        return ScoredStep(full[0] if self.leader else None, stats, staleness)
 
     # -- trainer rank 0 ------------------------------------------------------------------------------------------------
 
@@ -170,8 +174,9 @@ class GroupSource:
         }
         seconds = {**self._timing, "rollout": self._timing["wait_rollout"], "rollout_idle": engine.get("idle_s", 0.0),
                    "rollout_paused": engine.get("paused_s", 0.0), "rollout_busy": engine.get("busy_s", 0.0)}
-        return (batch.prompts, rollouts, list(batch.rewards), list(batch.correct), batch.reward_stats,
-                StepStats(figures, sampling_stats), seconds, self.sampler.state_dict())
+        batch.rewards, batch.correct = list(batch.rewards), list(batch.correct)
+        return batch, int(figures["rollout/staleness_max"]), StepStats(figures, sampling_stats), seconds, \
+            self.sampler.state_dict()
 
     def _draw(self) -> Prompt:
         if not self._queue:

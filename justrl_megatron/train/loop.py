@@ -10,8 +10,8 @@ Every trainer rank runs this same program (SPMD). Where the rollout engines run 
 (rollout/placement.py: colocated, the default, or split); the loop asks it for the devices and to publish weights.
 Phases 1-3 (prompts -> scored groups: every sampling round of a step, one-step-off's batch in flight, streaming) are
 the batch source's (rollout/source.py), which drives the engines through the placement's client (rollout/engines.py);
-the reward pool lives on rank 0 and its results are broadcast, so all trainer ranks see the same batch and split it
-by data parallelism themselves. The loss settings travel as one
+the reward pool lives on rank 0, which holds the scored batch, computes the advantages and sends each data-parallel
+replica only its samples (train/shard.py). The loss settings travel as one
 algo.LossConfig.
 """
 
