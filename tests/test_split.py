@@ -388,18 +388,24 @@ def test_a_rollout_rank_that_aborted_its_side_batch_stops_the_trainer_and_later_
 
 
 def test_groups_go_to_the_engine_with_the_least_outstanding_work():
-    """Load-fed engines: a long-tail group keeps its engine busy, so new groups go to the others until its work is
-    back; finished groups teach the expected length (their samples' mean, which replaces the prior)."""
+    """Load-fed engines: a group goes to the engine whose unfinished groups are expected to need the fewest tokens
+    more, each E[L - g | L > g] per sample after its g tokens so far (L over the lengths seen; the prior before any),
+    not to gid % engines: a long-tail group keeps its engine busy while the others take the new groups."""
     from justrl_megatron.rollout.engines import EngineLoads
 
     loads = EngineLoads(engines=3, n=2, expected_length=10)
-    assert [loads.assign(g) for g in range(3)] == [0, 1, 2]  # equal work: in order
-    loads.finished(1, [4, 4])  # engine 1's group came back (short): it is the least loaded now
-    loads.finished(2, [4, 4])
-    assert loads.assign(3) == 1 and loads.assign(4) == 2  # engine 0 still holds group 0
-    assert loads.work[1] == loads.work[2] == pytest.approx(2 * 4)  # n x the mean length seen (the prior 10 gone)
-    loads.finished(0, [20, 20])
-    assert loads.outstanding == 2 and loads.assign(5) == 0
+    assert loads.assign_all([0, 1, 2]) == [0, 1, 2]  # equal work: in order
+    assert loads.work() == pytest.approx([20.0, 20.0, 20.0])  # n x the prior
+    loads.finished(1, [4, 6])  # short answers came back from engines 1 and 2
+    loads.finished(2, [4, 6])
+    assert loads.assign_all([3, 4]) == [1, 2]  # engine 0 still holds group 0
+    # lengths seen: 4, 4, 6, 6: a new group expects 5 per sample; group 0, 5 tokens in, expects 6 - 5 = 1 more
+    loads.progress({0: 5})
+    assert loads.work() == pytest.approx([2 * 1.0, 2 * 5.0, 2 * 5.0])
+    assert loads.assign(5) == 0  # the group nearly done leaves its engine the least loaded
+    loads.progress({0: 7})  # longer than any seen: at least one more token each
+    assert loads.work()[0] == pytest.approx(2 * 1.0 + 2 * 5.0)
+    assert loads.outstanding == 4
 
 
 # --- config errors ----------------------------------------------------------------------------------------------------

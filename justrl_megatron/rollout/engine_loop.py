@@ -127,6 +127,8 @@ class EngineLoop:
         # (tokens, sequences) one scheduler step takes, where seeded requests must fit it (CPU engines; None on GPU)
         self.budget = getattr(engine, "step_budget", None)
         self.stats = LoopStats()
+        self._steps = 0  # engine steps so far: a running group's tokens since it started, one per step
+        self._started: dict[int, int] = {}  # gid -> the step it started at
 
     def configure(self, n: int, sampling: SamplingConfig, *, max_running_seqs: int | None = None) -> None:
         """The stream's group size, sampling and the most sequences it may hold (before any group is admitted)."""
@@ -174,7 +176,7 @@ class EngineLoop:
         out = [(gid, r) for gid, r in out if any(r.token_ids)]  # nothing sampled yet: admitted anew, as fresh
         out += [(g.gid, g.rollouts) for g in self._ready]
         self._abort_side()
-        self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear()
+        self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear(), self._started.clear()
         return out
 
     def update(self, load: Callable[[], dict], min_version: int | None = None) -> dict:
@@ -211,7 +213,10 @@ class EngineLoop:
         self.stats.dropped += len(old) + len(resumed) + len(tools)
         for c in resumed:
             del self.continued[c.gid]
-        return [self.running.pop(rid) for rid in old] + [(c.gid, c.admitted_version) for c in resumed] + tools
+        dropped = [self.running.pop(rid) for rid in old]
+        for gid, _ in dropped:
+            self._started.pop(gid, None)
+        return dropped + [(c.gid, c.admitted_version) for c in resumed] + tools
 
     def abort_all(self) -> list[int]:
         """Stop: abort every in-flight group; the gids of those (and of the waiting prompts) that never finished."""
@@ -224,7 +229,7 @@ class EngineLoop:
         if self.turns is not None:
             self.turns.abort()
             self.tool_groups.clear()
-        self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear()
+        self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear(), self._started.clear()
         return gids
 
     def _abort_side(self) -> None:
@@ -260,6 +265,7 @@ class EngineLoop:
             rid = f"g{gid}"
             self.engine.add_request(rid, ids, self.n, sampling)
             self.running[rid] = (gid, self.engine.weight_version)
+            self._started[gid] = self._steps
         return started
 
     def _fits(self, ids, n: int, used: list[int], sampling: SamplingConfig | None = None) -> bool:
@@ -375,6 +381,7 @@ class EngineLoop:
             turns.feed(deltas, self.engine.weight_version)
         self.stats.busy_s += time.perf_counter() - t
         self.stats.steps += 1
+        self._steps += 1
         resumed = {rid: c for c in self.continued.values() for rid in c.requests}
         for rid, rollouts in out:
             if rid in self.side:
@@ -392,6 +399,7 @@ class EngineLoop:
             if rid not in self.running:  # aborted meanwhile (its last output raced the abort)
                 continue
             gid, admitted = self.running.pop(rid)
+            self._started.pop(gid, None)
             groups.append(Group(gid, rollouts, admitted))
         if turns is not None:
             groups += self._tool_groups_done()
@@ -416,6 +424,18 @@ class EngineLoop:
         keys = [(gid, k) for k in range(self.n)]
         versions = [v for key in keys for v in self.turns.samples[key].versions]
         return self.turns.rollouts(keys, min(versions, default=self.tool_groups[gid]), with_versions=True)
+
+    def progress(self) -> dict[int, int]:
+        """Each running group's tokens per sample so far (engine steps since it started, plus a resumed group's kept
+        tokens; a tool group's longest sample): what the trainer's load-fed assignment expects the rest from."""
+        out = {gid: self._steps - self._started.get(gid, self._steps) for gid, _ in self.running.values()}
+        for c in self.continued.values():
+            out[c.gid] = max((len(t) for t in c.samples.token_ids), default=0)
+        if self.turns is not None:
+            for gid in self.tool_groups:
+                out[gid] = max((len(self.turns.samples[(gid, k)].tokens) for k in range(self.n)
+                                if (gid, k) in self.turns.samples), default=0)
+        return out
 
     def take_stats(self) -> LoopStats:
         stats, self.stats = self.stats, LoopStats()

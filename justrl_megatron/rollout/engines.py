@@ -12,12 +12,14 @@ engine is an `EngineLoop` (rollout/engine_loop.py): split rollout ranks serve th
     engines.generate(prompts, n, sampling, seed)    # a whole batch beside the stream (held-out accuracy, validation)
 
 Groups are fed by load (`EngineLoads`): a group goes to the engine whose admitted, unfinished groups hold the fewest
-expected tokens (n x the mean response length so far), not to `gid % engines`; a group stays on one engine, so its
+expected tokens still to sample (each running group's E[L - g | L > g] per sample after its g tokens so far, L over
+the lengths seen; bench/plan.py plans the same rule), not to `gid % engines`; a group stays on one engine, so its
 prompt is prefilled once for its n samples.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -58,32 +60,76 @@ class Engines(Protocol):
 
 
 class EngineLoads:
-    """Which engine a new group goes to: the one with the least outstanding work (thread-safe: receiver threads
-    report finished groups)."""
+    """Which engine a new group goes to: the one with the least outstanding work, in expected tokens. A group that has
+    sampled g tokens per sample is expected to need n x E[L - g | L > g] more, L over the response lengths seen so far
+    (the last `window` samples; before any: `expected_length`), g as its engine last reported (`progress`).
+    Thread-safe: receiver threads report finished groups and progress."""
 
-    def __init__(self, engines: int, n: int, expected_length: float):
-        self.n, self._lock = n, threading.Lock()
-        self.work = [0.0] * engines  # expected tokens of each engine's unfinished groups
-        self._where: dict[int, tuple[int, float]] = {}  # gid -> (engine, its expected tokens)
-        self._mean, self._seen = float(expected_length), 0  # mean response length of finished samples
+    def __init__(self, engines: int, n: int, expected_length: float, window: int = 1024):
+        self.n, self.window, self._lock = n, window, threading.Lock()
+        self._engines = engines
+        self._where: dict[int, list] = {}  # gid -> [engine, tokens per sample so far]
+        self._prior = float(expected_length)
+        self._recent: deque[int] = deque(maxlen=window)  # finished samples' lengths, newest last
+        self._sorted: list[int] = []
+        self._suffix: list[float] = [0.0]  # _suffix[i]: sum of _sorted[i:]
+        self._dirty = False
+
+    def _residual(self, generated: int) -> float:
+        """E[L - g | L > g] over the lengths seen (the prior mean less g, at least one token, before any)."""
+        if self._dirty:
+            self._sorted = sorted(self._recent)
+            self._suffix = [0.0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                self._suffix[i] = self._suffix[i + 1] + self._sorted[i]
+            self._dirty = False
+        if not self._sorted:
+            return max(self._prior - generated, 1.0)
+        i = bisect.bisect_right(self._sorted, generated)
+        longer = len(self._sorted) - i
+        return self._suffix[i] / longer - generated if longer else 1.0
+
+    def work(self) -> list[float]:
+        """Each engine's expected outstanding tokens."""
+        with self._lock:
+            out = [0.0] * self._engines
+            for e, generated in self._where.values():
+                out[e] += self.n * self._residual(generated)
+            return out
 
     def assign(self, gid: int) -> int:
+        work = self.work()
         with self._lock:
-            e = min(range(len(self.work)), key=lambda i: (self.work[i], i))
-            cost = self.n * self._mean
-            self.work[e] += cost
-            self._where[int(gid)] = (e, cost)
+            e = min(range(self._engines), key=lambda i: (work[i], i))
+            self._where[int(gid)] = [e, 0]
             return e
 
-    def finished(self, gid: int, lengths: Sequence[int] = ()) -> None:
-        """Group `gid` came back (finished, dropped or harvested); `lengths` its samples' (the mean learns)."""
+    def assign_all(self, gids) -> list[int]:
+        """Engines for several new groups at once (each added to its engine's work before the next is placed)."""
+        work = self.work()
+        out = []
         with self._lock:
-            e, cost = self._where.pop(int(gid), (None, 0.0))
-            if e is not None:
-                self.work[e] = max(0.0, self.work[e] - cost)
-            for x in lengths:
-                self._seen += 1
-                self._mean += (x - self._mean) / self._seen
+            for gid in gids:
+                e = min(range(self._engines), key=lambda i: (work[i], i))
+                work[e] += self.n * self._residual(0)
+                self._where[int(gid)] = [e, 0]
+                out.append(e)
+        return out
+
+    def progress(self, generated: dict[int, int]) -> None:
+        """An engine's report: its running groups' tokens per sample so far."""
+        with self._lock:
+            for gid, g in generated.items():
+                if int(gid) in self._where:
+                    self._where[int(gid)][1] = int(g)
+
+    def finished(self, gid: int, lengths: Sequence[int] = ()) -> None:
+        """Group `gid` came back (finished, dropped or harvested); `lengths` its samples' (what is expected learns)."""
+        with self._lock:
+            self._where.pop(int(gid), None)
+            if lengths:
+                self._recent.extend(int(x) for x in lengths)
+                self._dirty = True
 
     @property
     def outstanding(self) -> int:
@@ -93,7 +139,6 @@ class EngineLoads:
     def forget(self) -> None:
         with self._lock:
             self._where.clear()
-            self.work = [0.0] * len(self.work)
 
 
 def engine_figures(per_engine: dict[int, dict[str, float]]) -> dict[str, float]:
@@ -280,11 +325,13 @@ class LocalEngines:
         return self.buffer
 
     def admit(self, groups) -> None:
-        self._pending[0].extend((int(g), list(map(int, ids)), seed, self.loads.assign(g)) for g, ids, seed in groups)
+        engines = self.loads.assign_all([g for g, *_ in groups])
+        self._pending[0].extend((int(g), list(map(int, ids)), seed, e) for (g, ids, seed), e in zip(groups, engines))
 
     def resume(self, groups) -> None:
-        self._pending[1].extend((int(g), list(map(int, ids)), r, int(v), self.loads.assign(g))
-                                for g, ids, r, v in groups)
+        engines = self.loads.assign_all([g for g, *_ in groups])
+        self._pending[1].extend((int(g), list(map(int, ids)), r, int(v), e)
+                                for (g, ids, r, v), e in zip(groups, engines))
 
     def harvest(self) -> dict[int, Rollouts]:
         """A stop's samples so far (kept when the stop cut a run short; between runs nothing is in flight), and the

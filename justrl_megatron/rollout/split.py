@@ -9,7 +9,8 @@ trainer rank 0 drives every engine. Rollout side, `serve`: a rollout rank's whol
     ("init", receiver info); sender.open()     ->    engine.init_receiver (joins the weight-transfer group)
     ("stream", (n, sampling, max seqs))        ->    the loop's group size, sampling and share of the admission
     ("admit", [(gid, ids, seed, engine)])      ->    engine e queues its groups, started as slots free up
-    recv finished groups (any time)            <-    ("groups", ([(gid, Rollouts, admitted version)], figures))
+    recv finished groups (any time)            <-    ("groups", ([(gid, Rollouts, admitted version)], figures,
+                                                     {running gid: tokens so far}))
     ("weights", min_version); send_weights     ->    pause (requests kept), receive, drop groups admitted before
                                                      min_version (counted), resume
     ("generate", (prompts, n, sampling, seed)) ->    its share as a side batch; ("batch", (indices, Rollouts)) back
@@ -162,12 +163,15 @@ class RemoteEngines:
 
     def admit(self, groups) -> None:
         if self.leader and groups:
-            self._send(("admit", [(int(g), list(map(int, ids)), seed, self.loads.assign(g)) for g, ids, seed in groups]))
+            engines = self.loads.assign_all([g for g, *_ in groups])
+            self._send(("admit", [(int(g), list(map(int, ids)), seed, e)
+                                  for (g, ids, seed), e in zip(groups, engines)]))
 
     def resume(self, groups) -> None:
         if self.leader and groups:
-            self._send(("resume", [(int(g), list(map(int, p)), r, int(v), self.loads.assign(g))
-                                   for g, p, r, v in groups]))
+            engines = self.loads.assign_all([g for g, *_ in groups])
+            self._send(("resume", [(int(g), list(map(int, p)), r, int(v), e)
+                                   for (g, p, r, v), e in zip(groups, engines)]))
 
     def harvest(self) -> dict:
         """(trainer rank 0, at a stop) Every engine aborts its groups and hands back what they sampled so far:
@@ -237,9 +241,10 @@ def _receive_groups(channel, buffer, loads, engine: int) -> None:
             if kind in ("batch", "harvest"):
                 buffer.put_batch(payload, kind)
                 continue
-            groups, figures = payload
+            groups, figures, progress = payload
             for gid, r, _ in groups:
                 loads.finished(gid, [] if r is None else r.sampled_lengths())
+            loads.progress(progress)
             buffer.put(groups, figures, engine=engine)
     except BaseException as exc:  # noqa: BLE001  (raised to the trainer by buffer.take)
         buffer.fail(RuntimeError(f"the rollout rank's result channel failed: {exc}"))
@@ -319,7 +324,8 @@ def serve(cfg, model_dir, roles) -> None:
                     finally:
                         channel_free.set()
                     if dropped:  # the trainer counts them and admits fresh prompts in their place
-                        results.send_object(("groups", ([(g, None, v) for g, v in dropped], {})), dst=0)
+                        results.send_object(("groups", ([(g, None, v) for g, v in dropped], {}, loop.progress())),
+                                            dst=0)
                 elif kind == "generate":  # a whole batch beside the stream: this engine's share, seeded by place
                     prompts, bn, bsampling, seed = payload
                     if seed is not None:
@@ -341,9 +347,9 @@ def serve(cfg, model_dir, roles) -> None:
                 batches.clear()
                 loop._abort_side()
             groups = loop.step()
-            if groups:
+            if groups:  # with the running groups' progress: the trainer's load-fed assignment
                 results.send_object(("groups", ([(g.gid, g.rollouts, g.admitted_version) for g in groups],
-                                                loop.take_stats().sums())), dst=0)
+                                                loop.take_stats().sums(), loop.progress())), dst=0)
             for batch in list(batches):
                 part = loop.batch_done(batch[0])
                 if part is not None:
