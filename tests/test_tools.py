@@ -654,3 +654,22 @@ def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokeniz
     assert [s["calls"] for s in r.tool_stats] == [1, 1] and r.sampled_mask is not None
     placement.shutdown()
     assert placement.tools.pool._shutdown
+
+
+def test_a_resumed_tool_group_whose_samples_had_all_finished_comes_back_at_once(tokenizer):
+    """A stop can keep a tool group whose every sample had finished (its last turn ended as the stop came): resumed,
+    it is done without an engine request, instead of keeping the loop busy with nothing to step."""
+    from justrl_megatron.rollout import Rollouts
+
+    engine, driver, loop = _stream_loop(tokenizer)
+    try:
+        done = Rollouts(prompt_index=[0, 0], token_ids=[[11, 12], [13]], logprobs=[[-0.1, -0.2], [-0.3]],
+                        finish_reasons=["stop", "length"], weight_version=2, token_versions=[[2, 2], [2]],
+                        sampled_mask=[[1, 1], [1]], tool_stats=[dict(calls=0, errors=0, timeouts=0, turns=1,
+                                                                     sandbox_s=0.0)] * 2)
+        loop.resume([(9, PROMPT, done, 2)])
+        groups = loop.step()
+        assert [g.gid for g in groups] == [9] and groups[0].admitted_version == 2 and not loop.busy
+        assert groups[0].rollouts.token_ids == [[11, 12], [13]] and not engine.requests
+    finally:
+        driver.close()

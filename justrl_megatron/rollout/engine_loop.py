@@ -367,8 +367,9 @@ class EngineLoop:
         groups, self._ready = self._ready, []
         turns = self.turns
         if not self.running and not self.side and not self.continued and not (turns and turns.requests):
-            if turns is not None and turns.calls:  # only tool calls run: wait a little for one
-                turns.wait_calls(CALL_WAIT_S)
+            if turns is not None:  # only tool calls run (wait a little for one), or resumed samples were done
+                if turns.calls:
+                    turns.wait_calls(CALL_WAIT_S)
                 groups += self._tool_groups_done()
             self.stats.finished += len(groups)
             return groups
