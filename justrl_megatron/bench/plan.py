@@ -3,7 +3,7 @@
     predict(inputs, "one-step-off", trainers=1, engines=1)   # step seconds, idle fractions, staleness, tokens/s/GPU
     best_split(inputs, "streaming", gpus=32, eta=2)           # the rollout:trainer split with the most tokens/s
 
-It replays what the code does (rollout/batch_source.py, stream_source.py, engine_loop.py, split.py, train/loop.py):
+It replays what the code does (rollout/admission.py, stream_source.py, engines.py, engine_loop.py, split.py, train/loop.py):
 - an engine steps all its unfinished sequences at once; one step costs `decode.step_s(B, context tokens)` (measured
   on the machine, or given for a GPU), a started group first pays its prefill. A group holds its engine slot until
   all n samples are done (EngineLoop counts groups), while only unfinished samples cost decode time.
