@@ -255,12 +255,13 @@ def _checkpoint_for_stop(step: int, checkpoints, policy, sampler, source, run_di
 
 
 def _finish_saves(checkpoints, step: int, sampler, source, run_dir, *, stopping: bool) -> None:
-    """Wait for the pending save; at a stop, keep the batch source's work in flight (streaming: every group's
-    samples so far) beside checkpoint `step`, with the sampler's position after it: a resume continues that work.
-    A save of `step` whose background writer died is written again here (no later save comes; the state is still
-    step's)."""
+    """Wait for the pending save; at a stop, keep the batch source's work in flight (every admitted group's samples
+    so far) beside checkpoint `step`, with the sampler's position after it: a resume continues that work. The engines
+    hand it back first, so that they stop where the stop found them instead of generating through the save. A save
+    of `step` whose background writer died is written again here (no later save comes; the state is still step's)."""
+    work = source.stop_state() if stopping else None
     checkpoints.wait(rewrite_skipped=checkpoints.pending_step == step)
-    if stopping and (work := source.stop_state()) is not None and latest_step(run_dir) == step:
+    if work is not None and latest_step(run_dir) == step:
         save_stop_state(run_dir, step, {"sampler": sampler.state_dict(), "inflight": work})
 
 
