@@ -259,16 +259,17 @@ def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(stre
     assert "Traceback" not in out, out[-5000:]
     groups = kept["inflight"]["groups"]
     # (eta + 1) * 4 admitted, less the 4 trained by a step that ended (the stop cut the next one short: all 8)
-    assert len(groups) in (4, 8) and all(g["samples"] is not None for g in groups)
-    cut = [len(t) for g in groups for t, why in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
+    sampled = [g for g in groups if g["samples"] is not None]  # (a group admitted as the stop came: none yet)
+    assert len(groups) in (4, 8) and len(sampled) >= len(groups) // 2
+    cut = [len(t) for g in sampled for t, why in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
            if why == "abort"]
     assert cut and all(0 <= n < 384 for n in cut)  # a real harvest: samples stopped mid-generation
     print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
-                                 [len(t) for t in g["samples"]["token_ids"]]) for g in groups])
+                                 [len(t) for t in g["samples"]["token_ids"]]) for g in sampled])
     assert "resumed from" in resumed
     after = metrics(run_dir)[stopped:]
-    assert after[0]["rollout/discarded_at_resume"] == 0 and after[0]["rollout/resumed_groups"] == len(groups)
-    assert after[0]["rollout/resumed_tokens"] == sum(len(t) for g in groups for t in g["samples"]["token_ids"])
+    assert after[0]["rollout/discarded_at_resume"] == 0 and after[0]["rollout/resumed_groups"] == len(sampled)
+    assert after[0]["rollout/resumed_tokens"] == sum(len(t) for g in sampled for t in g["samples"]["token_ids"])
     assert all(r["rollout/staleness_max"] <= 1 for r in after)
 
 
