@@ -118,3 +118,20 @@ def test_a_stop_mid_round_keeps_every_group_and_the_resume_continues_the_round(m
     figures = again.sampling_stats.metrics()
     assert figures["rollout/resumed_groups"] == 2 and figures["rollout/discarded_at_resume"] == 0
     assert figures["rollout/resumed_tokens"] == 2 * 2 + 2 * 1
+
+
+def test_kept_groups_of_another_group_size_are_generated_anew_with_one_line(capsys):
+    """A resume with another rollout.n (or a shorter cap) cannot train the groups a stop kept as they are: their
+    prompts are generated anew, first, counted as discarded, and one line says so."""
+    engines = SeededEngines({}, 0)
+    source = _rounds(engines)
+    engines.publish(0)
+    state = {"groups": [{"prompt": {"ids": [1], "answer": 0, "data_source": "t", "id": "0"}, "version": 0,
+                         "step": 1, "seed": None, "lost": False,
+                         "samples": {"prompt_index": [0] * 3, "token_ids": [[5]] * 3, "logprobs": [[-1.0]] * 3,
+                                     "finish_reasons": ["abort"] * 3, "weight_version": 0}}], "prompts": []}
+    source.restore(state)
+    scored = source.next_batch(1, 0, Timer())
+    assert [p.id for p in scored.batch.prompts][0] == "0" and not engines.resumed  # admitted anew, not continued
+    assert scored.sampling_stats.metrics()["rollout/discarded_at_resume"] == 1
+    assert capsys.readouterr().out.count("generated anew") == 1

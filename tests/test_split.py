@@ -225,8 +225,9 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
     assert records[1]["rollout/staleness_max"] == 1  # the second batch was admitted before the first update
     assert all(r["rollout/buffer_peak"] <= 2 * 4 for r in records)  # (eta + 1) * prompts_per_step
     # fed by load: every engine worked, and the spread between the busiest and the idlest is reported
-    assert all(f"rollout/engine{e}_busy_frac" in records[1] for e in range(4))
-    assert "rollout/engine_busy_spread" in records[1]
+    for e in range(4):  # (a step lists the engines that reported in it)
+        assert any(f"rollout/engine{e}_busy_frac" in r for r in records), e
+    assert all("rollout/engine_busy_spread" in r for r in records)
     assert records[0]["rollout/engine_occupancy"] > 0
     # the child-process engines took weights mid-generation: some trained responses span two versions
     assert any(r["rollout/multi_version_frac"] > 0 for r in records)

@@ -353,7 +353,7 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
     assert "with settings changed since the last launch (0001.yaml)" in out
     assert "trainer.lr: 1e-06 -> 1e-05" in out and "trainer.total_steps: 2 -> 3" in out
     assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-6), (2, 1e-6), (3, 1e-5)]
-    history = sorted((run_dir / "config_history").glob("*.yaml"))
+    history = sorted((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))  # (not NNNN.resolved.yaml)
     assert [p.name for p in history] == ["0001.yaml", "0002.yaml"]
     assert "lr: 1.0e-06" in history[0].read_text() and "lr: 1.0e-05" in history[1].read_text()
     assert (run_dir / "hydra" / "config.yaml").exists()  # hydra's own record of the latest launch stays too

@@ -128,8 +128,10 @@ def _metrics(run_dir):
 
 
 def _training_columns(record):
-    """What a step trained on and did, without timings and validation: equal iff the runs sampled the same."""
-    return {k: v for k, v in record.items() if not k.startswith(("val/", "time", "throughput/", "gpu/"))}
+    """What a step trained on and did, without timings (the engines' busy shares too) and validation: equal iff the
+    runs sampled the same."""
+    return {k: v for k, v in record.items()
+            if not k.startswith(("val/", "time", "throughput/", "gpu/", "rollout/engine", "rollout/buffer"))}
 
 
 @pytest.mark.slow

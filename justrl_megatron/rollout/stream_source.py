@@ -273,7 +273,7 @@ class GroupSource:
         admission's version), the others generated anew before any newly drawn prompt."""
         if not state:
             return
-        fresh = []
+        fresh, unfit = [], 0
         for g in state.get("groups", []):
             kept = Admitted(Prompt(**g["prompt"]), int(g["version"]), g.get("step"), g.get("seed"))
             if g["samples"] is None:
@@ -281,9 +281,19 @@ class GroupSource:
                 self._counts.discarded_at_resume += bool(g.get("lost"))
                 continue
             samples = Rollouts(**g["samples"])
+            if len(samples) != self.n or max(map(len, samples.token_ids), default=0) > self.sampling.max_tokens:
+                fresh.append(kept.prompt)  # sampled under another rollout.n or a longer cap: not this run's group
+                unfit += 1
+                continue
             self._resumed.append((kept, samples))
             self._counts.resumed_groups += 1
             self._counts.resumed_tokens += samples.num_tokens
+        if unfit:
+            self._counts.discarded_at_resume += unfit
+            if self.leader:
+                print(f"justrl-train: warning: {unfit} kept group(s) were sampled with another rollout.n or a longer "
+                      f"rollout.max_response_length than this run's ({self.n}, {self.sampling.max_tokens}): their "
+                      f"prompts are generated anew", flush=True)
         if "groups" not in state:  # saved by an older version of this source: its prompts are generated anew
             self._counts.discarded_at_resume += int(state.get("outstanding", 0))
         self._queue.extendleft(reversed(fresh + [Prompt(**p) for p in state.get("prompts", [])]))

@@ -31,6 +31,7 @@ class _FrozenModel:
     shape: object
     device: torch.device
     shared_prompt: bool = False  # the policy's packing (train/batching.py: shared-prompt units)
+    fast_paths: object = None  # the policy's (model/fast_paths.FastPaths): the frozen copy runs the same kernels
 
 
 class Reference:
@@ -90,4 +91,4 @@ def _frozen_copy(policy, model_dir, *, progress: bool) -> _FrozenModel:
     if device.type != "cpu":
         chunks = [c.to("cpu") for c in chunks]
     return _FrozenModel(chunks=chunks, config=config, shape=policy.shape, device=device,
-                        shared_prompt=policy.shared_prompt)
+                        shared_prompt=policy.shared_prompt, fast_paths=policy.fast_paths)
