@@ -368,7 +368,7 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
     assert "is not the model of the checkpoint at step 3 (num_layers 2 -> 3)" in proc.stderr
     assert "trainer.seed changed since the last launch (1 -> 5)" in proc.stderr
     assert time.monotonic() - start < 90
-    assert latest_step(run_dir) == 3 and len(list((run_dir / "config_history").glob("*.yaml"))) == 2
+    assert latest_step(run_dir) == 3 and len(list((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))) == 2
 # --- helpers die with the trainer (kill -9 leaves no orphans) -------------------------------------------------------
 
 HANGING_VERIFIER = '''
