@@ -38,9 +38,11 @@ RUN_BY = {
     ("split", "dynamic_sampling", "tools"): STOPPED + "[split]",
     ("split", "dynamic_sampling", "stop_resume"): STOPPED + "[split]",
     ("split", "one_step_off", "tools"): STOPPED + "[split]",  # the resumed launch
-    ("split", "one_step_off", "stop_resume"): "test_split.py::test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run",
+    ("split", "one_step_off", "stop_resume"):
+        "test_split.py::test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run",
     ("split", "streaming", "tools"): "test_split.py::test_streaming_runs_tool_turns_in_the_engine_loop",
-    ("split", "streaming", "stop_resume"): "test_split.py::test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew",
+    ("split", "streaming", "stop_resume"):
+        "test_split.py::test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew",
 }
 CELLS = [(p, m, f) for p in PLACEMENTS for m in MODES for f in FEATURES]
 
@@ -74,15 +76,17 @@ STOP_THEN_RESUME = {"colocated": ("dynamic_sampling", "synchronous", 1),
 def stopped_and_resumed(request, tmp_path_factory, tiny_llama):
     """Dynamic-sampling rounds with the python tool (the tiny random model earns no reward, so every step runs both
     rounds) and long responses (it rarely ends one before the 384-token cap): generation is most of a step, so a
-    SIGTERM to the whole launch 1 s after step 1 is logged lands while step 2 generates. Then a resume in the placement's other mode. Returns (the stopped
-    run's output, the step it stopped at, the work kept at the stop, the resumed run's output, the run dir)."""
+    SIGTERM to the whole launch 1 s after step 1 is logged lands while step 2 generates. Then a resume in the
+    placement's other mode. Returns (the stopped run's output, the step it stopped at, the work kept at the stop,
+    the resumed run's output, the run dir)."""
     from test_split import _signal_the_group, train
 
     placement = request.param
     args, world = PLACEMENTS[placement]
     stop_mode, resume_mode, more = STOP_THEN_RESUME[placement]
     run_dir = tmp_path_factory.mktemp(f"modes_{placement}") / "run"
-    common = [*FEATURES["tools"], "rollout.max_response_length=384", "trainer.save_every=10", "trainer.async_save=false"]
+    common = [*FEATURES["tools"], "rollout.max_response_length=384", "trainer.save_every=10",
+              "trainer.async_save=false"]
     _, out, code, left, _ = _signal_the_group(None, tiny_llama, signal.SIGTERM, *common, *MODES[stop_mode],
                                               "trainer.total_steps=4", nproc=world, run_dir=run_dir, after=1,
                                               placement=args, delay=1.0)
@@ -113,4 +117,5 @@ def test_a_mode_stopped_while_it_generates_resumes_what_it_kept(stopped_and_resu
     assert after["step"] == stopped + 1 and "tool/call_rate" in after
     assert after["rollout/discarded_at_resume"] == 0
     assert after["rollout/resumed_groups"] == len(sampled) and after["rollout/resumed_tokens"] == kept_tokens
-    assert all(r["rollout/discarded_at_resume"] == 0 and r["rollout/resumed_groups"] == 0 for r in records[stopped + 1:])
+    later = records[stopped + 1:]
+    assert all(r["rollout/discarded_at_resume"] == 0 and r["rollout/resumed_groups"] == 0 for r in later)

@@ -26,9 +26,9 @@ def score(scorer, tokenizer, prompts: Sequence, rollouts, n: int) -> tuple[list,
 
 def generate_and_score(rollout, prompts: Sequence, n: int, sampling, *, seed: int, scorer, tokenizer,
                        seconds: dict | None = None) -> ScoredBatch:
-    """`n` samples of each prompt from the engines' client `rollout` (rollout/engines.py), seeded `seed`, scored where `scorer` is not None
-    (rewards, correct and reward_stats None elsewhere). `seconds`: "rollout" and "reward" times are added to it, and
-    each phase is a named range in a profiler trace."""
+    """`n` samples of each prompt from the engines' client `rollout` (rollout/engines.py), seeded `seed`, scored
+    where `scorer` is not None (rewards, correct and reward_stats None elsewhere). `seconds`: "rollout" and "reward"
+    times are added to it, and each phase is a named range in a profiler trace."""
     t = time.perf_counter()
     with torch.profiler.record_function("rollout"):
         rollouts = rollout.generate([p.ids for p in prompts], n, sampling, seed=seed)

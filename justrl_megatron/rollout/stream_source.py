@@ -110,9 +110,9 @@ class GroupSource:
         raise NotImplementedError
 
     def next_batch(self, step: int, version: int, timer):
-        """The step's groups (a ScoredStep, rollout/source.py; its batch on trainer rank 0 only). None: a stop (SIGTERM / SIGUSR1
-        / Ctrl-C) came while the step waited for them: every trainer rank returns None, and what the step had taken
-        goes back among the admitted groups."""
+        """The step's groups (a ScoredStep, rollout/source.py; its batch on trainer rank 0 only). None: a stop
+        (SIGTERM / SIGUSR1 / Ctrl-C) came while the step waited for them: every trainer rank returns None, and what
+        the step had taken goes back among the admitted groups."""
         full = None
         if self.leader:
             try:
