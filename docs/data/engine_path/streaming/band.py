@@ -1,7 +1,15 @@
-import json, statistics
+"""The streaming seed band: 3 runs before and after the one engine path (docs/benchmarks.md)."""
+import json
+import os
+import statistics
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 KEYS = ["reward/mean", "response/length_mean", "actor/entropy", "actor/grad_norm", "rollout/logprob_diff_mean",
         "rollout/staleness_max", "rollout/multi_version_frac"]
-def load(side, i): return [json.loads(l) for l in open(f__import__("os").path.join(__import__("os").path.dirname(__file__), f"{side}-{i}.jsonl"))]
+def load(side, i):
+    return [json.loads(line) for line in open(os.path.join(HERE, f"{side}-{i}.jsonl"))]
+
+
 runs = {s: [load(s, i) for i in (1, 2, 3)] for s in ("before", "after")}
 rows = []
 for k in KEYS:
