@@ -21,9 +21,11 @@ import time
 
 import torch
 
+from .. import compat
+
 
 def _sync():
-    if torch.cuda.is_available():
+    if compat.cuda_available():
         torch.cuda.synchronize()
 
 

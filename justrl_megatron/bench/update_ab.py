@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import random
 
+from .. import compat
 from ..model.hf_config import ModelShape
 
 # Qwen3-30B-A3B at full width, EP1: 2 of its 48 layers (128 experts, top-8, expert SwiGLU 768, hidden 2048, 32 query
@@ -41,8 +42,6 @@ def trajectory(shape: ModelShape, *, updates: int = 20, count: int = 4, length: 
                lr: float = 1e-5, seed: int = 0, **build) -> list[dict]:
     """Loss and grad norm of `updates` GRPO updates of a bf16 policy (Policy.build `**build`: the setting under
     test) on fixed samples, old log-probs taken once, so every update moves further from them."""
-    import torch
-
     from ..distributed import init_distributed
     from ..model.policy import Policy
     from ..train.step import compute_logprobs, grpo_update
@@ -59,8 +58,7 @@ def trajectory(shape: ModelShape, *, updates: int = 20, count: int = 4, length: 
         out.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])})
     del policy, old
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    compat.release_cached_memory()
     return out
 
 
@@ -75,8 +73,6 @@ def compare(reference: list[dict], other: list[dict], *, loss_abs: float, grad_r
 
 def speed(setting: str, *, model, tokens: int, prompt_len: int, **bench) -> dict:
     """The update and forward-only figures of bench_train with `setting` off, then on (same card, same batch)."""
-    import torch
-
     from .train import bench_train
 
     out = {}
@@ -90,6 +86,6 @@ def speed(setting: str, *, model, tokens: int, prompt_len: int, **bench) -> dict
                                       "peak_allocated_gib": raw.get("gpu_peak_allocated_gib"),
                                       "loss": raw.get("loss"), "grad_norm": raw.get("grad_norm")}
         gc.collect()
-        torch.cuda.empty_cache()
+        compat.release_cached_memory()
     out["speedup"] = out["off"]["update_s"] / out["on"]["update_s"]
     return out

@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from .. import compat
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 ALIGN = 16  # cuBLASLt's fp8 GEMMs take dimensions that are multiples of 16: the token count is padded to it
@@ -113,7 +115,7 @@ def fp8_linear_classes():
 
 def hopper_problem() -> str | None:
     """None on a Hopper GPU (compute capability 9.x) under CUDA, else why model.fp8 cannot run here."""
-    if not torch.cuda.is_available():
+    if not compat.cuda_available():
         return ("model.fp8=true needs an NVIDIA Hopper GPU (FP8 rowwise matmuls); none here (no CUDA): set "
                 "model.fp8=false")
     major, minor = torch.cuda.get_device_capability()
