@@ -175,7 +175,7 @@ class EngineLoop:
         out += tool_kept
         out = [(gid, r) for gid, r in out if any(r.token_ids)]  # nothing sampled yet: admitted anew, as fresh
         out += [(g.gid, g.rollouts) for g in self._ready]
-        self._abort_side()
+        self.abort_side()
         self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear(), self._started.clear()
         return out
 
@@ -225,14 +225,14 @@ class EngineLoop:
         requests = self._stream_requests()
         if requests:
             self.engine.abort(requests)
-        self._abort_side()
+        self.abort_side()
         if self.turns is not None:
             self.turns.abort()
             self.tool_groups.clear()
         self.running.clear(), self.continued.clear(), self.waiting.clear(), self._ready.clear(), self._started.clear()
         return gids
 
-    def _abort_side(self) -> None:
+    def abort_side(self) -> None:
         """Side batches end with the stream (a stop): their requests aborted, the batches forgotten."""
         started = [rid for rid in self.side if rid not in {w[0] for w in self.side_waiting}]
         if started:

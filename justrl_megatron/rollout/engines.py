@@ -98,11 +98,7 @@ class EngineLoads:
             return out
 
     def assign(self, gid: int) -> int:
-        work = self.work()
-        with self._lock:
-            e = min(range(self._engines), key=lambda i: (work[i], i))
-            self._where[int(gid)] = [e, 0]
-            return e
+        return self.assign_all([gid])[0]
 
     def assign_all(self, gids) -> list[int]:
         """Engines for several new groups at once (each added to its engine's work before the next is placed)."""
@@ -306,9 +302,7 @@ class LocalEngines:
     # -- trainer rank 0 ------------------------------------------------------------------------------------------------
 
     def open(self, n: int, sampling: SamplingConfig, capacity: int) -> GroupBuffer | None:
-        from .engine_loop import EngineLoop
-
-        self.loop = EngineLoop(self.engine, n, sampling, tools=self.tools)
+        self.loop.configure(n, sampling)
         if _rank() != 0:
             return None
         engines = self
@@ -424,7 +418,7 @@ class LocalEngines:
 
         _, interrupted = self._step_until_done(lambda: not done, step)
         if interrupted:
-            self.loop._abort_side()
+            self.loop.abort_side()
             raise RolloutInterrupted("a stop was requested during the rollout")
         parts = _gather((self.index, mine, done[0]))
         unique = {e: (indices, r) for e, indices, r in parts}

@@ -8,7 +8,7 @@ The loop asks a source for each step's scored groups and knows nothing of how th
     scored = source.next_batch(step, version, timer)   # a ScoredStep (its batch: on trainer rank 0); None: a stop
     placement.publish(version, source.min_version(version))  # the staleness bound: the source's, computed once
     checkpoint {..., "inflight": source.state()}
-    at a stop, beside that checkpoint: source.stop_state()   # what the resume continues (streaming: partial samples)
+    at a stop, beside that checkpoint: source.stop_state()   # what the resume continues (every group's samples)
 
 Sources (rollout.source, or the one rollout.streaming selects), both the one group source (rollout/stream_source.py)
 with an admission policy (rollout/admission.py):
@@ -71,9 +71,9 @@ class BatchSource(Protocol):
         position is read)."""
 
     def stop_state(self) -> dict | None:
-        """At a stop, once its checkpoint is committed: the work in flight that a resume should continue rather than
-        redo (kept beside that checkpoint and handed to `restore` instead of `state`'s), or None: `state` said it
-        all. The run generates nothing more after it."""
+        """At a stop, once its checkpoint is saved or queued (the run then waits for its write): the work in flight
+        that a resume should continue rather than redo (kept beside that checkpoint and handed to `restore` instead
+        of `state`'s), or None: `state` said it all. The run generates nothing more after it."""
 
     def restore(self, state: dict | None) -> None:
         """Take back what `state` (or `stop_state`) saved."""

@@ -345,7 +345,7 @@ def serve(cfg, model_dir, roles) -> None:
                 for _, mine in batches:
                     results.send_object(("batch", (mine, None)), dst=0)
                 batches.clear()
-                loop._abort_side()
+                loop.abort_side()
             groups = loop.step()
             if groups:  # with the running groups' progress: the trainer's load-fed assignment
                 results.send_object(("groups", ([(g.gid, g.rollouts, g.admitted_version) for g in groups],

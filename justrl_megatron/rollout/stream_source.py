@@ -222,13 +222,18 @@ class GroupSource:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------------
 
-    def _groups(self, samples: dict[int, Rollouts], *, lost: bool) -> list[dict]:
-        """Every admitted group as plain data, with its samples where known; `lost`: whether a group without them
-        had work that a resume from this state cannot continue (a checkpoint's in-flight groups)."""
-        return [{"prompt": dataclasses.asdict(a.prompt), "version": a.version, "step": a.step, "seed": a.seed,
-                 "samples": dataclasses.asdict(samples[gid]) if gid in samples else None,
-                 "lost": lost and gid not in samples}
-                for gid, a in sorted(self._admitted.items())]
+    def _saved(self, samples: dict[int, Rollouts], *, lost: bool) -> dict:
+        """Every admitted group as plain data, with its samples where known, then the groups restored and not
+        admitted again yet (a stop right after a resume keeps them as they were), and the drawn prompts. `lost`:
+        whether an admitted group without samples had work that a resume from this state cannot continue (a
+        checkpoint's in-flight groups)."""
+        def record(a: Admitted, r: Rollouts | None, lost: bool) -> dict:
+            return {"prompt": dataclasses.asdict(a.prompt), "version": a.version, "step": a.step, "seed": a.seed,
+                    "samples": None if r is None else dataclasses.asdict(r), "lost": lost}
+
+        groups = [record(a, samples.get(gid), lost and gid not in samples) for gid, a in sorted(self._admitted.items())]
+        return {"groups": groups + [record(a, r, False) for a, r in self._resumed],
+                "prompts": [dataclasses.asdict(p) for p in self._queue]}
 
     def _buffered(self) -> dict[int, Rollouts]:
         """Finished groups in the buffer, not taken (left in it)."""
@@ -239,17 +244,16 @@ class GroupSource:
         group (finished ones with their samples), the groups kept for continuing, and the drawn prompts."""
         out = None
         if self.leader:
-            out = {"groups": self._groups({**self._finished, **self._buffered()}, lost=True)
-                   + self._kept_groups(), "prompts": [dataclasses.asdict(p) for p in self._queue],
+            out = {**self._saved({**self._finished, **self._buffered()}, lost=True),
                    "sampler": self.sampler.state_dict()}
         out = trainer_broadcast(out)
         self.sampler.load_state_dict(out.pop("sampler"))
         return out
 
     def stop_state(self) -> dict | None:
-        """At a stop, after its checkpoint (trainer rank 0; None elsewhere): every admitted group with what it
-        sampled so far (the engines abort them and hand it back; finished ones come from the buffer), then the
-        drawn prompts. The engines generate nothing more in this run."""
+        """At a stop, once its checkpoint is saved or queued (trainer rank 0; None elsewhere): every admitted group
+        with what it sampled so far (the engines abort them and hand it back; finished ones come from the buffer),
+        then the drawn prompts. The engines generate nothing more in this run."""
         if not self.leader:
             return None
         samples = dict(self._finished)
@@ -260,13 +264,7 @@ class GroupSource:
                   f"the resumed run generates them anew", flush=True)
             return None
         samples.update(self._buffered())
-        return {"groups": self._groups(samples, lost=False) + self._kept_groups(),
-                "prompts": [dataclasses.asdict(p) for p in self._queue]}
-
-    def _kept_groups(self) -> list[dict]:
-        """Groups restored and not admitted again yet (a stop right after a resume keeps them as they were)."""
-        return [{"prompt": dataclasses.asdict(a.prompt), "version": a.version, "step": a.step, "seed": a.seed,
-                 "samples": dataclasses.asdict(r), "lost": False} for a, r in self._resumed]
+        return self._saved(samples, lost=False)
 
     def restore(self, state: dict | None) -> None:
         """Take back what `state` or `stop_state` saved: groups with samples are continued first (under their

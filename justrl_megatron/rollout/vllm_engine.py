@@ -578,6 +578,8 @@ def generate_shares(engine, prompt_token_ids: Sequence[Sequence[int]], generate,
     multi_turn.ToolRollout.generate_all (tool turns) share it."""
     import torch.distributed as dist
 
+    from .engines import merge_parts
+
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return generate(prompt_token_ids, None, stop)
     # a stop is agreed by every rank: they meet in the gather below, and a TP engine's ranks in every forward
@@ -589,16 +591,8 @@ def generate_shares(engine, prompt_token_ids: Sequence[Sequence[int]], generate,
     part = generate([prompt_token_ids[i] for i in mine], mine, check)
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (engine.engine_index, mine, part))
-    samples: dict[int, list[tuple[Rollouts, int]]] = {}  # global prompt index -> (part, sample) in order
-    versions: dict[int, int] = {}
-    for engine_index, indices, r in parts:  # the ranks of one engine hold the same samples: keep one copy
-        if engine_index in versions:
-            continue
-        versions[engine_index] = r.weight_version
-        for k, local in enumerate(r.prompt_index):
-            samples.setdefault(indices[local], []).append((r, k))
-    order = [(r, k, g) for g in range(len(prompt_token_ids)) for r, k in samples[g]]
-    return Rollouts.in_order(order, min(versions.values()))
+    unique = {e: (indices, r) for e, indices, r in parts}  # the ranks of one engine hold the same samples: one copy
+    return merge_parts(list(unique.values()), len(prompt_token_ids))
 
 
 def span_versions(spans, num_tokens: int, default: int) -> list[int]:
