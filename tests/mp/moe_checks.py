@@ -256,7 +256,9 @@ def case_replay_store_dp2_vs_dp1(hf_dir, shape):
            "bytes_all_samples_before": 3 * total, "bytes_dp2_recorded": rec2["bytes"],
            "bytes_dp2_peak": max((h["bytes"] for h in held2), default=0)}
     out["ok"] = (sp and len(g1) == len(g2) == 2 and diff <= 1e-6 and m1["grad_norm"] > 1e-3
-                 and abs(m1["loss"] - m2["loss"]) <= 1e-6 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-6
+                 and abs(m1["loss"] - m2["loss"]) <= 1e-6
+                 # the norm sums every gradient in another order at TP2 x EP2 than at DP2: fp32-relative, not absolute
+                 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-6 * max(1.0, abs(m1["grad_norm"]))
                  and rec1["ids"] == every and all(h["ids"] == every for h in held1)
                  and rec2["ids"] == rec2["expected"] and rec2["bytes"] == rec2["expected_bytes"] > 0
                  and len(rec2["ids"]) < len(samples)
@@ -389,7 +391,8 @@ def case_tp2ep2_replay(hf_dir, shape):
         diff = max(diff, float((grad - ref).abs().max()))
     out = {"loss": (m1["loss"], m2["loss"]), "grad_norm": (m1["grad_norm"], m2["grad_norm"]), "grad_diff": diff,
            "grads_compared": len(g2), "sequence_parallel": sp}
-    out["ok"] = (sp and abs(m1["loss"] - m2["loss"]) <= 1e-6 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-6
+    out["ok"] = (sp and abs(m1["loss"] - m2["loss"]) <= 1e-6
+                 and abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-6 * max(1.0, abs(m1["grad_norm"]))
                  and diff <= 1e-6 and m1["grad_norm"] > 1e-3)
     return out
 
