@@ -46,8 +46,8 @@ def test_streaming_runs_tool_turns_in_the_engine_loop(tmp_path):
     run_dir = tmp_path / "stream"
     run_ok([*TORCHRUN, "--nproc-per-node=2", "-m", "justrl_megatron.cli", "train", "recipe=cpu_demo_tool",
             f"trainer.run_dir={run_dir}", *SHORT_TRAIN, "trainer.eval_samples=0", *SPLIT,
-            "rollout.streaming=true", "rollout.max_staleness=1", "trainer.prompts_per_step=4", "rollout.n=4",
-            "trainer.mini_batch_size=4", "rollout.max_response_length=96"], timeout=900)
+            "rollout.streaming=true", "rollout.max_staleness=1", "trainer.prompts_per_step=2", "rollout.n=4",
+            "trainer.mini_batch_size=2", "rollout.max_response_length=96", "trainer.save_every=2"], timeout=900)
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rollout/staleness_max"] <= 1 for r in records)
@@ -116,10 +116,10 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
 
 
 # 4 trainer ranks + 4 engines (vLLM in child processes), fed by load; responses long enough to be in flight when a stop
-# comes (the tiny random model rarely samples EOS before the 384-token cap); an async checkpoint every step
+# comes (the tiny random model rarely samples EOS before the 256-token cap); an async checkpoint every step
 STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=8", "trainer.save_every=1",
           "trainer.async_save=true", "trainer.keep_last=2", "rollout.num_rollout_ranks=4", "trainer.prompts_per_step=4",
-          "trainer.mini_batch_size=4", "rollout.max_response_length=384", *LEARN]
+          "trainer.mini_batch_size=4", "rollout.max_response_length=256", *LEARN]
 
 
 def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None, placement=SPLIT,
@@ -181,7 +181,7 @@ def streaming(tmp_path_factory, tiny_llama):
     engine cores and workers) once step 2 is logged (groups admitted, in flight and buffered): it finishes or ends
     its step, saves, keeps the groups' samples so far beside that checkpoint (a real harvest: the engines are
     mid-generation) and exits 0 (neither a rollout rank nor its engine may die of it first). The second resumes from
-    there, and 2 steps later rank 7 (a rollout rank) is SIGKILLed mid-stream: the whole launch must end at once, in
+    there, and a step later rank 7 (a rollout rank) is SIGKILLed mid-stream: the whole launch must end at once, in
     one line naming it. Returns (run dir, the first launch's output, the step it stopped at, the work it kept at the
     stop, the second launch's (output, exit code, processes left, seconds from the kill to its end))."""
     import signal
@@ -195,7 +195,7 @@ def streaming(tmp_path_factory, tiny_llama):
     stopped = len(metrics(run_dir))
     kept = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt", weights_only=False)
     killed = _signal_the_group(None, tiny_llama, signal.SIGKILL, *STREAM, nproc=8, run_dir=run_dir,
-                               after=stopped + 2, rank=7)
+                               after=stopped + 1, rank=7)
     return run_dir, out, stopped, kept, killed[1:]
 
 
@@ -218,7 +218,7 @@ def _processes_in_session(sid: int) -> list[int]:
 def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
     run_dir, _, stopped, _, _ = streaming
     records = metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= stopped + 2
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= stopped + 1
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/staleness"] <= 1 for r in records)
     # step 1: every token from version 0, the policy at version 0: trainer and vLLM agree as without streaming
     assert records[0]["rollout/weight_version"] == 0 and records[0]["rollout/logprob_diff_mean"] < 1e-3
@@ -264,7 +264,7 @@ def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(stre
     assert len(groups) in (4, 8) and len(sampled) >= len(groups) // 2
     cut = [len(t) for g in sampled for t, why in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
            if why == "abort"]
-    assert cut and all(0 <= n < 384 for n in cut)  # a real harvest: samples stopped mid-generation
+    assert cut and all(0 <= n < 256 for n in cut)  # a real harvest: samples stopped mid-generation
     print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
                                  [len(t) for t in g["samples"]["token_ids"]]) for g in sampled])
     assert "resumed from" in resumed
@@ -313,7 +313,7 @@ def test_sigterm_to_the_whole_group_one_step_off_saves_and_exits_0(one_step_off_
 @pytest.mark.vllm
 def test_streaming_trains_an_moe_policy_with_routing_replay_old(tmp_path):
     """Issue 47: streaming x MoE with algo.routing_replay=old (the old-logprob pass records every token's experts,
-    the two mini-batch updates replay them) on a tiny Mixtral: 3 steps within the bound, the router's statistics
+    the two mini-batch updates replay them) on a tiny Mixtral: 2 steps within the bound, the router's statistics
     logged, every step a gradient. (Its trainer/vLLM logprob gap in bf16 is the MoE gap of every placement, not
     streaming's: split sync shows the same at step 1.)"""
     from justrl_megatron import assets
@@ -322,9 +322,9 @@ def test_streaming_trains_an_moe_policy_with_routing_replay_old(tmp_path):
                               num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=96)
     run_dir = tmp_path / "run"
     train(run_dir, model, "rollout.streaming=true", "rollout.max_staleness=1", "algo.routing_replay=old",
-          "trainer.total_steps=3", "trainer.mini_batch_size=1", "rollout.max_response_length=32", *LEARN)
+          "trainer.total_steps=2", "trainer.mini_batch_size=1", "rollout.max_response_length=32", *LEARN)
     records = metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2]
     assert all(r["rollout/staleness_max"] <= 1 for r in records) and records[1]["rollout/staleness_max"] == 1
     assert all(r["actor/grad_norm"] > 0 and r["actor/moe_aux_loss"] > 0 for r in records)
     assert all(r["actor/num_optimizer_steps"] == 2 for r in records)  # replayed across two updates per step
