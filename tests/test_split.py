@@ -116,10 +116,10 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
 
 
 # 4 trainer ranks + 4 engines (vLLM in child processes), fed by load; responses long enough to be in flight when a stop
-# comes (the tiny random model rarely samples EOS before the 256-token cap); an async checkpoint every step
+# comes (the tiny random model rarely samples EOS before the 384-token cap); an async checkpoint every step
 STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=8", "trainer.save_every=1",
           "trainer.async_save=true", "trainer.keep_last=2", "rollout.num_rollout_ranks=4", "trainer.prompts_per_step=4",
-          "trainer.mini_batch_size=4", "rollout.max_response_length=256", *LEARN]
+          "trainer.mini_batch_size=4", "rollout.max_response_length=384", *LEARN]
 
 
 def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None, placement=SPLIT,
@@ -264,7 +264,7 @@ def test_streaming_stops_on_ctrl_c_and_resume_admits_the_saved_prompts_anew(stre
     assert len(groups) in (4, 8) and len(sampled) >= len(groups) // 2
     cut = [len(t) for g in sampled for t, why in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
            if why == "abort"]
-    assert cut and all(0 <= n < 256 for n in cut)  # a real harvest: samples stopped mid-generation
+    assert cut and all(0 <= n < 384 for n in cut)  # a real harvest: samples stopped mid-generation
     print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
                                  [len(t) for t in g["samples"]["token_ids"]]) for g in sampled])
     assert "resumed from" in resumed
