@@ -429,14 +429,16 @@ def _run_dir(submit_dir: Path, job_id: str) -> Path:
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_llama, tmp_path):
-    """The real train.sbatch + justrl-train on 2 nodes (1 CPU rank each), only -t/-o and tiny-model overrides.
-    One job covers both: the run succeeds and writes its checkpoints, and a USR1 after the first step makes it
-    checkpoint, requeue (Restarts=1) and resume, with every step trained exactly once. (3 steps, not 2: the stop must
-    land before the last step for the resume to have work left; one trainer start-up fewer than two separate jobs.)"""
+    """The real train.sbatch + justrl-train on 2 nodes (1 CPU rank each), only -t/-o and tiny-model overrides, the
+    model split over both nodes (parallel=tp2: the project's one end-to-end TP2 run through the CLI). One job covers
+    it all: the run succeeds and writes its checkpoints (from the TP2 layout), vLLM holds the trainer's weights after
+    each sync, and a USR1 after the first step makes it checkpoint, requeue (Restarts=1) and resume, with every step
+    trained exactly once. (3 steps, not 2: the stop must land before the last step for the resume to have work
+    left; one trainer start-up fewer than two separate jobs.)"""
     require_cli("train", "issue 7 (trainer)")
     log, total = tmp_path / "job.out", 3
     proc, job_id = cluster.submit("-t", "30", "-o", str(log), str(REPO / "launch/slurm/train.sbatch"),
-                                  *tiny_overrides(tiny_llama, total), cwd=tmp_path)
+                                  *tiny_overrides(tiny_llama, total), "parallel=tp2", cwd=tmp_path)
     run_dir = _run_dir(tmp_path, job_id)
     wait_for(lambda: _metric_steps(run_dir), 240, "the first training step", proc, log)
     cluster.run("scancel", "--signal=USR1", "--batch", job_id)
@@ -453,6 +455,10 @@ def test_issue7_train_sbatch_two_nodes_requeue_resumes(cluster, tiny_llama, tmp_
     assert (ckpt / "latest").read_text().strip() == f"step_{total:08d}"
     assert (ckpt / f"step_{int(stopped[0]):08d}").is_dir()  # the requeue checkpoint (keep_last=5 keeps it)
     assert any((ckpt / f"step_{total:08d}").iterdir())
+    meta = json.loads((ckpt / f"step_{total:08d}" / "justrl_megatron.json").read_text())
+    assert (meta["tp"], meta["pp"]) == (2, 1)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert all(r["rollout/logprob_diff_mean"] < 1e-3 for r in records)
     launches = (run_dir / "slurm_launches.log").read_text().strip().split("\n")  # the job's own record of its starts
     assert [re.search(r"restart=(\d+)", line).group(1) for line in launches] == ["0", "1"]
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,17 +71,6 @@ def test_embedded_default_runs_end_to_end(tmp_path):
     held_out = json.loads((run_dir / "heldout_accuracy.json").read_text())
     assert 0.0 <= held_out["start"] <= 1.0 and 0.0 <= held_out["end"] <= 1.0
     assert "held-out accuracy" in proc.stderr + proc.stdout
-
-
-@pytest.mark.slow
-def test_two_steps_at_tp2(tmp_path, tiny_llama):
-    run_dir = tmp_path / "tp2"
-    train([f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", "parallel=tp2", *SHORT], nproc=2)
-    records = metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2]
-    assert records[-1]["rollout/logprob_diff_mean"] < 1e-3
-    meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "justrl_megatron.json").read_text())
-    assert "2" in json.dumps(meta)  # saved from the TP=2 layout
 
 
 def three_step_args(model) -> list[str]:
@@ -341,35 +331,38 @@ def test_resumed_optimizer_follows_the_config_lr(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_path, tiny_llama):
+def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_path, tiny_llama, three_steps):
+    """A copy of the shared 3-step run resumed with a new lr and one more step: the changes listed, the new lr applied
+    from the resumed step on; then another model on that run dir is refused in one message, nothing started."""
     from justrl_megatron import assets
     from justrl_megatron.checkpoint import latest_step
 
     run_dir = tmp_path / "run"
-    args = [f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT, "trainer.eval_samples=0",
-            "trainer.warmup_steps=0"]
-    train([*args, "trainer.lr=1e-6"])
-    resumed = train([*args, "trainer.lr=1e-5", "trainer.total_steps=3"])
+    shutil.copytree(three_steps, run_dir)
+    args = [*three_step_args(tiny_llama), f"trainer.run_dir={run_dir}"]
+    before = [r["actor/lr"] for r in metrics(run_dir)]
+    assert before == [1e-5] * 3  # the demo's lr, no warmup
+    resumed = train([*args, "trainer.lr=2e-5", "trainer.total_steps=4"])
     out = resumed.stdout + resumed.stderr
     assert "with settings changed since the last launch (0001.yaml)" in out
-    assert "trainer.lr: 1e-06 -> 1e-05" in out and "trainer.total_steps: 2 -> 3" in out
-    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-6), (2, 1e-6), (3, 1e-5)]
+    assert "trainer.lr: 1e-05 -> 2e-05" in out and "trainer.total_steps: 3 -> 4" in out, out[-3000:]
+    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-5), (2, 1e-5), (3, 1e-5), (4, 2e-5)]
     history = sorted((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))  # (not NNNN.resolved.yaml)
     assert [p.name for p in history] == ["0001.yaml", "0002.yaml"]
-    assert "lr: 1.0e-06" in history[0].read_text() and "lr: 1.0e-05" in history[1].read_text()
+    assert "lr: 1.0e-05" in history[0].read_text() and "lr: 2.0e-05" in history[1].read_text()
     assert (run_dir / "hydra" / "config.yaml").exists()  # hydra's own record of the latest launch stays too
 
     other = assets.tiny_model(tmp_path / "other", "llama", tokenizer=tiny_llama, num_layers=3, hidden_size=128,
                               num_heads=4, num_kv_heads=2, intermediate_size=96)
     start = time.monotonic()
-    proc = subprocess.run(train_cmd([*args, f"model.path={other}", "trainer.total_steps=4", "trainer.seed=5"]),
+    proc = subprocess.run(train_cmd([*args, f"model.path={other}", "trainer.total_steps=5", "trainer.seed=5"]),
                           capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"model.path changed since the last launch ('{tiny_llama}' -> '{other}')" in proc.stderr
-    assert "is not the model of the checkpoint at step 3 (num_layers 2 -> 3)" in proc.stderr
+    assert "is not the model of the checkpoint at step 4 (num_layers 2 -> 3)" in proc.stderr
     assert "trainer.seed changed since the last launch (1 -> 5)" in proc.stderr
     assert time.monotonic() - start < 90
-    assert latest_step(run_dir) == 3 and len(list((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))) == 2
+    assert latest_step(run_dir) == 4 and len(list((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))) == 2
 # --- helpers die with the trainer (kill -9 leaves no orphans) -------------------------------------------------------
 
 HANGING_VERIFIER = '''

