@@ -217,7 +217,7 @@ def test_expert_parallel_two_ranks(tiny_moe, tmp_path):
         # routes held O(samples / DP): at DP2 a rank's own recorded samples (their tokens x layers x k bytes), plus
         # during a mini-batch the ones it trains, fetched; at DP1 every sample; the DP2 update equals DP1's
         store = v["qwen3_moe/dp2_vs_dp1/replay_store"]
-        assert store["grad_diff"] <= 1e-6 and abs(store["grad_norm"][0] - store["grad_norm"][1]) <= 1e-6
+        assert store["grad_diff"] <= 1e-6  # (the norms' bound, fp32-relative, is the verdict's: tests/mp/moe_checks.py)
         assert store["dp1_recorded"]["ids"] == list(range(12))
         assert store["dp2_recorded"]["ids"] == store["dp2_recorded"]["expected"]
         assert len(store["dp2_recorded"]["ids"]) <= 8 and store["bytes_dp2_recorded"] < store["dp1_recorded"]["bytes"]
@@ -244,8 +244,7 @@ def test_expert_parallel_with_tensor_and_pipeline_parallel(tiny_moe, tmp_path):
     for v in verdicts:
         grpo = v["qwen3_moe/tp2ep2_vs_tp1ep1/replay_grpo"]
         assert grpo["sequence_parallel"] and grpo["grad_diff"] <= 1e-6
-        assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6
-        assert abs(grpo["grad_norm"][0] - grpo["grad_norm"][1]) <= 1e-6
+        assert abs(grpo["loss"][0] - grpo["loss"][1]) <= 1e-6  # (the norms' bound: the verdict's)
     for family in ("mixtral", "qwen3_moe"):
         assert all(v[f"{family}/tp2ep2/logits"]["max_abs_diff"] <= 1e-5 for v in verdicts)
         assert [v[f"{family}/pp2ep2/logits"].get("max_abs_diff", 0) <= 1e-5 for v in verdicts] == [True] * 4
