@@ -50,14 +50,14 @@ class Recorder:
         self.handles = []
 
     def keep(self, name, t):
-        t = t.detach().reshape(-1, t.shape[-1]).clone()
+        t = t.detach().reshape(t.shape[0], -1).clone()  # [tokens, ...] on both sides (megatron: [t, 1, ...])
         self.rows.setdefault(name, []).append(t)
 
     def out(self, module, name, pick=_first):
         self.handles.append(module.register_forward_hook(lambda m, a, o: self.keep(name, pick(o))))
 
-    def inp(self, module, name):
-        self.handles.append(module.register_forward_pre_hook(lambda m, a: self.keep(name, a[0])))
+    def inp(self, module, name, index=0):
+        self.handles.append(module.register_forward_pre_hook(lambda m, a: self.keep(name, a[index])))
 
     def cat(self, name, rows=None):
         import torch
@@ -74,15 +74,34 @@ class Recorder:
         self.handles = []
 
 
+def _megatron_qkv(out, attn):
+    """megatron's fused QKV rows ([q heads of group g, k_g, v_g] per query group) in vLLM's order [q | k | v]."""
+    import torch
+
+    groups = attn.num_query_groups_per_partition
+    d = attn.hidden_size_per_attention_head
+    per = attn.num_attention_heads_per_partition // groups
+    x = out.reshape(-1, groups, (per + 2) * d)
+    q, k, v = torch.split(x, [per * d, d, d], dim=-1)
+    return torch.cat([q.reshape(x.size(0), -1), k.reshape(x.size(0), -1), v.reshape(x.size(0), -1)], dim=-1)
+
+
 def megatron_hooks(model, rec: Recorder) -> None:
     """Points on the local-spec GPTModel ([t, 1, h] rows of the packed forward)."""
     rec.out(model.embedding, "embedding")
     layers = model.decoder.layers
     for i, layer in enumerate(layers):
         rec.out(layer.input_layernorm, f"L{i}.input_norm")
+        attn = layer.self_attention
+        rec.out(attn.linear_qkv, f"L{i}.qkv", pick=lambda o, a=attn: _megatron_qkv(_first(o), a))
+        rec.inp(attn.core_attention, f"L{i}.q_roped", 0)
+        rec.inp(attn.core_attention, f"L{i}.k_roped", 1)
+        rec.out(attn.core_attention, f"L{i}.core_attn")
         rec.out(layer.self_attention, f"L{i}.attn_out")
         rec.inp(layer.pre_mlp_layernorm, f"L{i}.residual_mid")
         rec.out(layer.pre_mlp_layernorm, f"L{i}.pre_mlp_norm")
+        rec.out(layer.mlp.linear_fc1, f"L{i}.gate_up")
+        rec.inp(layer.mlp.linear_fc2, f"L{i}.swiglu")
         rec.out(layer.mlp, f"L{i}.mlp_out")
         rec.out(layer, f"L{i}.layer_out")
     rec.out(model.decoder.final_layernorm, "final_norm")
@@ -97,9 +116,16 @@ def vllm_hooks(model, rec: Recorder, num_layers: int) -> None:
         rec.out(layer.input_layernorm, f"L{i}.input_norm")
         if i > 0:
             rec.out(layer.input_layernorm, f"L{i - 1}.layer_out", pick=lambda o: o[1])
+        attn = layer.self_attn
+        rec.out(attn.qkv_proj, f"L{i}.qkv")
+        rec.inp(attn.attn, f"L{i}.q_roped", 0)
+        rec.inp(attn.attn, f"L{i}.k_roped", 1)
+        rec.out(attn.attn, f"L{i}.core_attn")
         rec.out(layer.self_attn, f"L{i}.attn_out")
         rec.out(layer.post_attention_layernorm, f"L{i}.residual_mid", pick=lambda o: o[1])
         rec.out(layer.post_attention_layernorm, f"L{i}.pre_mlp_norm")
+        rec.out(layer.mlp.gate_up_proj, f"L{i}.gate_up")
+        rec.inp(layer.mlp.down_proj, f"L{i}.swiglu")
         rec.out(layer.mlp, f"L{i}.mlp_out")
     rec.out(inner.norm, f"L{num_layers - 1}.layer_out", pick=lambda o: o[1])
     rec.out(inner.norm, "final_norm")
@@ -125,9 +151,10 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> d
     torch.manual_seed(0)
     hf_dir = model_dir or str(tiny_model(os.path.join(workdir, "tiny_qwen2"), "qwen2", **TINY))
     shape = model_shape(AutoConfig.from_pretrained(hf_dir))
-    engine = VLLMEngine(hf_dir, dtype=dtype, seed=0, max_model_len=128, cpu_kvcache_gib=1, enforce_eager=True)
+    engine = VLLMEngine(hf_dir, dtype=dtype, seed=0, max_model_len=128, cpu_kvcache_gib=1, enforce_eager=True,
+                         exact=exact)
     policy = Policy.build(shape, tp=1, dtype=dtype, transformer_impl="local", lr=1e-3, grad_clip=0.0,
-                          distributed_optimizer=False, seed=1234)
+                          distributed_optimizer=False, seed=1234, exact=exact)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
     engine.update_weights(export_hf_stream(policy.chunks, shape, include_tied_lm_head=True), version=0)

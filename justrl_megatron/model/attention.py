@@ -29,6 +29,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from .exact import engine_attention
+
 logger = logging.getLogger(__name__)
 
 
@@ -668,6 +670,8 @@ class SDPAttention(_Base):
         # Policy (tests, converters) decides per process
         fast = getattr(config, "justrl_fast_paths", None)
         self.backend = fast.attention_backend if fast is not None else "auto"
+        # rollout.exact: log-prob passes (no autograd) attend with the engine's own kernel (model/exact.py)
+        self.exact = bool(getattr(config, "justrl_exact", False))
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError("SDPAttention runs without attention dropout (RL fine-tuning); set attention_dropout=0")
@@ -684,6 +688,11 @@ class SDPAttention(_Base):
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
                 plan = context_parallel_plan(packed_seq_params, cu, self.cp_group)
                 out = context_parallel_attention(query, key, value, plan, self.cp_group, self.softmax_scale)
+            elif self.exact and not torch.is_grad_enabled() and not query.is_cuda and getattr(
+                    packed_seq_params, "justrl_shared_prompt", None) is None:
+                cu = packed_seq_params.cu_seqlens_q_padded
+                cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+                out = engine_attention(query, key, value, cu, self.softmax_scale)
             else:
                 out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale,
                                        backend=self.backend)

@@ -1,0 +1,133 @@
+"""`rollout.exact`: the trainer's log-prob forward computes what the vLLM engine computes, op for op.
+
+The decomposition (tools/logprob_parity.py, docs/numerics.md) shows where the two part on the CPU in fp32: embedding,
+norms, the QKV GEMM with its bias and RoPE are already bitwise equal; the first difference is core attention (vLLM's
+CPU kernel against torch SDPA: another blocking of the softmax reduction), and everything after it inherits it. So on
+the CPU the exact mode attends with vLLM's own kernel (`torch.ops._C.cpu_attention_with_kv_cache` over a paged K/V
+cache built for the packed micro-batch), with the KV split turned off on both sides: split over threads, a decode
+step's reduction order depends on the number of running requests; unsplit, a token's attention is the same whether
+it is computed in a prefill of the whole sequence (the trainer) or in a decode step (the engine).
+
+On GPU the engine is put into vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1: Triton kernels with a fixed
+reduction order) and megatron into its deterministic settings (`engine_env`, `exact_config`); that pairing is wired
+but not verified here (no vLLM on the lent GPU). Forward only: the exact kernel has no backward, which is why the
+mode covers the log-prob passes (old log-probs, the rollout check), not the update's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# K/V cache block size of the engine in exact mode (vllm_engine passes it; the kernel's tiling follows it)
+BLOCK_SIZE = 128
+
+
+def engine_env(on_gpu: bool) -> dict[str, str]:
+    """Environment the engine needs before it is built, in exact mode."""
+    if on_gpu:
+        return {"VLLM_BATCH_INVARIANT": "1"}
+    return {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
+
+
+def exact_config(config) -> None:
+    """megatron's deterministic settings (GPU): fixed-order reductions where megatron offers them."""
+    for name in ("deterministic_mode",):
+        if hasattr(config, name):
+            setattr(config, name, True)
+
+
+def _isa(dtype: torch.dtype, head_dim: int) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
+
+
+def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences with vLLM's CPU kernel: q [t, hq, d], k/v [t, hkv, d] -> [t, hq, d].
+
+    Each sequence gets its own blocks of a private paged cache, written by the engine's own reshape_and_cache."""
+    from vllm import _custom_ops as ops
+
+    t, hq, d = q.shape
+    hkv = k.size(1)
+    cu = cu_seqlens.to(torch.int64).cpu()
+    lengths = (cu[1:] - cu[:-1])
+    n = lengths.numel()
+    blocks = (lengths + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first = torch.zeros(n, dtype=torch.int64)
+    first[1:] = torch.cumsum(blocks, 0)[:-1]
+    width = int(blocks.max().item()) if n else 1
+    block_table = (first.unsqueeze(1) + torch.arange(width).unsqueeze(0)).to(torch.int32)
+    seq_of = torch.repeat_interleave(torch.arange(n), lengths)
+    pos = torch.arange(t) - cu[:-1][seq_of]
+    slots = (first[seq_of] + pos // BLOCK_SIZE) * BLOCK_SIZE + pos % BLOCK_SIZE
+    total = int(blocks.sum().item())
+    cache = torch.zeros(total, hkv, BLOCK_SIZE * 2, d, dtype=q.dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    isa = _isa(q.dtype, d)
+    k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    query_start = cu.to(torch.int32)
+    seq_lens = lengths.to(torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq_lens, dtype=q.dtype,
+        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return out
+
+
+def engine_active(x: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and not x.is_cuda
+
+
+def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) as vLLM's CPU linear computes it: oneDNN's matmul on a handle of the weight (bias fused
+    in: one rounding). The handle is made per call: the optimizer changes the weight in place between passes."""
+    from vllm import _custom_ops as ops
+
+    handle = ops.create_onednn_mm(weight.detach().t(), 32)
+    rows = x.reshape(-1, x.size(-1)).contiguous()
+    return ops.onednn_mm(handle, rows, bias).reshape(*x.shape[:-1], weight.size(0))
+
+
+def _exact_forward(layer, original):
+    """A megatron Column/RowParallelLinear's forward that computes with `engine_linear` in log-prob passes (TP1: the
+    exact mode refuses TP > 1, so there is nothing to gather or reduce)."""
+
+    def forward(input_, *args, **kwargs):
+        if not engine_active(input_) or args or kwargs.get("weight") is not None:
+            return original(input_, *args, **kwargs)
+        bias = getattr(layer, "bias", None)
+        fused = None if layer.skip_bias_add else bias
+        out = engine_linear(input_, layer.weight, fused)
+        return out, (bias if layer.skip_bias_add else None)
+
+    return forward
+
+
+def install(modules) -> None:
+    """Route the decoder's linears through `engine_linear` in log-prob passes (the output layer is the log-prob
+    head's: `engine_logprobs`)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for model in modules:
+        for name, m in model.named_modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not name.endswith("output_layer"):
+                m.forward = _exact_forward(m, m.forward)
+
+
+def engine_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                    with_entropy: bool):
+    """Target log-probs (and entropy) as the engine's sampler gets them: logits by the engine's linear in the model's
+    dtype, the padded vocabulary cut off, then `log_softmax(dtype=float32)` (not the chunked max + log-sum-exp of
+    model/logprobs.py, which rounds in another order)."""
+    logits = engine_linear(hidden, weight, None)[:, :vocab_size]
+    logp_all = logits.log_softmax(dim=-1, dtype=torch.float32)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy
