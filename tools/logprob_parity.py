@@ -170,6 +170,9 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> d
     trainer = compute_logprobs(policy, samples, max_tokens_per_micro_batch=256)
     out["batch_gap"] = logprob_gap(r.logprobs, trainer)
     out["batch_gap_s"] = time.perf_counter() - t
+    # batch invariance of each side: the trainer's log-probs of a sample alone vs in the batch's micro-batch
+    alone = [compute_logprobs(policy, [smp], max_tokens_per_micro_batch=256)[0] for smp in samples]
+    out["trainer_alone_vs_batch"] = logprob_gap([a.tolist() for a in alone], trainer)
 
     # per layer, one sample at a time (so that every hook call is this sequence's rows)
     model = unwrap(policy.chunks[0])
@@ -204,6 +207,9 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> d
                 res = llm.generate([{"prompt_token_ids": prompt}], _replay_params(engine, k), use_tqdm=False)[0]
                 got = list(res.outputs[0].token_ids)
                 entry["decode_replayed"] = got == resp
+                # the engine's batch invariance: this sample decoded alone vs in the batch of 20
+                entry["engine_alone_vs_batch_max"] = max(
+                    abs(lp[t].logprob - b) for lp, t, b in zip(res.outputs[0].logprobs, got, lps))
                 v_logp = torch.tensor([lp[t].logprob for lp, t in zip(res.outputs[0].logprobs, got)])
                 rows = T
             v_rows = {name: vrec.cat(name, rows) for name in vrec.rows}
@@ -219,6 +225,7 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> d
             entry[path] = layers
         per_sample.append(entry)
     out["per_sample"] = per_sample
+    out["engine_alone_vs_batch_max"] = max(s["engine_alone_vs_batch_max"] for s in per_sample)
     out["table"] = {path: _summarise([s[path] for s in per_sample]) for path in ("prefill", "decode")}
     return out
 
@@ -270,6 +277,8 @@ def main(argv=None) -> int:
         g = run["batch_gap"]
         print(f"{run['dtype']}{' exact' if run['exact'] else ''}: batch gap mean {g['logprob_diff_mean']:.3g} "
               f"max {g['logprob_diff_max']:.3g} over {g['logprob_diff_tokens']} tokens")
+        print(f"  trainer alone vs in the batch: {run['trainer_alone_vs_batch']}; engine alone vs in the batch: "
+              f"max {run['engine_alone_vs_batch_max']:.3g}")
         for path, table in run["table"].items():
             print(f"  {path}")
             for name, s in table.items():

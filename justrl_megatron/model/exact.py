@@ -110,15 +110,37 @@ def _exact_forward(layer, original):
     return forward
 
 
+# torch splits an elementwise op over threads once it has more elements than this (at::internal::GRAIN_SIZE); the
+# split lands mid-row, where a vectorised run restarts and transcendental functions (exp in SiLU) take the scalar
+# path for a few elements, so a token's SiLU depends on how many rows share the call. The engine's decode steps
+# stay below it; the trainer's packed micro-batches do not.
+GRAIN = 32768
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu, row-invariant in log-prob passes: rows in calls of at most GRAIN elements (one thread each)."""
+    import torch.nn.functional as F
+
+    if not engine_active(x) or x.numel() <= GRAIN:
+        return F.silu(x)
+    rows = x.reshape(-1, x.size(-1))
+    step = max(1, GRAIN // x.size(-1))
+    return torch.cat([F.silu(rows[i:i + step]) for i in range(0, rows.size(0), step)]).reshape(x.shape)
+
+
 def install(modules) -> None:
     """Route the decoder's linears through `engine_linear` in log-prob passes (the output layer is the log-prob
-    head's: `engine_logprobs`)."""
+    head's: `engine_logprobs`) and its gated MLPs' SiLU through `silu`."""
+    import torch.nn.functional as F
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
 
     for model in modules:
         for name, m in model.named_modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not name.endswith("output_layer"):
                 m.forward = _exact_forward(m, m.forward)
+            if isinstance(m, MLP) and m.config.activation_func is F.silu:
+                m.config.activation_func = silu  # the glu reads it per call (megatron 0.16 / 0.19, unfused path)
 
 
 def engine_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
