@@ -86,13 +86,17 @@ def engine_active(x: torch.Tensor) -> bool:
 
 
 def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias) as vLLM's CPU linear computes it: oneDNN's matmul on a handle of the weight (bias fused
-    in: one rounding). The handle is made per call: the optimizer changes the weight in place between passes."""
-    from vllm import _custom_ops as ops
+    """x @ weight^T (+ bias) as vLLM's CPU linear computes it: vLLM's own dispatch (`dispatch_cpu_unquantized_gemm`:
+    oneDNN's matmul with the bias fused where this CPU has it for the dtype, SGL's AMX kernel, zentorch, else
+    F.linear) run on a stand-in layer. Made per call: the optimizer changes the weight in place between passes."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    handle = ops.create_onednn_mm(weight.detach().t(), 32)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+    layer.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     rows = x.reshape(-1, x.size(-1)).contiguous()
-    return ops.onednn_mm(handle, rows, bias).reshape(*x.shape[:-1], weight.size(0))
+    return layer.cpu_linear(rows, layer.weight, layer.bias).reshape(*x.shape[:-1], weight.size(0))
 
 
 def _exact_forward(layer, original):
