@@ -132,17 +132,83 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.silu(rows[i:i + step]) for i in range(0, rows.size(0), step)]).reshape(x.shape)
 
 
+def rope_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """vLLM's cos/sin cache ([positions, rotary_dim], cos | sin, fp32; the kernel takes it in the activations'
+    dtype), from the trainer's inverse frequencies (model/rope.py computes them as transformers and vLLM do)."""
+    t = torch.arange(max_positions, dtype=torch.float)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq.float().cpu())
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def engine_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """RoPE of packed rows t [T, heads, d] with vLLM's CPU kernel (NeoX style, in place on a copy): in bf16 it rotates
+    in fp32 and rounds once, where megatron's `t * cos + rotate(t) * sin` rounds each product."""
+    from vllm import _custom_ops as ops
+
+    n, heads, d = t.shape
+    cu = cu_seqlens.to(torch.int64).cpu()
+    seq_of = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    positions = torch.arange(n) - cu[:-1][seq_of]
+    rows = t.reshape(n, heads * d).clone()
+    ops.rotary_embedding(positions, rows, None, d, cache.to(t.dtype), True)
+    return rows.view(n, heads, d)
+
+
+FP32_SUM = "_justrl_fp32_sum"  # on a residual-stream tensor made by `_exact_bda`: the sum before it was rounded
+
+
+def _exact_bda(make):
+    """A TransformerLayer's bias-dropout-add as vLLM's fused add + RMSNorm does it in log-prob passes: the sum in
+    fp32, rounded once for the residual stream, and the fp32 sum kept on the result for the next norm (vLLM
+    normalises the unrounded sum; megatron's norm would see the rounded one: ~1e-3 apart in bf16)."""
+
+    def builder(training, fused):
+        add = make(training, fused)
+
+        def bda(x_with_bias, residual, prob):
+            out, bias = x_with_bias
+            # megatron runs the add under enable_grad(): a log-prob pass shows as activations without autograd
+            if residual.requires_grad or out.requires_grad or residual.is_cuda or bias is not None or (
+                    training and prob):
+                return add(x_with_bias, residual, prob)
+            total = out.float() + residual.float()
+            result = total.to(residual.dtype)
+            if result is total:
+                result = total.clone()
+            setattr(result, FP32_SUM, total)
+            return result
+
+        return bda
+
+    return builder
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's native RMSNorm (`vllm.ir.ops.rms_norm` / `fused_add_rms_norm`, the CPU's implementation) of x, or of
+    the fp32 sum `_exact_bda` kept on it."""
+    x32 = getattr(x, FP32_SUM, None)
+    x32 = x.float() if x32 is None else x32
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32.to(weight.dtype) * weight).to(x.dtype)
+
+
 def install(modules) -> None:
     """Route the decoder's linears through `engine_linear` in log-prob passes (the output layer is the log-prob
-    head's: `engine_logprobs`) and its gated MLPs' SiLU through `silu`."""
+    head's: `engine_logprobs`), its gated MLPs' SiLU through `silu`, its residual adds through `_exact_bda`."""
     import torch.nn.functional as F
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     for model in modules:
+        rotary = getattr(model, "rotary_pos_emb", None)
+        if rotary is not None:  # read by model/rope.py's packed RoPE in log-prob passes
+            model.config.justrl_rope_cache = rope_cache(rotary.inv_freq, model.max_position_embeddings)
         for name, m in model.named_modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not name.endswith("output_layer"):
                 m.forward = _exact_forward(m, m.forward)
+            if isinstance(m, TransformerLayer):
+                m.self_attn_bda, m.mlp_bda = _exact_bda(m.self_attn_bda), _exact_bda(m.mlp_bda)
             if isinstance(m, MLP) and m.config.activation_func is F.silu:
                 m.config.activation_func = silu  # the glu reads it per call (megatron 0.16 / 0.19, unfused path)
 
