@@ -22,6 +22,25 @@ import torch
 BLOCK_SIZE = 128
 
 
+def problems(cfg, shape=None) -> list[str]:
+    """rollout.exact's refusals, one line, before any model is built: what it does not mirror op for op."""
+    if not cfg.rollout.exact:
+        return []
+    refused = [name for name, on in (
+        ("parallel.tensor > 1", cfg.parallel.tensor > 1), ("parallel.pipeline > 1", cfg.parallel.pipeline > 1),
+        ("parallel.context > 1", cfg.parallel.context > 1), ("parallel.expert > 1", cfg.parallel.expert > 1),
+        ("rollout.tensor_parallel > 1", cfg.rollout.tensor_parallel > 1),
+        ("rollout.placement=split", cfg.rollout.placement == "split"), ("rollout.streaming", cfg.rollout.streaming),
+        ("model.lora", cfg.model.lora.enabled), ("model.fp8", cfg.model.fp8),
+        ("model.transformer_impl=te", cfg.model.transformer_impl == "te"),
+        ("trainer.shared_prompt=on", cfg.trainer.shared_prompt == "on"),
+        ("an MoE model", bool(shape is not None and shape.num_experts))) if on]
+    if refused:
+        return [f"rollout.exact=true mirrors the engine on one rank with a dense local-spec model only; "
+                f"not with {', '.join(refused)}"]
+    return []
+
+
 def engine_env(on_gpu: bool) -> dict[str, str]:
     """Environment the engine needs before it is built, in exact mode."""
     if on_gpu:

@@ -161,7 +161,8 @@ class Policy:
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
-        shared = resolve_shared_prompt(shared_prompt, impl, cp, replay)
+        # rollout.exact: one row per sequence, as the engine attends (shared-prompt RoPE rows are not mirrored)
+        shared = resolve_shared_prompt("off" if exact else shared_prompt, impl, cp, replay)
         if moe_needs_sequence_parallel(shape, tp) and not sequence_parallel:
             logger.warning("MoE model at parallel.tensor=%d: sequence parallelism turned on (megatron's MoE layer "
                            "trains at TP > 1 only with it)", tp)
@@ -262,7 +263,8 @@ class Policy:
             shared_prompt=tr.shared_prompt, cp=par.context, moe_aux_loss_coef=model.moe_aux_loss_coef,
             moe_z_loss_coef=model.moe_z_loss_coef, moe_permute_fusion=model.moe_permute_fusion,
             routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend,
-            fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8)
+            fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8,
+            exact=cfg.rollout.exact)
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 decides, as for the launch's other checks
             from ..run_history import record_resolved
 
