@@ -141,7 +141,9 @@ GRAIN = 32768
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """F.silu, row-invariant in log-prob passes: rows in calls of at most GRAIN elements (one thread each)."""
+    """F.silu, row-invariant in log-prob passes: rows in calls of at most GRAIN elements (one thread each). Its
+    input is the gate half of the fc1 output (a strided view: torch runs each row as its own vector loop, as for
+    the engine's `x[..., :d]`)."""
     import torch.nn.functional as F
 
     if not engine_active(x) or x.numel() <= GRAIN:
