@@ -131,7 +131,7 @@ def vllm_hooks(model, rec: Recorder, num_layers: int) -> None:
     rec.out(inner.norm, "final_norm")
 
 
-def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> dict:
+def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool, layers: bool = True) -> dict:
     import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 
     import torch
@@ -159,7 +159,7 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> d
     policy.optimizer.reload_model_params()
     engine.update_weights(export_hf_stream(policy.chunks, shape, include_tied_lm_head=True), version=0)
     llm = engine.llm
-    out = {"dtype": dtype, "exact": exact, "model": model_dir or f"tiny qwen2 {TINY}", "layers": shape.num_layers,
+    out = {"dtype": dtype, "exact": exact, "exact_off": os.environ.get("JUSTRL_EXACT_OFF", ""), "model": model_dir or f"tiny qwen2 {TINY}", "layers": shape.num_layers,
            "torch_threads": torch.get_num_threads()}
 
     # headline: the rollout's own check over a batch of 20 samples
@@ -174,6 +174,8 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool) -> d
     alone = [compute_logprobs(policy, [smp], max_tokens_per_micro_batch=256)[0] for smp in samples]
     out["trainer_alone_vs_batch"] = logprob_gap([a.tolist() for a in alone], trainer)
 
+    if not layers:
+        return out
     # per layer, one sample at a time (so that every hook call is this sequence's rows)
     model = unwrap(policy.chunks[0])
     mrec, vrec = Recorder(), Recorder()
@@ -252,13 +254,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="an HF folder (default: a tiny random Qwen2)")
     ap.add_argument("--exact", action="store_true", help="the trainer in rollout.exact mode")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--headline-only", action="store_true", help="the batch gaps only, no per-layer table")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one dtype, JSON to --out
     args = ap.parse_args(argv)
     import tempfile
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="parity_")
     if args.one:
-        res = run_dtype(args.one, args.model, workdir, args.exact)
+        res = run_dtype(args.one, args.model, workdir, args.exact, layers=not args.headline_only)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
         return 0
@@ -267,6 +270,7 @@ def main(argv=None) -> int:
         part = os.path.join(workdir, f"{dtype}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", dtype, "--out", part, "--workdir", workdir]
         cmd += (["--model", args.model] if args.model else []) + (["--exact"] if args.exact else [])
+        cmd += ["--headline-only"] if args.headline_only else []
         subprocess.run(cmd, check=True)
         with open(part) as f:
             results["runs"].append(json.load(f))
@@ -275,8 +279,10 @@ def main(argv=None) -> int:
         json.dump(results, f, indent=1)
     for run in results["runs"]:
         g = run["batch_gap"]
-        print(f"{run['dtype']}{' exact' if run['exact'] else ''}: batch gap mean {g['logprob_diff_mean']:.3g} "
+        print(f"{run['dtype']}{' exact' if run['exact'] else ''}{' off=' + run['exact_off'] if run['exact_off'] else ''}: batch gap mean {g['logprob_diff_mean']:.3g} "
               f"max {g['logprob_diff_max']:.3g} over {g['logprob_diff_tokens']} tokens")
+        if "table" not in run:
+            continue
         print(f"  trainer alone vs in the batch: {run['trainer_alone_vs_batch']}; engine alone vs in the batch: "
               f"max {run['engine_alone_vs_batch_max']:.3g}")
         for path, table in run["table"].items():

@@ -29,7 +29,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .exact import engine_attention
+from .exact import engine_attention, piece_on
 
 logger = logging.getLogger(__name__)
 
@@ -700,7 +700,7 @@ class SDPAttention(_Base):
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
                 plan = context_parallel_plan(packed_seq_params, cu, self.cp_group)
                 out = context_parallel_attention(query, key, value, plan, self.cp_group, self.softmax_scale)
-            elif self.exact and not torch.is_grad_enabled() and not query.is_cuda:
+            elif self.exact and not torch.is_grad_enabled() and not query.is_cuda and piece_on("attention"):
                 out = packed_engine_attention(query, key, value, packed_seq_params, self.softmax_scale)
             else:
                 out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale,

@@ -16,7 +16,18 @@ mode covers the log-prob passes (old log-probs, the rollout check), not the upda
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# The pieces of the exact mode; JUSTRL_EXACT_OFF=attention,rope,... leaves those to the trainer's own kernels, which
+# is how tools/logprob_parity.py measures what each one contributes (docs/numerics.md).
+PIECES = ("attention", "linear", "rope", "residual", "silu", "head")
+
+
+def piece_on(name: str) -> bool:
+    return name not in os.environ.get("JUSTRL_EXACT_OFF", "").split(",")
+
 
 # K/V cache block size of the engine in exact mode (vllm_engine passes it; the kernel's tiling follows it)
 BLOCK_SIZE = 128
@@ -123,7 +134,7 @@ def _exact_forward(layer, original):
     exact mode refuses TP > 1, so there is nothing to gather or reduce)."""
 
     def forward(input_, *args, **kwargs):
-        if not engine_active(input_) or args or kwargs.get("weight") is not None:
+        if not engine_active(input_) or args or kwargs.get("weight") is not None or not piece_on("linear"):
             return original(input_, *args, **kwargs)
         bias = getattr(layer, "bias", None)
         fused = None if layer.skip_bias_add else bias
@@ -146,7 +157,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     the engine's `x[..., :d]`)."""
     import torch.nn.functional as F
 
-    if not engine_active(x) or x.numel() <= GRAIN:
+    if not engine_active(x) or x.numel() <= GRAIN or not piece_on("silu"):
         return F.silu(x)
     rows = x.reshape(-1, x.size(-1))
     step = max(1, GRAIN // x.size(-1))
@@ -190,7 +201,7 @@ def _exact_bda(make):
             out, bias = x_with_bias
             # megatron runs the add under enable_grad(): a log-prob pass shows as activations without autograd
             if residual.requires_grad or out.requires_grad or residual.is_cuda or bias is not None or (
-                    training and prob):
+                    training and prob) or not piece_on("residual"):
                 return add(x_with_bias, residual, prob)
             total = out.float() + residual.float()
             result = total.to(residual.dtype)
