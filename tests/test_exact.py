@@ -11,9 +11,10 @@ from justrl_megatron.config import ConfigError, compose, validate
 
 def test_exact_is_off_by_default_and_refuses_what_it_does_not_mirror_in_one_line():
     assert compose().rollout.exact is False
-    validate(compose(["rollout.exact=true"]), world_size=1)  # one rank, dense local model: accepted
+    exact = ["rollout.exact=true", "trainer.old_logprobs=recompute"]
+    validate(compose(exact), world_size=1)  # one rank, dense local model, an old-logprob pass: accepted
     with pytest.raises(ConfigError) as err:
-        validate(compose(["rollout.exact=true", "parallel.tensor=2", "model.lora.enabled=true"]), world_size=2)
+        validate(compose([*exact, "parallel.tensor=2", "model.lora.enabled=true"]), world_size=2)
     lines = [line for line in str(err.value).splitlines() if "rollout.exact" in line]
     assert len(lines) == 1 and "parallel.tensor > 1" in lines[0] and "model.lora" in lines[0], str(err.value)
 

@@ -167,7 +167,9 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool, laye
     r = engine.generate_all(PROMPTS, N, SamplingConfig(max_tokens=STEPS), seed=7)
     samples = [Sample(prompt_ids=PROMPTS[i], response_ids=toks, rollout_logprobs=lps, advantage=0.0, group=i)
                for i, toks, lps in zip(r.prompt_index, r.token_ids, r.logprobs)]
+    t_pass = time.perf_counter()
     trainer = compute_logprobs(policy, samples, max_tokens_per_micro_batch=256)
+    out["trainer_pass_s"] = time.perf_counter() - t_pass  # the log-prob pass alone (exact vs default cost)
     out["batch_gap"] = logprob_gap(r.logprobs, trainer)
     out["batch_gap_s"] = time.perf_counter() - t
     # batch invariance of each side: the trainer's log-probs of a sample alone vs in the batch's micro-batch

@@ -45,6 +45,9 @@ def problems(cfg, shape=None) -> list[str]:
         ("model.lora", cfg.model.lora.enabled), ("model.fp8", cfg.model.fp8),
         ("model.transformer_impl=te", cfg.model.transformer_impl == "te"),
         ("trainer.shared_prompt=on", cfg.trainer.shared_prompt == "on"),
+        # one optimizer step per batch takes the old log-probs from the update's own forward (megatron's kernels)
+        ("trainer.old_logprobs=auto on the one-step path (set recompute)",
+         cfg.trainer.old_logprobs == "auto" and cfg.trainer.mini_batch_size >= cfg.trainer.prompts_per_step),
         ("an MoE model", bool(shape is not None and shape.num_experts))) if on]
     if refused:
         return [f"rollout.exact=true mirrors the engine on one rank with a dense local-spec model only; "
