@@ -195,7 +195,7 @@ FP32_SUM = "_justrl_fp32_sum"  # on a residual-stream tensor made by `_exact_bda
 def _exact_bda(make):
     """A TransformerLayer's bias-dropout-add as vLLM's fused add + RMSNorm does it in log-prob passes: the sum in
     fp32, rounded once for the residual stream, and the fp32 sum kept on the result for the next norm (vLLM
-    normalises the unrounded sum; megatron's norm would see the rounded one: ~1e-3 apart in bf16)."""
+    normalises the unrounded sum; megatron's norm would see the rounded one, which differs in bf16)."""
 
     def builder(training, fused):
         add = make(training, fused)
