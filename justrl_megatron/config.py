@@ -149,6 +149,8 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_staleness: int = 0  # 0: on-policy; 1: one-step-off async; with streaming: the bound eta on every token
     streaming: bool = False  # split only: engines stay full from a prompt stream, weights load mid-generation
+    # the trainer's log-prob passes compute what the engine computes, op for op (model/exact.py; docs/numerics.md)
+    exact: bool = False
     # the batch source (rollout/source.py SOURCES): null = streaming with rollout.streaming, else rounds (synchronous,
     # or one-step-off with max_staleness >= 1); a name registered there picks another one
     source: Optional[str] = None

@@ -362,7 +362,7 @@ def test_an_empty_run_dir_or_a_file_is_refused_before_hydra_writes(tmp_path, mon
         assert code == 2 and err.count("\n") == 1 and says in err, err
     code, err = _main_exit(monkeypatch, capfd, "trainer.run_dir=", "rollout.nonexistent=1")  # every problem at once
     assert code == 2 and err.splitlines()[1:] == [
-        "  - unknown key rollout.nonexistent; did you mean rollout.streaming?",
+        "  - unknown key rollout.nonexistent; did you mean rollout.exact?",
         "  - trainer.run_dir is empty: name the folder that holds the run (checkpoints, metrics, logs), e.g. "
         "trainer.run_dir=runs/my_run"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
@@ -373,7 +373,7 @@ def test_cfg_refuses_unknown_keys_as_a_run_does(monkeypatch, capfd):
     code, err = _main_exit(monkeypatch, capfd, "--cfg", "job", "rollout.nonexistent=1", "+trainer.lrr=1",
                            "rollout.streaming=maybe")
     assert code == 2 and err == ("justrl-train: invalid config:\n"
-                                 "  - unknown key rollout.nonexistent; did you mean rollout.streaming?\n"
+                                 "  - unknown key rollout.nonexistent; did you mean rollout.exact?\n"
                                  "  - unknown key trainer.lrr; did you mean trainer.lr?\n"
                                  "  - rollout.streaming must be true or false, got 'maybe'\n"), err
 

@@ -12,6 +12,7 @@ fp8.py        FP8 linear layers with rowwise scaling (model.fp8, Hopper)
 fast_paths.py the GPU fast-path switches and attention backend, decided once per launch and recorded
 moe.py        MoE training glue: router losses' weights per mini-batch and logged values, router load, routing replay
 lora.py       LoRA adapters on the TP-parallel linears (frozen base), adapters on/off, merged weights
+exact.py      rollout.exact: the log-prob passes with the engine's own kernels and op order (CPU), batch-invariant
 reference.py  reference-policy logprobs for the KL penalty: adapters off (LoRA) or a frozen copy of the weights
 
 `problems(cfg, ...)` collects every model feature's config refusals (each feature module owns its own).
@@ -21,9 +22,9 @@ def problems(cfg, *, shape=None) -> list[str]:
     """What the model settings of `cfg` cannot run with, one line each, before any model is built. `shape` (a
     hf_config.ModelShape) enables the checks that need the model. Each feature's check (cfg, shape) -> lines lives in
     its module, imported only when asked, so `import justrl_megatron.model` stays cheap."""
-    from . import attention, fast_paths, fp8, grouped_experts, hf_config, lora, moe, spec
+    from . import attention, exact, fast_paths, fp8, grouped_experts, hf_config, lora, moe, spec
 
     checks = (attention.context_parallel_problems, moe.problems, spec.transformer_engine_problems,
               attention.shared_prompt_config_problems, lora.problems, hf_config.shape_problems, fast_paths.problems,
-              grouped_experts.problems, fp8.problems)
+              grouped_experts.problems, fp8.problems, exact.problems)
     return [line for check in checks for line in check(cfg, shape)]

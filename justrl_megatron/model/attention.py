@@ -29,6 +29,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from .exact import engine_attention, piece_on
+
 logger = logging.getLogger(__name__)
 
 
@@ -457,6 +459,18 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed_s
                                    plan=packed_plan(packed_seq_params, cu), backend=backend)
 
 
+def packed_engine_attention(q, k, v, packed_seq_params, scale: float) -> torch.Tensor:
+    """`packed_attention` with the engine's kernel (rollout.exact, model/exact.py); shared-prompt units are unfolded
+    into their rows first, as `shared_prompt_attention` does."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+    shared = getattr(packed_seq_params, "justrl_shared_prompt", None) or getattr(cu, "justrl_shared_prompt", None)
+    if shared is None:
+        return engine_attention(q, k, v, cu, scale)
+    rows = [x.index_select(0, shared.gather) for x in (q, k, v)]
+    return engine_attention(*rows, shared.row_cu, scale).index_select(0, shared.pick)
+
+
 def shared_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared, scale: float,
                             backend: str = "flash") -> torch.Tensor:
     """Attention of a row of shared-prompt units: q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]. `shared`
@@ -668,6 +682,8 @@ class SDPAttention(_Base):
         # Policy (tests, converters) decides per process
         fast = getattr(config, "justrl_fast_paths", None)
         self.backend = fast.attention_backend if fast is not None else "auto"
+        # rollout.exact: log-prob passes (no autograd) attend with the engine's own kernel (model/exact.py)
+        self.exact = bool(getattr(config, "justrl_exact", False))
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError("SDPAttention runs without attention dropout (RL fine-tuning); set attention_dropout=0")
@@ -684,6 +700,8 @@ class SDPAttention(_Base):
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
                 plan = context_parallel_plan(packed_seq_params, cu, self.cp_group)
                 out = context_parallel_attention(query, key, value, plan, self.cp_group, self.softmax_scale)
+            elif self.exact and not torch.is_grad_enabled() and not query.is_cuda and piece_on("attention"):
+                out = packed_engine_attention(query, key, value, packed_seq_params, self.softmax_scale)
             else:
                 out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale,
                                        backend=self.backend)

@@ -13,6 +13,9 @@ and an fp32 copy of the activations per norm.
 import torch
 import torch.nn.functional as F
 
+from .exact import FP32_SUM
+from .exact import rms_norm as exact_rms_norm
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As HF Qwen2/Llama: normalise in fp32, cast back, then scale (matters in bf16).
@@ -33,6 +36,8 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(x, FP32_SUM):  # rollout.exact's log-prob pass: the engine's fused add + norm (model/exact.py)
+            return exact_rms_norm(x, self.weight, self.eps)
         if x.is_cuda and x.dtype == self.weight.dtype:  # mixed dtypes keep the reference form's promotion rules
             return rms_norm_fused(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)

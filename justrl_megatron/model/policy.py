@@ -38,6 +38,8 @@ from ..dtypes import resolve_dtype
 from . import fast_paths as fast_paths_mod
 from .attention import attention_backend as decide_attention_backend, resolve_shared_prompt
 from .build import build_model_chunks
+from .exact import exact_config
+from .exact import install as install_exact
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
@@ -142,7 +144,7 @@ class Policy:
               cp: int = 1, moe_aux_loss_coef: float | None = None, moe_z_loss_coef: float | None = None,
               moe_permute_fusion: bool | None = None, routing_replay: str = "off",
               attention_backend: str = "auto", fast_paths=None, moe_grouped_gemm: bool = False,
-              fp8: bool = False) -> "Policy":
+              fp8: bool = False, exact: bool = False) -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
         `shared_prompt` auto | on | off (`resolve_shared_prompt`). `cp`: context-parallel size (the batch split is
@@ -153,12 +155,14 @@ class Policy:
         attention on CUDA (model/attention.attention_backend), `auto` measured on rank 0 and broadcast;
         `fast_paths`: the model.fast_paths section (None: all on), JUSTRL_FAST_PATHS_OFF applied on top
         (model/fast_paths.py). `moe_grouped_gemm`: MoE experts as grouped GEMMs (model/grouped_experts.py); `fp8`:
-        the decoder's linears in FP8 (model/fp8.py, Hopper only)."""
+        the decoder's linears in FP8 (model/fp8.py, Hopper only). `exact` (rollout.exact): the log-prob passes compute
+        what the vLLM engine computes (model/exact.py)."""
         replay = routing_replay != "off" and bool(shape.num_experts)
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
         impl = resolve_impl(transformer_impl)
-        shared = resolve_shared_prompt(shared_prompt, impl, cp, replay)
+        # rollout.exact: one row per sequence, as the engine attends (shared-prompt RoPE rows are not mirrored)
+        shared = resolve_shared_prompt("off" if exact else shared_prompt, impl, cp, replay)
         if moe_needs_sequence_parallel(shape, tp) and not sequence_parallel:
             logger.warning("MoE model at parallel.tensor=%d: sequence parallelism turned on (megatron's MoE layer "
                            "trains at TP > 1 only with it)", tp)
@@ -194,10 +198,15 @@ class Policy:
             **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
         config.justrl_fast_paths = fast  # read by model/attention.SDPAttention
+        config.justrl_exact = exact  # read by model/attention.SDPAttention
+        if exact:
+            exact_config(config)
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                      moe_grouped_gemm=moe_grouped_gemm, fp8=fp8)
         modules = [m.to(device) for m in modules]
+        if exact:
+            install_exact(modules)
         prepare_routers(modules)
         install_route_slots(modules)  # a recomputed MoE layer routes as its forward did (model/moe.RouteSlot)
         if lora:
@@ -254,7 +263,8 @@ class Policy:
             shared_prompt=tr.shared_prompt, cp=par.context, moe_aux_loss_coef=model.moe_aux_loss_coef,
             moe_z_loss_coef=model.moe_z_loss_coef, moe_permute_fusion=model.moe_permute_fusion,
             routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend,
-            fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8)
+            fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8,
+            exact=cfg.rollout.exact)
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 decides, as for the launch's other checks
             from ..run_history import record_resolved
 

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from .exact import engine_active, engine_rope, piece_on
 from .hf_config import ModelShape
 
 PER_TOKEN_ROWS = "_justrl_rope_rows_per_token"  # set on a freqs tensor that holds one rotation row per packed token
@@ -78,6 +79,12 @@ def rope_at_positions(model, positions):
 
 def _apply_packed_rope(megatron_apply):
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
+        cache = getattr(config, "justrl_rope_cache", None)  # rollout.exact: the engine's kernel (model/exact.py)
+        if (cache is not None and cu_seqlens is not None and engine_active(t) and piece_on("rope") and mscale == 1.0
+                and not kwargs
+                and not getattr(freqs, PER_TOKEN_ROWS, False) and not config.rotary_interleaved
+                and (cp_group is None or cp_group.size() == 1)):
+            return engine_rope(t, cu_seqlens, cache)
         if (cu_seqlens is not None and getattr(freqs, PER_TOKEN_ROWS, False) and freqs.size(0) == t.size(0)
                 and not config.apply_rope_fusion and not kwargs and (cp_group is None or cp_group.size() == 1)):
             from megatron.core.models.common.embeddings import rope_utils

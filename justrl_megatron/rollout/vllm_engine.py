@@ -29,6 +29,7 @@ import torch
 
 from .. import compat
 from ..dtypes import DTYPES, resolve_dtype, torch_name
+from ..model import exact as exact_mod
 from ..model.moe import ROUTED_EXPERTS_ON_CPU
 from .base import Rollouts, SamplingConfig, WeightStream, weight_sync_backend
 from .stopping import StopCheck, agreement_group
@@ -102,6 +103,7 @@ class VLLMEngine:
         return_routed_experts: bool = False,
         prefix_caching: bool = True,
         load_tokenizer: bool = False,
+        exact: bool = False,
     ):
         from justrl_megatron.assets import cache_dir
 
@@ -142,6 +144,9 @@ class VLLMEngine:
             weight_transfer_config={"backend": self.backend},
             worker_extension_cls="justrl_megatron.rollout.weight_transfer.WorkerExtension",
         )
+        if exact:  # rollout.exact: the kernels' settings the trainer's exact log-prob pass mirrors (model/exact.py)
+            os.environ.update(exact_mod.engine_env(self.on_gpu))
+            kwargs["block_size"] = exact_mod.BLOCK_SIZE
         if not prefix_caching:  # streaming: a cached prompt block of older weights would be labelled with the new ones
             kwargs["enable_prefix_caching"] = False
         if return_routed_experts:  # MoE, algo.routing_replay=rollout: each completion's experts, per token and layer
@@ -652,4 +657,5 @@ def make_engine(cfg, model_dir, *, seed: int = 0, in_process: bool = True):
         weight_sync_backend=ro.weight_sync_backend, bucket_bytes=int(ro.weight_sync_bucket_mb) << 20,
         return_routed_experts=cfg.algo.routing_replay == "rollout",
         prefix_caching=not ro.streaming,  # streaming: prompt blocks cached under older weights would be relabelled
+        exact=ro.exact,
     )

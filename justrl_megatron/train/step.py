@@ -41,6 +41,7 @@ from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
 from ..model.build import output_weight, returning_hidden_states, unwrap
 from ..model import moe
+from ..model import exact
 from ..model.logprobs import logprobs_from_hidden
 from ..model.optimizer_kernels import fp32_norms
 from ..model.rope import rope_at_positions
@@ -187,6 +188,9 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
 
 def _target_logprobs(policy, mb: MicroBatch, model, output: torch.Tensor, with_entropy: bool):
     hidden = output[0].index_select(0, mb.logit_positions)  # [N, h] positions that predict response tokens
+    if getattr(policy.config, "justrl_exact", False) and exact.engine_active(hidden) and exact.piece_on("head"):
+        # rollout.exact: the engine's head and log-softmax (model/exact.py)
+        return exact.engine_logprobs(hidden, output_weight(model), mb.targets, policy.shape.vocab_size, with_entropy)
     return logprobs_from_hidden(hidden, output_weight(model), mb.targets, vocab_size=policy.shape.vocab_size,
                                 with_entropy=with_entropy, group=_tp_group(),
                                 compiled=hidden.is_cuda and policy.fast_paths.compiled_head)

@@ -5,7 +5,7 @@
 Every rank hosts a vLLM engine in its own process (external_launcher, rollout TP1: two engines) next to its Megatron
 model. Phase A, Megatron TP1 x DP2: sync the loaded weights, sample, one GRPO step (large LR so that the weights
 move), sync, sample again, and compare vLLM's logprobs of its sampled tokens with the trainer's recomputation
-(model/ + train/step.py). Phase B, Megatron TP2: a fresh policy loaded from the same HF folder streams its weights into
+(model/ + train/step.py), by default and in rollout.exact mode (model/exact.py; the engines run its settings). Phase B, Megatron TP2: a fresh policy loaded from the same HF folder streams its weights into
 the same engines; vLLM's greedy tokens must equal transformers' on the original HF weights. Phase C, Megatron CP2
 (context parallel: both ranks split each sequence): its logprobs agree with the engines' on the same weights, then a
 GRPO step and a sync, after which they agree again (CP shards no weights: the stream is the same). Phase D: a stop
@@ -30,12 +30,12 @@ PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 30
 N, STEPS = 4, 10
 
 
-def build_policy(shape, hf_dir, tp, cp=1):
+def build_policy(shape, hf_dir, tp, cp=1, exact=False):
     from justrl_megatron.convert.load import load_hf_weights
     from justrl_megatron.model.policy import Policy
 
     policy = Policy.build(shape, tp=tp, cp=cp, dtype="fp32", transformer_impl="local", lr=2e-2, grad_clip=0.0,
-                          distributed_optimizer=False, seed=1234)
+                          distributed_optimizer=False, seed=1234, exact=exact)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
     return policy
@@ -69,7 +69,7 @@ def main(hf_dir, out):
 
     t = time.perf_counter()
     engine = VLLMEngine(hf_dir, dtype="fp32", tensor_parallel=1, seed=0, max_model_len=128, cpu_kvcache_gib=1,
-                        enforce_eager=True)
+                        enforce_eager=True, exact=True)  # rollout.exact's engine settings (phase A's exact gate)
     v["engine"] = {"index": engine.engine_index, "count": engine.num_engines,
                    "startup_s": time.perf_counter() - t}
     sample = SamplingConfig(max_tokens=STEPS)
@@ -112,7 +112,14 @@ def main(hf_dir, out):
     both = [torch.zeros_like(digest) for _ in range(world)]
     dist.all_gather(both, digest)
     v["batch"]["same_on_all_ranks"] = all(torch.equal(both[0], b) for b in both)
-    del policy
+    # rollout.exact (model/exact.py): a policy holding the stepped weights, its log-prob pass as the engine computes
+    exact = build_policy(shape, hf_dir, tp=1, exact=True)
+    with torch.no_grad():
+        for mine, theirs in zip(exact.chunks[0].module.parameters(), policy.chunks[0].module.parameters()):
+            mine.copy_(theirs)
+    v["gap_exact_v1"] = logprob_gap(r1.logprobs, compute_logprobs(exact, samples_of(r1),
+                                                                   max_tokens_per_micro_batch=256))
+    del policy, exact
 
     # --- phase B: Megatron TP2 streams the original weights into the same engines ----------------------------------
     policy = build_policy(shape, hf_dir, tp=2)

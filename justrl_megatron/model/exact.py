@@ -1,0 +1,260 @@
+"""`rollout.exact`: the trainer's log-prob forward computes what the vLLM engine computes, op for op.
+
+The decomposition (tools/logprob_parity.py, docs/numerics.md) shows where the two part on the CPU in fp32: embedding,
+norms, the QKV GEMM with its bias and RoPE are already bitwise equal; the first difference is core attention (vLLM's
+CPU kernel against torch SDPA: another blocking of the softmax reduction), and everything after it inherits it. So on
+the CPU the exact mode attends with vLLM's own kernel (`torch.ops._C.cpu_attention_with_kv_cache` over a paged K/V
+cache built for the packed micro-batch), with the KV split turned off on both sides: split over threads, a decode
+step's reduction order depends on the number of running requests; unsplit, a token's attention is the same whether
+it is computed in a prefill of the whole sequence (the trainer) or in a decode step (the engine).
+
+On GPU the engine is put into vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1: Triton kernels with a fixed
+reduction order) and megatron into its deterministic settings (`engine_env`, `exact_config`); that pairing is wired
+but not verified here (no vLLM on the lent GPU). Forward only: the exact kernel has no backward, which is why the
+mode covers the log-prob passes (old log-probs, the rollout check), not the update's own forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The pieces of the exact mode; JUSTRL_EXACT_OFF=attention,rope,... leaves those to the trainer's own kernels, which
+# is how tools/logprob_parity.py measures what each one contributes (docs/numerics.md).
+PIECES = ("attention", "linear", "rope", "residual", "silu", "head")
+
+
+def piece_on(name: str) -> bool:
+    return name not in os.environ.get("JUSTRL_EXACT_OFF", "").split(",")
+
+
+# K/V cache block size of the engine in exact mode (vllm_engine passes it; the kernel's tiling follows it)
+BLOCK_SIZE = 128
+
+
+def problems(cfg, shape=None) -> list[str]:
+    """rollout.exact's refusals, one line, before any model is built: what it does not mirror op for op."""
+    if not cfg.rollout.exact:
+        return []
+    refused = [name for name, on in (
+        ("parallel.tensor > 1", cfg.parallel.tensor > 1), ("parallel.pipeline > 1", cfg.parallel.pipeline > 1),
+        ("parallel.context > 1", cfg.parallel.context > 1), ("parallel.expert > 1", cfg.parallel.expert > 1),
+        ("rollout.tensor_parallel > 1", cfg.rollout.tensor_parallel > 1),
+        ("rollout.placement=split", cfg.rollout.placement == "split"), ("rollout.streaming", cfg.rollout.streaming),
+        ("model.lora", cfg.model.lora.enabled), ("model.fp8", cfg.model.fp8),
+        ("model.transformer_impl=te", cfg.model.transformer_impl == "te"),
+        ("trainer.shared_prompt=on", cfg.trainer.shared_prompt == "on"),
+        # one optimizer step per batch takes the old log-probs from the update's own forward (megatron's kernels)
+        ("trainer.old_logprobs=auto on the one-step path (set recompute)",
+         cfg.trainer.old_logprobs == "auto" and cfg.trainer.mini_batch_size >= cfg.trainer.prompts_per_step),
+        ("an MoE model", bool(shape is not None and shape.num_experts))) if on]
+    if refused:
+        return [f"rollout.exact=true mirrors the engine on one rank with a dense local-spec model only; "
+                f"not with {', '.join(refused)}"]
+    return []
+
+
+def engine_env(on_gpu: bool) -> dict[str, str]:
+    """Environment the engine needs before it is built, in exact mode."""
+    if on_gpu:
+        return {"VLLM_BATCH_INVARIANT": "1"}
+    return {"VLLM_CPU_ATTN_SPLIT_KV": "0"}
+
+
+def exact_config(config) -> None:
+    """megatron's deterministic settings (GPU): fixed-order reductions where megatron offers them."""
+    for name in ("deterministic_mode",):
+        if hasattr(config, name):
+            setattr(config, name, True)
+
+
+def _isa(dtype: torch.dtype, head_dim: int) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
+
+
+def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences with vLLM's CPU kernel: q [t, hq, d], k/v [t, hkv, d] -> [t, hq, d].
+
+    Each sequence gets its own blocks of a private paged cache, written by the engine's own reshape_and_cache."""
+    from vllm import _custom_ops as ops
+
+    t, hq, d = q.shape
+    hkv = k.size(1)
+    cu = cu_seqlens.to(torch.int64).cpu()
+    lengths = (cu[1:] - cu[:-1])
+    n = lengths.numel()
+    blocks = (lengths + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first = torch.zeros(n, dtype=torch.int64)
+    first[1:] = torch.cumsum(blocks, 0)[:-1]
+    width = int(blocks.max().item()) if n else 1
+    block_table = (first.unsqueeze(1) + torch.arange(width).unsqueeze(0)).to(torch.int32)
+    seq_of = torch.repeat_interleave(torch.arange(n), lengths)
+    pos = torch.arange(t) - cu[:-1][seq_of]
+    slots = (first[seq_of] + pos // BLOCK_SIZE) * BLOCK_SIZE + pos % BLOCK_SIZE
+    total = int(blocks.sum().item())
+    cache = torch.zeros(total, hkv, BLOCK_SIZE * 2, d, dtype=q.dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    isa = _isa(q.dtype, d)
+    k, v, q = k.contiguous(), v.contiguous(), q.contiguous()
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    query_start = cu.to(torch.int32)
+    seq_lens = lengths.to(torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=n, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq_lens, dtype=q.dtype,
+        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    return out
+
+
+def engine_active(x: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and not x.is_cuda
+
+
+def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) as vLLM's CPU linear computes it: vLLM's own dispatch (`dispatch_cpu_unquantized_gemm`:
+    oneDNN's matmul with the bias fused where this CPU has it for the dtype, SGL's AMX kernel, zentorch, else
+    F.linear) run on a stand-in layer. Made per call: the optimizer changes the weight in place between passes."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
+    layer.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    rows = x.reshape(-1, x.size(-1)).contiguous()
+    return layer.cpu_linear(rows, layer.weight, layer.bias).reshape(*x.shape[:-1], weight.size(0))
+
+
+def _exact_forward(layer, original):
+    """A megatron Column/RowParallelLinear's forward that computes with `engine_linear` in log-prob passes (TP1: the
+    exact mode refuses TP > 1, so there is nothing to gather or reduce)."""
+
+    def forward(input_, *args, **kwargs):
+        if not engine_active(input_) or args or kwargs.get("weight") is not None or not piece_on("linear"):
+            return original(input_, *args, **kwargs)
+        bias = getattr(layer, "bias", None)
+        fused = None if layer.skip_bias_add else bias
+        out = engine_linear(input_, layer.weight, fused)
+        return out, (bias if layer.skip_bias_add else None)
+
+    return forward
+
+
+# torch splits an elementwise op over threads once it has more elements than this (at::internal::GRAIN_SIZE); the
+# split lands mid-row, where a vectorised run restarts and transcendental functions (exp in SiLU) take the scalar
+# path for a few elements, so a token's SiLU depends on how many rows share the call. The engine's decode steps
+# stay below it; the trainer's packed micro-batches do not.
+GRAIN = 32768
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu, row-invariant in log-prob passes: rows in calls of at most GRAIN elements (one thread each). Its
+    input is the gate half of the fc1 output (a strided view: torch runs each row as its own vector loop, as for
+    the engine's `x[..., :d]`)."""
+    import torch.nn.functional as F
+
+    if not engine_active(x) or x.numel() <= GRAIN or not piece_on("silu"):
+        return F.silu(x)
+    rows = x.reshape(-1, x.size(-1))
+    step = max(1, GRAIN // x.size(-1))
+    return torch.cat([F.silu(rows[i:i + step]) for i in range(0, rows.size(0), step)]).reshape(x.shape)
+
+
+def rope_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """vLLM's cos/sin cache ([positions, rotary_dim], cos | sin, fp32; the kernel takes it in the activations'
+    dtype), from the trainer's inverse frequencies (model/rope.py computes them as transformers and vLLM do)."""
+    t = torch.arange(max_positions, dtype=torch.float)
+    freqs = torch.einsum("i,j -> ij", t, inv_freq.float().cpu())
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def engine_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """RoPE of packed rows t [T, heads, d] with vLLM's CPU kernel (NeoX style, in place on a copy): in bf16 it rotates
+    in fp32 and rounds once, where megatron's `t * cos + rotate(t) * sin` rounds each product."""
+    from vllm import _custom_ops as ops
+
+    n, heads, d = t.shape
+    cu = cu_seqlens.to(torch.int64).cpu()
+    seq_of = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    positions = torch.arange(n) - cu[:-1][seq_of]
+    rows = t.reshape(n, heads * d).clone()
+    ops.rotary_embedding(positions, rows, None, d, cache.to(t.dtype), True)
+    return rows.view(n, heads, d)
+
+
+FP32_SUM = "_justrl_fp32_sum"  # on a residual-stream tensor made by `_exact_bda`: the sum before it was rounded
+
+
+def _exact_bda(make):
+    """A TransformerLayer's bias-dropout-add as vLLM's fused add + RMSNorm does it in log-prob passes: the sum in
+    fp32, rounded once for the residual stream, and the fp32 sum kept on the result for the next norm (vLLM
+    normalises the unrounded sum; megatron's norm would see the rounded one, which differs in bf16)."""
+
+    def builder(training, fused):
+        add = make(training, fused)
+
+        def bda(x_with_bias, residual, prob):
+            out, bias = x_with_bias
+            # megatron runs the add under enable_grad(): a log-prob pass shows as activations without autograd
+            if residual.requires_grad or out.requires_grad or residual.is_cuda or bias is not None or (
+                    training and prob) or not piece_on("residual"):
+                return add(x_with_bias, residual, prob)
+            total = out.float() + residual.float()
+            result = total.to(residual.dtype)
+            if result is total:
+                result = total.clone()
+            setattr(result, FP32_SUM, total)
+            return result
+
+        return bda
+
+    return builder
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's native RMSNorm (`vllm.ir.ops.rms_norm` / `fused_add_rms_norm`, the CPU's implementation) of x, or of
+    the fp32 sum `_exact_bda` kept on it."""
+    x32 = getattr(x, FP32_SUM, None)
+    x32 = x.float() if x32 is None else x32
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32.to(weight.dtype) * weight).to(x.dtype)
+
+
+def install(modules) -> None:
+    """Route the decoder's linears through `engine_linear` in log-prob passes (the output layer is the log-prob
+    head's: `engine_logprobs`), its gated MLPs' SiLU through `silu`, its residual adds through `_exact_bda`."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for model in modules:
+        rotary = getattr(model, "rotary_pos_emb", None)
+        if rotary is not None:  # read by model/rope.py's packed RoPE in log-prob passes
+            model.config.justrl_rope_cache = rope_cache(rotary.inv_freq, model.max_position_embeddings)
+        for name, m in model.named_modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not name.endswith("output_layer"):
+                m.forward = _exact_forward(m, m.forward)
+            if isinstance(m, TransformerLayer):
+                m.self_attn_bda, m.mlp_bda = _exact_bda(m.self_attn_bda), _exact_bda(m.mlp_bda)
+            if isinstance(m, MLP) and m.config.activation_func is F.silu:
+                m.config.activation_func = silu  # the glu reads it per call (megatron 0.16 / 0.19, unfused path)
+
+
+def engine_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                    with_entropy: bool):
+    """Target log-probs (and entropy) as the engine's sampler gets them: logits by the engine's linear in the model's
+    dtype, the padded vocabulary cut off, then `log_softmax(dtype=float32)` (not the chunked max + log-sum-exp of
+    model/logprobs.py, which rounds in another order)."""
+    logits = engine_linear(hidden, weight, None)[:, :vocab_size]
+    logp_all = logits.log_softmax(dim=-1, dtype=torch.float32)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy
