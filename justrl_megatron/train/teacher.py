@@ -65,7 +65,8 @@ def problems(cfg, model_dir, shape) -> list[str]:
         teacher_shape = model_shape(AutoConfig.from_pretrained(folder))
         teacher_vocab = AutoTokenizer.from_pretrained(folder).get_vocab()
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
-        return [f"{key}: {str(exc).splitlines()[0]} (give the teacher's HF folder: config.json, weights, tokenizer)"]
+        why = str(exc).splitlines()[0].replace(f"model.path={teacher}: ", "")  # (resolve_model_path's wording)
+        return [f"{key}: {why} (give the teacher's HF folder: config.json, weights, tokenizer)"]
     found = []
     if model_dir is not None:
         student = cfg.model.tokenizer or model_dir
