@@ -319,3 +319,23 @@ def test_colocated_lora_student_distils_and_resumes(tmp_path, tiny_llama):
             r["distill/reverse_kl"], rel=1e-4)
         assert 0.0 <= r["distill/top1_mismatch_frac"] <= 1.0 and r["time/teacher_logprob_s"] > 0
     assert (run_dir / "curves.png").stat().st_size > 10_000
+
+
+def test_the_recipes_validate():
+    """opd_deepseek_7b_to_1p5b is JustRL's recipe with a teacher (nothing else changed) and validates for 32 GPUs;
+    cpu_demo_opd is cpu_demo with a teacher."""
+    from omegaconf import OmegaConf
+
+    from justrl_megatron.config import compose, validate
+    from justrl_megatron.run_config import flatten
+    from test_config import DEEPSEEK_1P5B
+
+    for recipe, base, world in (("opd_deepseek_7b_to_1p5b", "justrl_deepseek_1p5b", 32), ("cpu_demo_opd", "cpu_demo", 1)):
+        cfg = compose([f"recipe={recipe}"])
+        validate(cfg, world_size=world, shape=DEEPSEEK_1P5B if world == 32 else None)
+        ours, theirs = (flatten(OmegaConf.to_container(c, resolve=True)) for c in (cfg, compose([f"recipe={base}"])))
+        changed = {k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)}
+        assert changed == {"recipe_name", "trainer.run_dir", "algo.distill.teacher"}, changed
+        assert (cfg.algo.distill.coef, cfg.algo.distill.reward_coef) == (1.0, 0.0)
+    assert cfg.algo.distill.teacher == "runs/cpu_demo/hf/step_16"
+    assert compose(["recipe=opd_deepseek_7b_to_1p5b"]).algo.distill.teacher == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
