@@ -305,8 +305,7 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
-    if any(DISTILL_CURVE in r for r in records):  # on-policy distillation: its objective, per token
-        keys = (*keys, DISTILL_CURVE)
+    keys = curve_keys(records, keys)
     val = val_curves(records)
     fig, axes = plt.subplots(1, len(keys) + bool(val), figsize=(4 * (len(keys) + bool(val)), 3.2))
     for ax, key in zip(axes, keys):
@@ -337,6 +336,11 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def curve_keys(records: list[dict], keys=CURVES) -> tuple[str, ...]:
+    """The panels of curves.png: `keys`, and the reverse KL to the teacher when the run distils (its objective)."""
+    return (*keys, DISTILL_CURVE) if any(DISTILL_CURVE in r for r in records) else tuple(keys)
 
 
 def val_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:

@@ -339,3 +339,13 @@ def test_the_recipes_validate():
         assert (cfg.algo.distill.coef, cfg.algo.distill.reward_coef) == (1.0, 0.0)
     assert cfg.algo.distill.teacher == "runs/cpu_demo/hf/step_16"
     assert compose(["recipe=opd_deepseek_7b_to_1p5b"]).algo.distill.teacher == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+
+
+def test_curves_plot_the_reverse_kl_when_distilling(tmp_path):
+    from justrl_megatron.metrics import CURVES, curve_keys, plot_curves
+
+    records = [{"step": s, "reward/mean": 0.1 * s, "distill/reverse_kl": 1.0 / s} for s in (1, 2, 3)]
+    assert curve_keys(records) == (*CURVES, "distill/reverse_kl")
+    assert curve_keys([{"step": 1, "reward/mean": 0.0}]) == CURVES
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_curves(tmp_path).stat().st_size > 10_000
