@@ -7,6 +7,7 @@
                 On a GPU it waits in CPU memory between uses and comes to the device only for its forward pass.
 
 Both run forward-only through the same megatron schedule as the old-logprob pass (step.compute_logprobs).
+`frozen_copy` also builds the distillation teacher, a model of another shape (train/teacher.py).
 """
 
 from __future__ import annotations
