@@ -337,7 +337,7 @@ def test_the_recipes_validate():
         changed = {k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)}
         assert changed == {"recipe_name", "trainer.run_dir", "algo.distill.teacher"}, changed
         assert (cfg.algo.distill.coef, cfg.algo.distill.reward_coef) == (1.0, 0.0)
-    assert cfg.algo.distill.teacher == "runs/cpu_demo/hf/step_16"
+    assert cfg.algo.distill.teacher == "runs/cpu_demo/hf/step_00000016"
     assert compose(["recipe=opd_deepseek_7b_to_1p5b"]).algo.distill.teacher == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
 
 
