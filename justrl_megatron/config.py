@@ -171,6 +171,16 @@ class RolloutConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (algo/distill.py, train/teacher.py): a frozen teacher scores the student's sampled
+    tokens; each token's advantage is reward_coef * A_group - coef * (student logprob - teacher logprob)."""
+
+    teacher: Optional[str] = None  # an HF folder (the student's tokenizer); null: no distillation
+    coef: float = LossConfig.distill_coef
+    reward_coef: float = LossConfig.distill_reward_coef  # 0: pure distillation (the reward is logged only)
+
+
+@dataclass
 class AlgoConfig:
     """The RL algorithm. The loss settings' defaults (and what each means) are algo/loss_config.LossConfig's."""
 
@@ -209,6 +219,7 @@ class AlgoConfig:
     # rollout.tools: subtracted from the reward per failed / timed-out call of a response (0: off)
     tool_error_penalty: float = 0.0
     tool_timeout_penalty: float = 0.0
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -370,7 +381,7 @@ def validate(cfg, *, world_size: int, shape=None, also: Iterable[str] = ()) -> N
                         f"(got {algo.clip_low}, {algo.clip_high})")
     if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
         problems.append(f"algo.dual_clip_c must be > 1 (or null to disable), got {algo.dual_clip_c}")
-    problems += algo_extra_problems(algo, ro) + loss_family_problems(algo, ro)
+    problems += algo_extra_problems(algo, ro) + loss_family_problems(algo, ro) + distill_problems(cfg)
     steps = tr.profile_steps
     if steps is not None and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
         problems.append(f"trainer.profile_steps must be [first, last] with 1 <= first <= last, got {list(steps)}")
@@ -582,6 +593,9 @@ RANGES = {
     "rollout.weight_sync_bucket_mb": (_AT_LEAST_1, ">= 1"),
     "algo.reward_workers": (_AT_LEAST_0, ">= 0 (0: score in the trainer's process)"),
     "algo.kl_coef": (_AT_LEAST_0, ">= 0"),
+    "algo.distill.coef": (_AT_LEAST_0, ">= 0 (the weight of the reverse KL to the teacher)"),
+    "algo.distill.reward_coef": (_AT_LEAST_0, ">= 0 (the weight of the reward's group advantage; 0: pure "
+                                 "distillation)"),
     "algo.entropy_coef": (_AT_LEAST_0, ">= 0 (a bonus for entropy; 0: off, as JustRL)"),
     "algo.max_sampling_rounds": (_AT_LEAST_1, ">= 1 (prompt batches sampled per step with algo.dynamic_sampling, "
                                  "the first included)"),
@@ -679,6 +693,28 @@ def config_warnings(cfg) -> list[str]:
         warnings.append(f"algo.loss_agg={algo.loss_agg} is not used with algo.policy_loss=gspo, whose objective is "
                         f"always seq-mean-token-mean")
     return warnings
+
+
+def distill_problems(cfg) -> list[str]:
+    """What on-policy distillation (algo.distill.teacher) does not run with yet, one line each, before any model
+    loads. The teacher folder itself (present, same tokenizer, its shape at this layout) is train/teacher.problems'."""
+    algo, par, model = cfg.algo, cfg.parallel, cfg.model
+    if not algo.distill.teacher:
+        return []
+    problems, with_teacher = [], f"algo.distill.teacher={algo.distill.teacher}"
+    if par.tensor > 1 or par.pipeline > 1 or par.context > 1 or par.expert > 1:
+        problems.append(f"{with_teacher}: distillation runs at parallel.tensor = pipeline = context = expert = 1 for "
+                        f"now (the teacher takes the student's layout; other layouts are not verified yet); got "
+                        f"{par.tensor}/{par.pipeline}/{par.context}/{par.expert}")
+    if algo.routing_replay != "off":
+        problems.append(f"{with_teacher}: algo.routing_replay={algo.routing_replay} (MoE) is not verified with a "
+                        f"teacher yet; set it off")
+    if algo.dynamic_sampling and algo.distill.reward_coef == 0:
+        problems.append(f"{with_teacher} with algo.distill.reward_coef=0: algo.dynamic_sampling would drop groups by "
+                        f"a reward that is not in the loss; turn it off (or give the reward a weight)")
+    if model.fp8:
+        problems.append(f"{with_teacher}: model.fp8 is not verified with a teacher yet; turn it off")
+    return problems
 
 
 def algo_extra_problems(algo, ro) -> list[str]:

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 CURVES = ("reward/mean", "reward/accuracy", "response/length_mean", "actor/entropy")
+DISTILL_CURVE = "distill/reverse_kl"  # plotted too when a run distils (algo.distill.teacher)
 
 
 def gpu_stats() -> dict[str, float]:
@@ -296,13 +297,15 @@ def read_metrics(run_dir) -> list[dict]:
 
 
 def plot_curves(run_dir, keys=CURVES) -> Path:
-    """curves.png: reward, accuracy, response length and entropy against the step."""
+    """curves.png: reward, accuracy, response length and entropy against the step (and the reverse KL to the
+    teacher when the run distils)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
+    keys = curve_keys(records, keys)
     val = val_curves(records)
     fig, axes = plt.subplots(1, len(keys) + bool(val), figsize=(4 * (len(keys) + bool(val)), 3.2))
     for ax, key in zip(axes, keys):
@@ -333,6 +336,11 @@ def plot_curves(run_dir, keys=CURVES) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def curve_keys(records: list[dict], keys=CURVES) -> tuple[str, ...]:
+    """The panels of curves.png: `keys`, and the reverse KL to the teacher when the run distils (its objective)."""
+    return (*keys, DISTILL_CURVE) if any(DISTILL_CURVE in r for r in records) else tuple(keys)
 
 
 def val_curves(records: list[dict]) -> dict[str, list[tuple[int, float]]]:

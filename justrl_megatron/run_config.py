@@ -65,6 +65,7 @@ PINNED = {
     "data.dedup": _SAMPLER,
     "data.shuffle": _SAMPLER,
     "trainer.seed": "the prompt order and every step's rollout seed derive from it",
+    "algo.distill.teacher": "the run distils from this teacher: another one is another objective",
 }
 
 

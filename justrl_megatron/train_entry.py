@@ -127,12 +127,14 @@ def check_config(cfg, *, also=(), launch: bool = True):
     records the launch, as written, in run_dir/config_history/ (launch=False: --validate-only, nothing written).
     Returns (model_dir, ModelShape)."""
     from .run_config import record_launch
+    from .train.teacher import problems as teacher_problems
 
     launched = copy.deepcopy(cfg)  # the history keeps what was asked for, not what the memory plan made of it
     problems = list(also)
     run_dir = run_dir_problem(cfg.trainer.run_dir)
     problems += [run_dir] if run_dir else []
     model_dir, shape = _model(cfg, problems)
+    problems += teacher_problems(cfg, model_dir, shape)  # algo.distill.teacher: folder, vocabulary, layout
     if not data_name_problems(cfg.data):  # a bad format or template is reported once, by validate
         found = data_problems(cfg)
         problems += found or (prompt_length_problems(cfg, model_dir) if model_dir is not None else [])

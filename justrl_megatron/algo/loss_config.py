@@ -38,6 +38,10 @@ class LossConfig:
     rollout_correction: str = "none"  # none | tis | mis | seq-tis | seq-mis (algo/rollout_correction.py)
     tis_cap: float = 2.0
     norm_adv_by_std: bool = True  # grpo: advantages divided by the group's std (False: Dr. GRPO)
+    # on-policy distillation (algo/distill.py; used only when a teacher scores the batch, algo.distill.teacher):
+    # per-token advantage reward_coef * A_group - coef * (student logprob - teacher logprob)
+    distill_coef: float = 1.0
+    distill_reward_coef: float = 0.0  # 0: pure distillation, the verifier's reward stays out of the loss
 
     @property
     def aggregation(self) -> str:
@@ -46,8 +50,14 @@ class LossConfig:
 
     @classmethod
     def from_algo(cls, algo) -> "LossConfig":
-        """The loss settings of a config's `algo` section (every field has a key of the same name there)."""
-        return cls(**{f.name: getattr(algo, f.name) for f in dataclasses.fields(cls)})
+        """The loss settings of a config's `algo` section (every field has a key of the same name there; the
+        distill_* ones under algo.distill)."""
+        def key(name):
+            if name.startswith("distill_"):
+                return getattr(algo.distill, name.removeprefix("distill_"))
+            return getattr(algo, name)
+
+        return cls(**{f.name: key(f.name) for f in dataclasses.fields(cls)})
 
     def but(self, **settings) -> "LossConfig":
         """This config with some fields replaced; an unknown name is a TypeError that lists the known ones."""

@@ -275,6 +275,20 @@ class Policy:
         return policy
 
     # --- small helpers the step code and tools use ---------------------------------------------------------------
+    def config_for(self, shape: ModelShape):
+        """The TransformerConfig of a model of `shape` at this policy's layout, precision and kernels, for a frozen
+        forward-only copy (train/reference.py): this policy's own config for its own shape, else one made as
+        `build` makes it (a distillation teacher of another size)."""
+        if shape == self.shape:
+            return self.config
+        h, impl = self.hyper, self.transformer_impl
+        config = transformer_config(
+            shape, tp=h["tp"], pp=h["pp"], vpp=h["vpp"], ep=h["ep"], sequence_parallel=h["sequence_parallel"],
+            dtype=self.dtype, calculate_per_token_loss=True, **_pipeline_options(h["pp"], h["vpp"]),
+            **gpu_fusions(impl), **_context_parallel_options(h["cp"], impl))
+        config.justrl_fast_paths = self.fast_paths
+        return config
+
     @property
     def modules(self) -> list:
         """The GPTModel of each chunk (DDP unwrapped)."""

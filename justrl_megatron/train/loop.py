@@ -2,7 +2,8 @@
 
     sample prompts -> rollout (vLLM) -> rewards (worker pool) [-> more rounds: algo.dynamic_sampling]
     -> reward shaping (algo.overlong_buffer) -> group advantages -> reference logprobs (with algo.kl_coef > 0,
-    train/reference.py) -> old logprobs (skipped for one on-policy optimizer step) -> mini-batch GRPO updates
+    train/reference.py) -> teacher logprobs (on-policy distillation, algo.distill.teacher: train/teacher.py,
+    algo/distill.py) -> old logprobs (skipped for one on-policy optimizer step) -> mini-batch GRPO updates
     -> weight sync -> metrics (+ avg@n on data.val every trainer.eval_every steps, train/validation.py)
     -> checkpoint
 
@@ -52,6 +53,7 @@ from .profiling import PhaseTimer, StepProfiler
 from .reference import Reference
 from .shard import Layout, Shard, logprob_gap, scatter_shards
 from .step import compute_logprobs, grpo_update, grpo_update_on_policy, skip_limit_message
+from .teacher import Teacher
 from .validation import Validation
 
 
@@ -76,6 +78,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     policy = Policy.from_config(cfg, shape)
     start_step, inflight_state = _restore(policy, sampler, run_dir, model_dir, progress=is_leader, mode=tr.resume)
     reference = Reference.for_policy(policy, model_dir) if algo.kl_coef > 0 else None  # for the KL penalty
+    teacher = Teacher.load(policy, algo.distill.teacher) if algo.distill.teacher else None  # on-policy distillation
     engines = placement.start(_weight_stream(policy, shape))  # every engine's client: admit, take, harvest
     hf_snapshots = HFSnapshots(run_dir, tr.hf_every, tr.keep_last, tr.total_steps, policy.chunks, shape, model_dir)
     checkpoints = Checkpointer(run_dir, async_save=tr.async_save, keep_last=tr.keep_last, shape=shape,
@@ -114,9 +117,9 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
         #    rank 0, which sends each DP replica only its samples (train/shard.py)
         shard, samples, shaping_metrics = _samples(scored.batch if is_leader else None, cfg, loss, policy)
 
-        # 5-6. the trainer's turn: reference and old logprobs, mini-batch GRPO updates
+        # 5-6. the trainer's turn: reference, teacher (algo.distill) and old logprobs, mini-batch GRPO updates
         with placement.training():
-            update, gap = _train(policy, reference, shard, cfg, loss, timer)
+            update, gap = _train(policy, reference, teacher, shard, cfg, loss, timer)
 
         # 7. weight sync into the rollout engine, which is ready to generate the next step after it
         with timer("sync"):
@@ -204,23 +207,28 @@ def _mini_batch_size(cfg, samples) -> int | None:
     return max(len(samples), 1) if _on_policy(cfg) else cfg.trainer.mini_batch_size * cfg.rollout.n
 
 
-def _train(policy, reference, shard: Shard, cfg, loss: LossConfig, timer) -> tuple[dict, dict]:
-    """Reference logprobs (algo.kl_coef), old logprobs and the mini-batch GRPO updates on this rank's shard ->
+def _train(policy, reference, teacher, shard: Shard, cfg, loss: LossConfig, timer) -> tuple[dict, dict]:
+    """Reference logprobs (algo.kl_coef), the teacher's (algo.distill.teacher: per-token advantages against it,
+    algo/distill.py), old logprobs and the mini-batch GRPO updates on this rank's shard ->
     (update metrics, the trainer vs rollout logprob gap over the whole batch). One optimizer step needs no separate
     old-logprob pass: the update's forward gives them (the proximal policy is the weights before the step, also for
     stale samples, whose behaviour logprobs the rollout correction uses as they are)."""
     budget = cfg.trainer.max_tokens_per_micro_batch
     ref = _reference_logprobs(reference, shard, budget, timer)
+    scores = None
+    if teacher is not None:
+        with timer("teacher_logprob"):
+            scores = teacher.score(shard, max_tokens_per_micro_batch=budget)
     if _on_policy(cfg):
         with timer("update"):
             update, old_logprobs = grpo_update_on_policy(policy, shard, max_tokens_per_micro_batch=budget,
-                                                         loss=loss, ref_logprobs=ref)
+                                                         loss=loss, ref_logprobs=ref, teacher=scores)
     else:
         with timer("old_logprob"):
             old_logprobs = compute_logprobs(policy, shard, max_tokens_per_micro_batch=budget)
         with timer("update"):
             update = grpo_update(policy, shard, old_logprobs, mini_batch_size=shard.mini_batch_size,
-                                 max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref)
+                                 max_tokens_per_micro_batch=budget, loss=loss, ref_logprobs=ref, teacher=scores)
     return update, logprob_gap(shard, old_logprobs, policy.device)
 
 

@@ -7,6 +7,7 @@
                 On a GPU it waits in CPU memory between uses and comes to the device only for its forward pass.
 
 Both run forward-only through the same megatron schedule as the old-logprob pass (step.compute_logprobs).
+`frozen_copy` also builds the distillation teacher, a model of another shape (train/teacher.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ class _FrozenModel:
     shared_prompt: bool = False  # the policy's packing (train/batching.py: shared-prompt units)
     fast_paths: object = None  # the policy's (model/fast_paths.FastPaths): the frozen copy runs the same kernels
 
+    @contextlib.contextmanager
+    def on_device(self):
+        """On a GPU the frozen weights wait in host memory and come to the device only for their forward pass."""
+        offload = self.device.type != "cpu"
+        if offload:
+            for c in self.chunks:
+                c.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            if offload:  # back to host memory: the policy's training and the rollout engine need the device
+                for c in self.chunks:
+                    c.to("cpu")
+                torch.cuda.empty_cache()
+
 
 class Reference:
     """`logprobs(samples, max_tokens_per_micro_batch=...)`: one fp32 CPU tensor per sample, the same on every rank."""
@@ -49,36 +65,25 @@ class Reference:
         """Adapters off with LoRA; else a frozen copy of the HF weights in `model_dir` (call on every rank)."""
         if has_lora(policy.chunks):
             return cls(policy)
-        return cls(policy, _frozen_copy(policy, model_dir, progress=progress))
+        return cls(policy, frozen_copy(policy, model_dir, progress=progress))
 
     def logprobs(self, samples, *, max_tokens_per_micro_batch: int) -> list[torch.Tensor]:
         if self.frozen is None:
             with adapters_disabled(self.policy.chunks):
                 return compute_logprobs(self.policy, samples, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
-        with self._on_device():
+        with self.frozen.on_device():
             return compute_logprobs(self.frozen, samples, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
 
-    @contextlib.contextmanager
-    def _on_device(self):
-        device = self.policy.device
-        offload = device.type != "cpu"
-        if offload:
-            for c in self.frozen.chunks:
-                c.to(device, non_blocking=True)
-        try:
-            yield
-        finally:
-            if offload:  # back to host memory: the policy's training and the rollout engine need the device
-                for c in self.frozen.chunks:
-                    c.to("cpu")
-                torch.cuda.empty_cache()
 
-
-def _frozen_copy(policy, model_dir, *, progress: bool) -> _FrozenModel:
-    config = policy.config
+def frozen_copy(policy, model_dir, *, shape=None, progress: bool = False) -> _FrozenModel:
+    """A frozen GPTModel of the HF weights in `model_dir` at the policy's layout, precision and kernels: the
+    policy's own shape (the KL reference), or `shape` (another model of the same tokenizer: a distillation teacher,
+    train/teacher.py). Call on every rank."""
+    shape = shape or policy.shape
+    config = policy.config_for(shape)
     init, config.perform_initialization = config.perform_initialization, False  # every weight is loaded below
     try:
-        chunks = build_model_chunks(policy.shape, config, transformer_impl=policy.transformer_impl,
+        chunks = build_model_chunks(shape, config, transformer_impl=policy.transformer_impl,
                                     max_sequence_length=policy.hyper.get("max_sequence_length"),
                                     make_vocab_size_divisible_by=policy.hyper.get("make_vocab_size_divisible_by", 128))
     finally:
@@ -90,5 +95,5 @@ def _frozen_copy(policy, model_dir, *, progress: bool) -> _FrozenModel:
     load_hf_weights(chunks, model_dir, progress=progress)
     if device.type != "cpu":
         chunks = [c.to("cpu") for c in chunks]
-    return _FrozenModel(chunks=chunks, config=config, shape=policy.shape, device=device,
+    return _FrozenModel(chunks=chunks, config=config, shape=shape, device=device,
                         shared_prompt=policy.shared_prompt, fast_paths=policy.fast_paths)

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import justrl_megatron.compat  # noqa: F401  (first: CPU redirections before megatron loads)
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..algo.distill import DISTILL_SUM_KEYS, distill_advantages, distill_metrics, distill_sums
 from ..algo.grpo import AGG_MODES, CP_LOSS_AGGS, policy_loss
 from ..algo.loss_config import LossConfig
 from ..algo.rollout_correction import correction_metrics, correction_weights
@@ -49,12 +50,19 @@ from .batching import MicroBatch, Sample, gather_per_target, make_shared_micro_b
     split_for_context_parallel
 from .shard import Layout, PassPlan, Shard, loss_denominator, plan_shards
 
-__all__ = ["compute_logprobs", "grpo_update", "grpo_update_on_policy", "loss_denominator", "plan_micro_batches"]
+__all__ = ["TeacherScores", "compute_logprobs", "grpo_update", "grpo_update_on_policy", "loss_denominator", "plan_micro_batches"]
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
             "clip_dual_count", "approx_kl_sum", "entropy_sum", "logprob_sum", "old_logprob_sum", "ref_kl_sum",
-            "rc_ratio_sum", "rc_ratio_count", "rc_corrected_count")
+            "rc_ratio_sum", "rc_ratio_count", "rc_corrected_count", *DISTILL_SUM_KEYS)
+
+
+class TeacherScores(NamedTuple):
+    """A distillation teacher's view of the whole batch (train/teacher.py), by sample index: its log-prob of every
+    response token and 1.0 where its top-1 token is not the sampled one."""
+    logprobs: list
+    top1_mismatch: list
 
 
 # --- parallel layout ---------------------------------------------------------------------------------------------
@@ -196,6 +204,34 @@ def _target_logprobs(policy, mb: MicroBatch, model, output: torch.Tensor, with_e
                                 compiled=hidden.is_cuda and policy.fast_paths.compiled_head)
 
 
+def _target_top1_mismatch(policy, mb: MicroBatch, model, output: torch.Tensor) -> torch.Tensor:
+    """Per target: 1.0 where the model's most likely token (argmax over the real vocabulary) is not the target, else
+    0.0 (a tie counts as agreement). The same logits as the logprobs (hidden @ output weight), in row chunks, each
+    TP rank over its vocabulary slice and one MAX all-reduce of (max logit, target logit) per chunk. Forward-only:
+    the distillation teacher's `distill/top1_mismatch_frac`."""
+    hidden = output[0].index_select(0, mb.logit_positions).detach()
+    weight = output_weight(model).detach()
+    group = _tp_group()
+    vocab_local = weight.shape[0]
+    start = 0 if group is None else dist.get_rank(group) * vocab_local
+    real = min(max(policy.shape.vocab_size - start, 0), vocab_local)
+    targets = mb.targets.to(hidden.device).reshape(-1) - start
+    inside = (targets >= 0) & (targets < real)
+    out = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    rows = max(1, (1 << 26) // max(vocab_local, 1))  # fp32 logits of at most 256 MB alive at once
+    for a in range(0, hidden.shape[0], rows):
+        b = min(a + rows, hidden.shape[0])
+        z = hidden[a:b].float() @ weight[:real].float().T  # [rows, real]
+        top = z.max(dim=1).values if real else torch.full((b - a,), -math.inf, device=hidden.device)
+        at = z.gather(1, targets[a:b].clamp(0, max(real - 1, 0)).unsqueeze(1)).squeeze(1) if real else top
+        at = torch.where(inside[a:b], at, torch.full_like(at, -math.inf))
+        both = torch.stack([top, at])
+        if group is not None:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        out[a:b] = (both[1] < both[0]).float()
+    return out
+
+
 def _scatter_to_samples(shard: Shard, per_mb: list[tuple[MicroBatch, torch.Tensor]], device) -> list[torch.Tensor]:
     """Per-micro-batch target values -> one fp32 CPU tensor per sample of the whole batch, identical on all training
     ranks (each replica writes its shard's samples)."""
@@ -214,21 +250,26 @@ def _scatter_to_samples(shard: Shard, per_mb: list[tuple[MicroBatch, torch.Tenso
 # --- public API ------------------------------------------------------------------------------------------------------
 
 def compute_logprobs(policy, samples: Sequence[Sample] | Shard, *, max_tokens_per_micro_batch: int,
-                     with_entropy: bool = False):
+                     with_entropy: bool = False, with_top1_mismatch: bool = False):
     """Response-token logprobs of the current weights, one fp32 CPU tensor per sample of the whole batch (``samples``
     the whole list, or this rank's `Shard` of it), the same on every rank.
 
     Forward-only through megatron's schedule, without autograd. With ``with_entropy`` returns
-    ``(logprobs, entropies)``.
+    ``(logprobs, entropies)``; with ``with_top1_mismatch`` ``(logprobs, mismatch)`` instead (a distillation teacher:
+    `_target_top1_mismatch` per token, in the same pass).
     """
+    if with_entropy and with_top1_mismatch:
+        raise ValueError("compute_logprobs: with_entropy or with_top1_mismatch, not both")
     shard = _as_shard(policy, samples, max_tokens_per_micro_batch)
     if not shard.num_samples:
-        return ([], []) if with_entropy else []
+        return ([], []) if with_entropy or with_top1_mismatch else []
     samples = shard.samples
     micro_batches = _micro_batches(policy, samples, shard.logprob_pass)
 
     def loss_fn(mb, model, output):
         logp, ent = _target_logprobs(policy, mb, model, output, with_entropy)
+        if with_top1_mismatch:
+            ent = _target_top1_mismatch(policy, mb, model, output)
         zero = torch.zeros((), device=output.device)
         return zero, _num_targets(mb, output.device), {"logprobs": logp, "entropy": ent}
 
@@ -238,7 +279,7 @@ def compute_logprobs(policy, samples: Sequence[Sample] | Shard, *, max_tokens_pe
         policy.routing_replay.end_recording()
     logprobs = _scatter_to_samples(shard, [(mb, r["logprobs"]) for mb, r in zip(micro_batches, results)],
                                    policy.device)
-    if not with_entropy:
+    if not with_entropy and not with_top1_mismatch:
         return logprobs
     entropy = _scatter_to_samples(shard, [(mb, r["entropy"]) for mb, r in zip(micro_batches, results)],
                                   policy.device)
@@ -264,7 +305,7 @@ def grpo_update(policy, samples: Sequence[Sample] | Shard, old_logprobs: Sequenc
                 mini_batch_size: int,
                 max_tokens_per_micro_batch: int, loss: LossConfig | None = None,
                 ref_logprobs: Sequence[torch.Tensor] | None = None, on_grads: Callable | None = None,
-                **loss_settings) -> dict[str, float]:
+                teacher: TeacherScores | None = None, **loss_settings) -> dict[str, float]:
     """One RL step of GRPO updates: ``ceil(len(samples) / mini_batch_size)`` optimizer steps over consecutive
     mini-batches, then one LR-scheduler step. Returns metrics, the same on every rank.
 
@@ -273,7 +314,8 @@ def grpo_update(policy, samples: Sequence[Sample] | Shard, old_logprobs: Sequenc
     batch, by sample index. ``old_logprobs``: per-sample response-token logprobs of the policy that generated the samples (from
     `compute_logprobs` before the first step). ``loss``: the algo.LossConfig (its defaults when None), with any of
     its fields replaced by keyword (``clip_high=``, ``kl_coef=``, ...). ``ref_logprobs``: the reference policy's
-    (needed only with kl_coef > 0). mask_truncated takes truncated samples out of the loss and its denominator;
+    (needed only with kl_coef > 0). ``teacher``: a distillation teacher's scores of the whole batch (algo/distill.py:
+    each token's advantage becomes distill_reward_coef * A - distill_coef * (old - teacher)). mask_truncated takes truncated samples out of the loss and its denominator;
     rollout_correction weighs the loss by the old logprobs over each sample's ``rollout_logprobs``.
     ``on_grads``: called as ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the
     optimizer step); for tests and diagnostics.
@@ -282,12 +324,13 @@ def grpo_update(policy, samples: Sequence[Sample] | Shard, old_logprobs: Sequenc
     shard = _update_shard(policy, samples, max_tokens_per_micro_batch, mini_batch_size, loss)
     if len(old_logprobs) != shard.num_samples:
         raise ValueError(f"{len(old_logprobs)} old logprob sequences for {shard.num_samples} samples")
-    return _update(policy, shard, old_logprobs, loss=loss, ref_logprobs=ref_logprobs, on_grads=on_grads)[0]
+    return _update(policy, shard, old_logprobs, loss=loss, ref_logprobs=ref_logprobs, on_grads=on_grads,
+                   teacher=teacher)[0]
 
 
 def grpo_update_on_policy(policy, samples: Sequence[Sample] | Shard, *, max_tokens_per_micro_batch: int,
                           loss: LossConfig | None = None, ref_logprobs: Sequence[torch.Tensor] | None = None,
-                          on_grads: Callable | None = None,
+                          on_grads: Callable | None = None, teacher: TeacherScores | None = None,
                           **loss_settings) -> tuple[dict[str, float], list[torch.Tensor]]:
     """`grpo_update` for the common case of ONE optimizer step over samples drawn from the current weights, without
     the separate old-logprob pass: the update's own forward pass gives the old logprobs (detached, so the ratio is
@@ -303,7 +346,7 @@ def grpo_update_on_policy(policy, samples: Sequence[Sample] | Shard, *, max_toke
     if len(shard.update_passes) > 1:
         raise ValueError("old logprobs can come from the update's own forward pass only with one optimizer step "
                          f"per batch (mini_batch_size {shard.mini_batch_size} < {shard.num_samples} samples)")
-    return _update(policy, shard, None, loss=loss, ref_logprobs=ref_logprobs, on_grads=on_grads)
+    return _update(policy, shard, None, loss=loss, ref_logprobs=ref_logprobs, on_grads=on_grads, teacher=teacher)
 
 
 def _update_shard(policy, samples: Sequence[Sample] | Shard, max_tokens: int, mini_batch_size: int | None,
@@ -313,8 +356,8 @@ def _update_shard(policy, samples: Sequence[Sample] | Shard, max_tokens: int, mi
 
 
 def _update(policy, shard: Shard, old_logprobs: Sequence[torch.Tensor] | None, *, loss: LossConfig,
-            ref_logprobs: Sequence[torch.Tensor] | None, on_grads: Callable | None
-            ) -> tuple[dict[str, float], list[torch.Tensor]]:
+            ref_logprobs: Sequence[torch.Tensor] | None, on_grads: Callable | None,
+            teacher: TeacherScores | None = None) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Both public updates. ``old_logprobs=None``: one mini-batch, old logprobs taken from its own forward pass."""
     kl_coef, loss_agg = loss.kl_coef, loss.aggregation
     rollout_correction, mask_truncated = loss.rollout_correction, loss.mask_truncated
@@ -343,6 +386,8 @@ def _update(policy, shard: Shard, old_logprobs: Sequence[torch.Tensor] | None, *
     # the whole batch's logprobs, indexed like this shard's samples
     old_logprobs = None if reuse_forward else [old_logprobs[i] for i in shard.ids]
     ref_logprobs = None if ref_logprobs is None else [ref_logprobs[i] for i in shard.ids]
+    if teacher is not None:
+        teacher = TeacherScores(*([values[i] for i in shard.ids] for values in teacher))
     for step, plan in enumerate(shard.update_passes):
         denom = plan.denominator
         micro_batches = _micro_batches(policy, samples, plan)
@@ -353,6 +398,9 @@ def _update(policy, shard: Shard, old_logprobs: Sequence[torch.Tensor] | None, *
                                             dtype=torch.float32)[mb.row]
             if kl_coef:
                 mb.extras["ref"] = gather_per_target(ref_logprobs, mb)
+            if teacher is not None:
+                mb.extras["teacher"] = gather_per_target(teacher.logprobs, mb)
+                mb.extras["top1_miss"] = gather_per_target(teacher.top1_mismatch, mb)
             if mask_truncated:
                 kept = [not samples[i].truncated for i in mb.sample_ids]
                 mb.extras["keep"] = torch.tensor(kept, dtype=torch.float32)[mb.row]
@@ -398,7 +446,7 @@ def _update(policy, shard: Shard, old_logprobs: Sequence[torch.Tensor] | None, *
     else:
         old_logprobs = None
     metrics = _finalize_metrics(policy, totals, grad_norms, steps_ok, micro_batch_counts, tokens_total, lr,
-                                rollout_correction, with_kl=bool(kl_coef))
+                                rollout_correction, with_kl=bool(kl_coef), with_distill=teacher is not None)
     # MoE: actor/moe_aux_loss (megatron's switch loss), actor/moe_z_loss, mean over layers and micro-batches; the
     # update's router load per layer (max / mean tokens per expert)
     for name in router_losses[0]:
@@ -558,8 +606,13 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
                                      loss_cfg.rollout_correction, loss_cfg.tis_cap) \
         if "rollout" in mb.extras else (None, {})
     token_mean = loss_cfg.aggregation == "token-mean"
+    advantages = _padded(mb.extras["adv"], mb)
+    if "teacher" in mb.extras:  # on-policy distillation: per-token advantages against the teacher (algo/distill.py)
+        teacher = _padded(mb.extras["teacher"], mb)
+        advantages = distill_advantages(advantages, _padded(old, mb), teacher, coef=loss_cfg.distill_coef,
+                                        reward_coef=loss_cfg.distill_reward_coef)
     loss, m = policy_loss(
-        _padded(logp, mb), _padded(old, mb), _padded(mb.extras["adv"], mb), mask, loss_cfg,
+        _padded(logp, mb), _padded(old, mb), advantages, mask, loss_cfg,
         denominator=denom if token_mean else None, num_sequences=None if token_mean else denom,
         num_rows=num_rows, ref_logprobs=_padded(mb.extras["ref"], mb) if "ref" in mb.extras else None,
         entropy=_padded(ent, mb) if entropy_coef else None, weights=weights)
@@ -578,13 +631,16 @@ def _grpo_loss(policy, loss_cfg: LossConfig, denom: int, mb: MicroBatch, model, 
     for k in ("kl_loss", "entropy_loss", "ref_kl_sum"):
         if k in m:
             stats[k] = m[k]
+    if "teacher" in mb.extras:
+        stats.update(distill_sums(_padded(old, mb), teacher, _padded(mb.extras["top1_miss"], mb), mask))
     stats = {k: v.detach().float() for k, v in stats.items()}
     stats["target_logprobs"] = logp.detach()  # per target, not summed: the old logprobs when reused
     return loss, _num_targets(mb, device), stats
 
 
 def _finalize_metrics(policy, totals, grad_norms, steps_ok, micro_batch_counts, tokens_total, lr,
-                      rollout_correction: str = "none", with_kl: bool = False) -> dict[str, float]:
+                      rollout_correction: str = "none", with_kl: bool = False,
+                      with_distill: bool = False) -> dict[str, float]:
     device = policy.device
     contributor = _is_contributor() and totals is not None
     sums = torch.stack([totals[k] if contributor else torch.zeros((), device=device) for k in SUM_KEYS])
@@ -627,6 +683,8 @@ def _finalize_metrics(policy, totals, grad_norms, steps_ok, micro_batch_counts, 
         metrics["kl_loss"] = s["kl_loss"] / max(n_steps, 1)
     if s["entropy_loss"]:
         metrics["entropy_loss"] = s["entropy_loss"] / max(n_steps, 1)
+    if with_distill:  # distill/reverse_kl, teacher and student log-prob means, top-1 mismatch, per token in the loss
+        metrics.update(distill_metrics(s, tokens))
     # algo.rollout_correction: rollout_correction/ratio_mean, ratio_max, clipped_frac | masked_frac (logged as is)
     metrics.update(correction_metrics(rollout_correction, s["rc_ratio_sum"], s["rc_ratio_count"], rc_max,
                                       s["rc_corrected_count"]))
