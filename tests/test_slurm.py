@@ -476,7 +476,7 @@ def test_train_sbatch_refuses_a_bad_config_before_srun(cluster, tiny_llama, tmp_
                                   "rollout.nonexistent=1", "rollout.streaming=maybe", cwd=tmp_path)
     assert cluster.finish(proc, timeout=120) == 2, log.read_text()
     assert log.read_text().splitlines() == [
-        "justrl-train: invalid config:", "  - unknown key rollout.nonexistent; did you mean rollout.streaming?",
+        "justrl-train: invalid config:", "  - unknown key rollout.nonexistent; did you mean rollout.exact?",
         "  - rollout.streaming must be true or false, got 'maybe'"]
     assert cluster.job(job_id)["ExitCode"] == "2:0" and not run_dir.exists()
 
