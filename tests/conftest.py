@@ -47,14 +47,14 @@ def tiny_llama(request, tmp_path_factory):
 # prints them). Only the order matters: the 2 xdist workers take whole modules slowest first (longest-processing-
 # time-first), so that no long module starts last and runs alone at the end. A module missing here runs after them.
 MODULE_SECONDS = {
-    "test_split": 1014, "test_train": 792, "test_convert": 758, "test_bench": 482, "test_slurm": 405,
-    "test_rollout": 370, "test_algo_extras": 210, "test_step": 200, "test_moe": 169, "test_context_parallel": 153,
-    "test_lora": 130, "test_validation": 127, "test_checkpoint": 111, "test_models": 110, "test_loop": 89,
-    "test_tools": 52, "test_compat": 50, "test_run_safety": 44, "test_shared_prompt": 41, "test_eval": 37,
-    "test_launch": 33, "test_gpu_check": 32, "test_sandbox": 29, "test_streaming": 25, "test_config": 23,
-    "test_model": 16, "test_install": 14, "test_upcycle": 12, "test_preflight": 10, "test_rewards": 10,
-    "test_dockerfile": 9, "test_memory": 7, "test_console": 6, "test_assets": 5, "test_data": 5, "test_vllm_api": 4,
-    "test_attention": 4,
+    "test_split": 796, "test_train": 498, "test_convert": 449, "test_slurm": 275, "test_modes": 209, "test_step": 190,
+    "test_bench": 162, "test_rollout": 162, "test_moe": 147, "test_algo_extras": 145, "test_lora": 116,
+    "test_context_parallel": 103, "test_models": 92, "test_distill": 88, "test_validation": 78, "test_loop": 76,
+    "test_checkpoint": 75, "test_tools": 50, "test_compat": 43, "test_run_safety": 39, "test_shared_prompt": 38,
+    "test_eval": 34, "test_gpu_check": 33, "test_sandbox": 29, "test_config": 26, "test_streaming": 22,
+    "test_launch": 21, "test_model": 18, "test_install": 9, "test_memory": 9, "test_console": 9, "test_upcycle": 9,
+    "test_rewards": 8, "test_dockerfile": 6, "test_vllm_api": 6, "test_writers": 6, "test_preflight": 6,
+    "test_plan": 5, "test_assets": 5, "test_data": 4, "test_safety_smaller": 3, "test_update_ab": 3,
 }
 
 
