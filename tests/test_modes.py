@@ -67,29 +67,31 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-# per placement: the stopped launch's mode, the resumed launch's mode and its steps after the stop
-STOP_THEN_RESUME = {"colocated": ("dynamic_sampling", "synchronous", 1),
-                    "split": ("dynamic_sampling", "one_step_off", 2)}
+# per placement: the stopped launch's mode, the resumed launch's mode, its steps after the stop, and the seconds from
+# step 1's record to the SIGTERM (split: the weights cross to the engine's process before step 2 generates; at 1 s a
+# loaded machine's stop once landed before any group was admitted, with nothing in flight to keep)
+STOP_THEN_RESUME = {"colocated": ("dynamic_sampling", "synchronous", 1, 1.0),
+                    "split": ("dynamic_sampling", "one_step_off", 2, 3.0)}
 
 
 @pytest.fixture(scope="module", params=list(STOP_THEN_RESUME))
 def stopped_and_resumed(request, tmp_path_factory, tiny_llama):
     """Dynamic-sampling rounds with the python tool (the tiny random model earns no reward, so every step runs both
     rounds) and long responses (it rarely ends one before the 384-token cap): generation is most of a step, so a
-    SIGTERM to the whole launch 1 s after step 1 is logged lands while step 2 generates. Then a resume in the
+    SIGTERM to the whole launch 1-3 s after step 1 is logged lands while step 2 generates. Then a resume in the
     placement's other mode. Returns (the stopped run's output, the step it stopped at, the work kept at the stop,
     the resumed run's output, the run dir)."""
     from test_split import _signal_the_group, train
 
     placement = request.param
     args, world = PLACEMENTS[placement]
-    stop_mode, resume_mode, more = STOP_THEN_RESUME[placement]
+    stop_mode, resume_mode, more, delay = STOP_THEN_RESUME[placement]
     run_dir = tmp_path_factory.mktemp(f"modes_{placement}") / "run"
     common = [*FEATURES["tools"], "rollout.max_response_length=384", "trainer.save_every=10",
               "trainer.async_save=false"]
     _, out, code, left, _ = _signal_the_group(None, tiny_llama, signal.SIGTERM, *common, *MODES[stop_mode],
                                               "trainer.total_steps=4", nproc=world, run_dir=run_dir, after=1,
-                                              placement=args, delay=1.0)
+                                              placement=args, delay=delay)
     assert code == 0 and not left, out[-5000:]
     stopped = len(_metrics(run_dir))
     kept = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt", weights_only=False)
