@@ -50,7 +50,8 @@ from .batching import MicroBatch, Sample, gather_per_target, make_shared_micro_b
     split_for_context_parallel
 from .shard import Layout, PassPlan, Shard, loss_denominator, plan_shards
 
-__all__ = ["TeacherScores", "compute_logprobs", "grpo_update", "grpo_update_on_policy", "loss_denominator", "plan_micro_batches"]
+__all__ = ["TeacherScores", "compute_logprobs", "grpo_update", "grpo_update_on_policy", "loss_denominator",
+           "plan_micro_batches"]
 
 # Per-micro-batch statistics summed over micro-batches, mini-batches and DP ranks (then turned into means).
 SUM_KEYS = ("loss", "pg_loss", "kl_loss", "entropy_loss", "num_tokens", "clip_low_count", "clip_high_count",
@@ -315,8 +316,9 @@ def grpo_update(policy, samples: Sequence[Sample] | Shard, old_logprobs: Sequenc
     `compute_logprobs` before the first step). ``loss``: the algo.LossConfig (its defaults when None), with any of
     its fields replaced by keyword (``clip_high=``, ``kl_coef=``, ...). ``ref_logprobs``: the reference policy's
     (needed only with kl_coef > 0). ``teacher``: a distillation teacher's scores of the whole batch (algo/distill.py:
-    each token's advantage becomes distill_reward_coef * A - distill_coef * (old - teacher)). mask_truncated takes truncated samples out of the loss and its denominator;
-    rollout_correction weighs the loss by the old logprobs over each sample's ``rollout_logprobs``.
+    each token's advantage becomes distill_reward_coef * A - distill_coef * (old - teacher)). mask_truncated takes
+    truncated samples out of the loss and its denominator; rollout_correction weighs the loss by the old logprobs
+    over each sample's ``rollout_logprobs``.
     ``on_grads``: called as ``on_grads(policy, step_index)`` after each backward (gradients reduced, before the
     optimizer step); for tests and diagnostics.
     """
