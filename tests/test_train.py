@@ -268,20 +268,18 @@ def test_eval_avg_at_n_on_a_megatron_checkpoint(tmp_path, tiny_llama):
 @pytest.mark.slow  # seconds on an idle machine; ~40 s on the shared 2 CI cores
 def test_config_mistakes_fail_before_any_work_in_one_message(tmp_path, tiny_llama):
     """A typo appended with +, bad values and a data file with the wrong columns: one message, rc 2, no traceback,
-    in seconds, and nothing of a run started (no checkpoint, no vLLM, no launch recorded)."""
+    and nothing of a run started (no checkpoint, no vLLM, no launch recorded). (Not timed: on a loaded 2-core
+    machine the imports alone vary tenfold; what it must not start is asserted instead.)"""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data = tmp_path / "wrong_columns.parquet"
     pq.write_table(pa.table({"text": ["1+1"], "label": ["2"]}), data)
     run_dir = tmp_path / "r"
-    start = time.monotonic()
     proc = subprocess.run(train_cmd([f"model.path={tiny_llama}", f"trainer.run_dir={run_dir}", "+trainer.lrr=1e-5",
                                      "trainer.keep_last=0", "rollout.temperature=-1", f"data.train={data}",
                                      "data.format=gsm8k", "trainer.save_every=0"]),
                           capture_output=True, text=True, timeout=300, env=ENV)
-    elapsed = time.monotonic() - start
-    print(f"failed after {elapsed:.1f} s")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stderr.strip().splitlines()
@@ -292,7 +290,6 @@ def test_config_mistakes_fail_before_any_work_in_one_message(tmp_path, tiny_llam
         assert sum(line.startswith("  - ") and expected in line for line in lines[1:]) == 1, (expected, lines)
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "config_history").exists()
     assert "vllm" not in (proc.stdout + proc.stderr).lower()
-    assert elapsed < 90, f"{elapsed:.0f} s: the checks should take seconds (megatron / vLLM must not start)"
 
 
 LR_RESUME = """
