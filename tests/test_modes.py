@@ -93,10 +93,12 @@ def stopped_and_resumed(request, tmp_path_factory, tiny_llama):
     common = [*FEATURES["tools"], "rollout.max_response_length=384", "trainer.save_every=10",
               "trainer.async_save=false"]
     stop_args = [arg for mode in stop_modes for arg in MODES[mode]]
-    _, out, code, left, _ = _signal_the_group(None, tiny_llama, signal.SIGTERM, *common, *stop_args,
-                                              "trainer.total_steps=4", nproc=world, run_dir=run_dir, after=1,
-                                              placement=args, delay=delay)
+    _, out, code, left, seconds = _signal_the_group(None, tiny_llama, signal.SIGTERM, *common, *stop_args,
+                                                    "trainer.total_steps=4", nproc=world, run_dir=run_dir, after=1,
+                                                    placement=args, delay=delay)
     assert code == 0 and not left, out[-5000:]
+    # mid-generation: the engine loop aborts and harvests, it does not wait for 384-token responses (~5-10 s here)
+    assert seconds < 45, f"the launch took {seconds:.0f} s to answer SIGTERM while it generated"
     stopped = len(_metrics(run_dir))
     kept = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "at_stop.pt", weights_only=False)
     if placement == "colocated":
