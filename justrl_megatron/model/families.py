@@ -4,7 +4,8 @@ model of it (assets.tiny_model; justrl-bench's random-weight folders, bench/cli.
 
 All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query attention; what they share is written
 once in those modules, and nothing outside this file branches on a family's name. A new family of that kind: one
-`Family(...)` in `FAMILIES`, and its tests (HF vs Megatron logits and the converter round trip, tests/test_models.py).
+`Family(...)` in `FAMILIES`, and its tests (HF vs Megatron logits and the converter round trip,
+tests/test_model_families.py).
 
 Data only (no torch, no transformers): config validation and the asset builder read it.
 """
