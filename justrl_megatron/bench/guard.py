@@ -62,7 +62,7 @@ def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, s
         except _GradsReady:
             pass
 
-    def old_guard():  # the guard before issue 38: its own grad copy + norm, a host copy of the trainable weights,
+    def old_guard():  # the former guard: its own grad copy + norm, a host copy of the trainable weights,
         # megatron's step, then a max-|w| check with a host sync
         found_inf = policy.optimizer.prepare_grads()
         norm = float(policy.optimizer.get_grad_norm())
