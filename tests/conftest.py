@@ -49,12 +49,12 @@ def tiny_llama(request, tmp_path_factory):
 MODULE_SECONDS = {
     "test_split": 796, "test_train": 498, "test_convert": 449, "test_slurm": 275, "test_modes": 209, "test_step": 190,
     "test_bench": 162, "test_rollout": 162, "test_moe": 147, "test_algo_extras": 145, "test_lora": 116,
-    "test_context_parallel": 103, "test_models": 92, "test_distill": 88, "test_validation": 78, "test_loop": 76,
+    "test_context_parallel": 103, "test_model_families": 92, "test_distill": 88, "test_validation": 78, "test_loop": 76,
     "test_checkpoint": 75, "test_tools": 50, "test_compat": 43, "test_run_safety": 39, "test_shared_prompt": 38,
     "test_eval": 34, "test_gpu_check": 33, "test_sandbox": 29, "test_config": 26, "test_streaming": 22,
     "test_launch": 21, "test_model": 18, "test_install": 9, "test_memory": 9, "test_console": 9, "test_upcycle": 9,
     "test_rewards": 8, "test_dockerfile": 6, "test_vllm_api": 6, "test_writers": 6, "test_preflight": 6,
-    "test_plan": 5, "test_assets": 5, "test_data": 4, "test_safety_smaller": 3, "test_update_ab": 3,
+    "test_plan": 5, "test_assets": 5, "test_data": 4, "test_update_ab": 3,
 }
 
 

@@ -3,7 +3,8 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from justrl_megatron.config import ConfigError, compose, key_problem, unknown_keys, validate
+from justrl_megatron.config import (CONFIG_DIR, ConfigError, compose, key_problem, unknown_keys, validate,
+                                    yaml_bool_problems)
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.run_config import ResumeCheck, history, record_launch
 from justrl_megatron.train_entry import check_config, data_problems, override_problems
@@ -233,6 +234,62 @@ def test_several_kinds_of_problem_in_one_message():
     assert msg.count("\n  - ") == 6 and msg.startswith("invalid config:\n  - data.train: x.parquet")
     for part in ("trainer.lrr", "save_every", "temperature", "algo.reward", "multiple of mini_batch_size"):
         assert part in msg
+
+
+# --- bools in YAML files: OmegaConf reads 2 as true; the command line already refuses it (above) ----------------------
+
+def test_committed_config_files_hold_true_or_false_in_bool_keys():
+    files = [("", "config")] + [(p.parent.name, p.stem) for p in sorted(CONFIG_DIR.glob("*/*.yaml"))]
+    assert len(files) > 15
+    assert yaml_bool_problems([str(CONFIG_DIR)], files) == []
+
+
+def test_a_bool_key_of_a_yaml_file_takes_true_or_false_only(tmp_path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "parallel").mkdir()
+    recipe = tmp_path / "recipe" / "mine.yaml"
+    recipe.write_text("# @package _global_\ndefaults:\n  - /model: qwen3_1p7b\ntrainer:\n  async_save: 2\n"
+                      "  lr: 1e-6\nrollout:\n  streaming: 'no'\n  max_staleness: 1\n"
+                      "algo:\n  reward_options: {flag: 2}\nlogging:\n  wandb_mode: \"${oc.env:X,offline}\"\n")
+    (tmp_path / "parallel" / "mine.yaml").write_text("tensor: 1\nsequence_parallel: 0\ndistributed_optimizer: true\n")
+    assert yaml_bool_problems([str(tmp_path), str(CONFIG_DIR)], [("recipe", "mine"), ("parallel", "mine"),
+                                                                   ("model", "qwen3_1p7b")]) == [
+        f"{tmp_path / 'parallel' / 'mine.yaml'}: parallel.sequence_parallel must be true or false, got 0",
+        f"{recipe}: rollout.streaming must be true or false, got 'no'",
+        f"{recipe}: trainer.async_save must be true or false, got 2"]
+
+
+def test_justrl_train_refuses_a_yaml_bool_in_one_line(tmp_path, monkeypatch, capfd):
+    """Through justrl-train (hydra.main, in this process): a --config-dir file's bool read as true is refused, exit
+    2, one line, among the other problems."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from justrl_megatron import train_entry
+
+    (tmp_path / "configs" / "parallel").mkdir(parents=True)
+    (tmp_path / "configs" / "parallel" / "mine.yaml").write_text(
+        "tensor: 1\npipeline: 1\nsequence_parallel: false\ndistributed_optimizer: 2\n")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.setattr("sys.argv", ["justrl-train", "--config-dir", str(tmp_path / "configs"), "parallel=mine",
+                                     f"trainer.run_dir={tmp_path / 'run'}", "model.path=/nonexistent/model"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            train_entry.main()
+    finally:
+        root.handlers[:], root.level = handlers, level
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # later validate() calls in this process compose without hydra.main
+    err = capfd.readouterr().err
+    line = (f"  - {tmp_path / 'configs' / 'parallel' / 'mine.yaml'}: parallel.distributed_optimizer must be true or "
+            f"false, got 2")
+    assert exit_.value.code == 2 and line in err.splitlines(), err
+    # the refused launch leaves nothing: the run dir it would have created (its name composed with --config-dir's
+    # files too) is gone
+    assert not (tmp_path / "run").exists()
 
 
 # --- data: read a few rows as the loop would; each problem one line ------------------------------------------------

@@ -22,7 +22,8 @@ from helpers import run_mp
 from justrl_megatron.config import ConfigError, compose, validate
 from justrl_megatron.rollout import Rollouts, SamplingConfig, logprob_gap
 from justrl_megatron.rollout.multi_turn import ToolRollout
-from justrl_megatron.rollout.tools import Observation, PythonTool, tool_metrics, tool_penalties, trigger_token_ids
+from justrl_megatron.rollout.tools import (Observation, PythonTool, fenced_block_at_end, tool_metrics, tool_penalties,
+                                           trigger_token_ids)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2"])
@@ -423,6 +424,42 @@ def test_fences_found_on_the_real_tokenizers(tokenizer):
     for no_call in ("```python\nprint(1)\n", "```output\n3\n```", "```\nprint(1)\n```", "```python\n```",
                     "```python\nprint(1)\n``` and more", "a ``` b"):
         assert tool.find_call(no_call) is None, no_call
+
+
+# --- a closing fence is a line of its own -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [
+    'print("```")\n',
+    "s = '```python'\nprint(len(s))\n",
+    'fence = "`" * 3 + "```"\nprint(f"{fence}done")\n',
+    "x = 1  # ``` in a comment\nprint(x)\n",
+])
+def test_a_fence_inside_the_code_does_not_close_the_block(code):
+    tool = PythonTool()
+    prefix = "Let me check.\n```python\n"
+    # every point where the driver asks (after a backtick): no call until the real closing fence
+    for k in range(len(prefix), len(prefix) + len(code)):
+        if (prefix + code)[k - 1] == "`":
+            assert tool.find_call(prefix + code[:k - len(prefix)]) is None, code[:k - len(prefix)]
+    assert tool.find_call(prefix + code + "```") == code
+    assert tool.find_call(prefix + code + "```\n") == code
+    assert tool.find_call(prefix + code + "  ```  \n") == code  # an indented closing fence (a list item)
+
+
+def test_fence_rule_cases():
+    tool = PythonTool()
+    assert tool.find_call("```python\nprint(1)\n```") == "print(1)\n"
+    assert tool.find_call("Compute:```python\nprint(1)\n```\n") == "print(1)\n"  # an opening fence mid-line
+    # an earlier closed block (with a fence in its code) and prose, then the block the text ends in
+    text = "```python\nprint('```')\n```\n```output\n```\n\nAnd now:\n```py\nprint(2)\n```"
+    assert tool.find_call(text) == "print(2)\n"
+    for no_call in ("```python\nprint(1)\n", "```output\n3\n```", "```\nprint(1)\n```", "```python\n```",
+                    "```python\nprint(1)\n``` and more", "a ``` b", "```python\nprint(1)\n```\nmore",
+                    '```python\nprint("```', "```python\nx = 1 ```", "```python"):
+        assert tool.find_call(no_call) is None, no_call
+    assert fenced_block_at_end("```output\n3\n```") == ("output", "3\n")
+    # Markdown's limit, kept: a line of just ``` in a multi-line string closes the block
+    assert tool.find_call('```python\ns = """\n```') == 's = """\n'
 
 
 # --- the Python tool against hostile code (the code reward's sandbox cases, through the tool) -------------------------

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGET_RATIO = 0.5  # issue 9: ours / TRL seconds per step
+TARGET_RATIO = 0.5  # the target: ours / TRL seconds per step
 
 
 def trl_available() -> bool:
