@@ -304,6 +304,12 @@ def test_resume_lists_changes_that_take_effect(tmp_path):
     ("trainer.seed=2", "trainer.seed"),
     ("model.lora.enabled=true", "model.lora.enabled"),  # a full run's checkpoint has no adapters (issue 20)
     ("model.lora.rank=8", "model.lora.rank"),
+    # what a kept group's prompt is (its tokens): refused before any model loads, the kept groups never reach a run
+    # that would read them otherwise (the sampling settings: tests/test_admission.py)
+    ("model.tokenizer=/other/tokenizer", "model.tokenizer"),
+    ("data.template=justrl", "data.template"),
+    ("data.system_prompt=hi", "data.system_prompt"),
+    ("data.max_prompt_length=77", "data.max_prompt_length"),
 ])
 def test_resume_refuses_what_the_checkpoint_pins(tmp_path, override, key):
     record_launch(_launch(tmp_path), None)

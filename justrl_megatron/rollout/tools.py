@@ -198,6 +198,19 @@ def make_tools(rollout_cfg) -> list:
             for name in rollout_cfg.tools]
 
 
+def environment(rollout_cfg) -> dict:
+    """What a tool call's output depends on, as config keys: the tools and every tool setting but the number of calls
+    run at once ({} without tools). A group kept at a stop carries the outputs of this environment
+    (rollout/stream_source.py: another one on resume generates the group anew)."""
+    ro = rollout_cfg
+    if not ro.tools:
+        return {}
+    return {"rollout.tools": list(ro.tools), "rollout.max_turns": ro.max_turns,
+            "rollout.tool_timeout_s": ro.tool_timeout_s, "rollout.tool_memory_mb": ro.tool_memory_mb,
+            "rollout.tool_max_output_chars": ro.tool_max_output_chars, "rollout.tool_sandbox": ro.tool_sandbox,
+            "rollout.tool_packages": list(ro.tool_packages)}
+
+
 def problems(cfg) -> list[str]:
     """rollout.tools' refusals (config.validate collects them); with a valid tool configuration, also what this
     machine lacks to run the tools (each tool's `problems`: no OS sandbox, packages that do not import in it)."""
