@@ -239,3 +239,25 @@ def test_a_longer_cap_reopens_the_samples_the_old_cap_cut(capsys):
     source, line = _resume(tool, _settings(tools=PYTHON_TOOL, **{"rollout.max_response_length": 8}), capsys)
     assert not source._resumed and source._counts.discarded_at_resume == 1
     assert "the old cap cut a tool sample" in line, line
+
+
+def test_a_colocated_resume_of_a_streaming_stop_says_how_many_kept_groups_go_on(monkeypatch, capsys):
+    """A streaming run's stop kept its groups; the resume with rounds (colocated) said "0 prompts ... skipped" while
+    kept groups were there. The line counts what the restore did."""
+    import justrl_megatron.rollout.admission as admission
+    from test_streaming import ScriptedEngines, _pipeline
+
+    engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others are cut short
+    engines.frozen = True
+    streaming = _pipeline(engines, _sampler(), 1)
+    engines.publish(0)
+    monkeypatch.setattr(admission, "stop_requested", lambda: True)
+    assert streaming.next_batch(1, 0, Timer()) is None
+    state = json.loads(json.dumps(streaming.stop_state()))
+    assert len(state["groups"]) == 4
+    capsys.readouterr()
+    rounds = _rounds(SeededEngines({}, 0))
+    rounds.restore(state)
+    assert capsys.readouterr().out.splitlines() == [
+        "justrl-train: work in flight: 4 kept group(s) continue where they stopped"]
+    assert rounds._counts.resumed_groups == 4 and rounds._counts.discarded_at_resume == 0
