@@ -281,7 +281,7 @@ def prompt_length_problems(cfg, model_dir) -> list[str]:
     only when none of those fits."""
     from transformers import AutoTokenizer
 
-    from .data.sampler import load_training_rows, tokenize_prompts
+    from .data.sampler import load_training_rows, load_training_source, none_fit, tokenize_prompts
     from .train.validation import length_problems
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
@@ -294,12 +294,12 @@ def prompt_length_problems(cfg, model_dir) -> list[str]:
             rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=DATA_SAMPLE_ROWS)
             if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
                 continue
-            rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=limit)
-            prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
+            source = load_training_source(cfg.data, seed=cfg.trainer.seed, split=split, limit=limit)
+            prompts, too_long = tokenize_prompts(source.rows, tokenizer, cfg.data)
             if not prompts:
-                problems.append(f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of "
-                                f"{key} are longer (with data.template={cfg.data.template}); raise it or use shorter "
-                                f"prompts")
+                problems.append(f"data.max_prompt_length={cfg.data.max_prompt_length}: "
+                                f"{none_fit(too_long, source, key)} longer (with data.template={cfg.data.template}); "
+                                f"raise it or use shorter prompts")
         problems += length_problems(cfg, tokenizer)
     return problems
 

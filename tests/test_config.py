@@ -479,6 +479,22 @@ def test_every_prompt_too_long_is_found_before_the_run_dir_is_written(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+def test_a_file_of_one_giant_prompt_repeated_is_counted_as_the_loader_left_it(tmp_path, tiny_llama):
+    """A file of 3 copies of one giant prompt was refused as "all 1 prompts": the count is of what data.dedup left,
+    and the line says so."""
+    import json
+
+    data = tmp_path / "giant.jsonl"
+    data.write_text(3 * (json.dumps({"problem": "word " * 300, "answer": "1"}) + "\n"))
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tiny_llama}", f"data.train={data}",
+                   "data.format=generic", "data.max_prompt_length=64", "rollout.max_response_length=8"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, launch=False)
+    assert str(err.value).splitlines()[1:] == [
+        "  - data.max_prompt_length=64: the one prompt of data.train (3 records; 2 exact duplicate(s) dropped: "
+        "data.dedup) is longer (with data.template=boxed); raise it or use shorter prompts"]
+
+
 def test_resume_pins_the_training_data_by_content_and_rereads_a_changed_eval_set(tmp_path):
     """Only data.train's path was pinned: a file rewritten between launches resumed silently (issue 42)."""
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
