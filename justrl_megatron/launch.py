@@ -185,7 +185,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
     line = failure_line(rank, code, nproc, received)
     if line is None:
         return code
-    _exit(_exit_code(code), line)
+    _exit(_exit_code(code, received), line)
 
 
 # --- several nodes (launch/slurm/train.sbatch: one of these per node, under srun) ------------------------------------
@@ -217,8 +217,8 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
         return None
     where = f" on node {node}" if node else ""
     others = f"; the other {world - 1} rank(s) were stopped" if world > 1 else ""
-    if code < 0 and -code in received:
-        return f"stopped by {signal.Signals(-code).name} before training started; nothing was saved"
+    if code < 0 and -code in received:  # it had no handler yet: the trainer's own takes over as the loop starts
+        return f"stopped by {signal.Signals(-code).name} before training started; nothing to save"
     if code < 0:
         name = signal.Signals(-code).name
         why = " (the out-of-memory killer?)" if -code == signal.SIGKILL and not received else ""
@@ -226,7 +226,13 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
     return f"error: rank {rank}{where} exited with code {code} (its output above says why){others}"
 
 
-def _exit_code(code: int) -> int:
+def _exit_code(code: int, received=()) -> int:
+    """The launch's exit code for a rank's: a stop (SIGTERM, SIGUSR1) before training started exits 0, as a stop
+    during training does (the ranks had nothing to save); a Ctrl-C 130."""
+    from .early_interrupt import STOP_SIGNALS
+
+    if code < 0 and -code in received and -code in STOP_SIGNALS:
+        return 0
     return 128 - code if code < 0 else code
 
 
@@ -485,12 +491,12 @@ def launch_node(nproc: int, overrides: list[str], nnodes: int, node_rank: int, m
                         if grace != "1":
                             _kill_all(ranks)
     if verdict:
-        return _exit_code(verdict[0])
+        return _exit_code(verdict[0], received)
     if failed is not None:  # another node that heard no verdict
         line = failure_line(failed[0], failed[1], world, received, host)
         if line:
             print(f"justrl-train: {line}", file=sys.stderr, flush=True)
-        return _exit_code(failed[1])
+        return _exit_code(failed[1], received)
     return 0
 
 
