@@ -168,6 +168,8 @@ class RolloutConfig:
     # import packages the sandboxed code may use, read-only, with the distributions they require (sympy: mpmath);
     # nothing else installed imports there; []: the standard library only
     tool_packages: list[str] = field(default_factory=lambda: ["sympy", "numpy"])
+    # true: tool_packages may put the training stack (torch, vllm, megatron, ...) into the sandbox (refused otherwise)
+    tool_allow_training_stack: bool = False
 
 
 @dataclass

@@ -549,11 +549,26 @@ def test_packing_masks_tool_tokens_target_by_target():
      "no_such_package_here is not installed in this environment"),
     # the packages are imported in the sandbox under the tool's own limits: too little memory for them
     (["rollout.tools=[python]", "rollout.tool_memory_mb=96"], "import sympy, numpy inside the sandbox (memory 96 MiB"),
+    # the training stack stays out of the sandbox, named or required (it was accepted: only the default list held)
+    (["rollout.tools=[python]", "rollout.tool_packages=[sympy,torch]"],
+     "rollout.tool_packages=['sympy', 'torch']: torch would put the training stack into the sandbox"),
+    (["rollout.tools=[python]", "rollout.tool_packages=[vllm]"], "vllm would put the training stack"),
+    (["rollout.tools=[python]", "rollout.tool_packages=[megatron]"], "megatron would put the training stack"),
+    (["rollout.tools=[python]", "rollout.tool_packages=[accelerate]"],
+     "accelerate (requires torch) would put the training stack into the sandbox where model-written code runs; "
+     "drop it, or set rollout.tool_allow_training_stack=true"),
 ])
 def test_tool_refusals_say_what_to_fix_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(compose(overrides), world_size=2)
     assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+def test_the_training_stack_in_the_sandbox_only_when_asked_for():
+    """rollout.tool_allow_training_stack=true lets it through (the sandbox check then imports it as any package)."""
+    validate(compose(["rollout.tool_packages=[torch]", "rollout.tool_allow_training_stack=true"]), world_size=2)
+    with pytest.raises(ConfigError, match="torch would put the training stack"):
+        validate(compose(["rollout.tool_packages=[torch]"]), world_size=2)  # named: refused with or without tools
 
 
 def test_no_sandbox_is_one_line_before_the_model_loads(tmp_path, monkeypatch):

@@ -189,6 +189,42 @@ class PythonTool:
 
 TOOLS = {"python": PythonTool}
 
+# What rollout.tool_packages may not bring into the sandbox, by itself or as a requirement, unless
+# rollout.tool_allow_training_stack says so: the trainer's own stack (normalised distribution names, and import names
+# for a package not installed here). Model-written code runs there; the stack is the trainer's, not the tool's.
+TRAINING_STACK = ("torch", "vllm", "megatron", "megatron-core", "transformer-engine", "flash-attn", "apex", "triton",
+                  "deepspeed", "xformers", "justrl-megatron")
+
+
+def _stack_name(name: str) -> str | None:
+    """The TRAINING_STACK entry a distribution or import name is (or is a part of: transformer-engine-cu12), else
+    None."""
+    normal = re.sub(r"[-_.]+", "-", name).lower()
+    return next((s for s in TRAINING_STACK if normal == s or normal.startswith(s + "-")), None)
+
+
+def training_stack_in(packages, *, requirements: bool = True) -> list[str]:
+    """What of the training stack the import packages `packages` would put into the sandbox, each as "torch" or
+    "accelerate (requires torch)" (`requirements`: also what they require, read from the installed metadata); a
+    package not installed here counts by its own name only."""
+    from ..rewards.sandbox import PackageMissing, package_distributions
+
+    found = []
+    for name in packages:
+        if _stack_name(name):
+            found.append(name)
+            continue
+        if not requirements:
+            continue
+        try:
+            brought = package_distributions((name,))
+        except PackageMissing:
+            continue  # the sandbox check names it
+        stack = sorted({_stack_name(d) for d in brought} - {None})
+        if stack:
+            found.append(f"{name} (requires {', '.join(stack)})")
+    return found
+
 
 def make_tools(rollout_cfg) -> list:
     """The tools `rollout.tools` names, with the rollout.tool_* limits and packages."""
@@ -226,6 +262,9 @@ def problems(cfg) -> list[str]:
     bad = [p for p in packages if not isinstance(p, str) or not p.isidentifier()]
     if bad or len(set(packages)) < len(packages):
         out.append(f"rollout.tool_packages must list import names (e.g. [sympy, numpy]), each once; got {packages}")
+    elif not ro.tool_allow_training_stack and (stack := training_stack_in(packages, requirements=bool(tools))):
+        out.append(f"rollout.tool_packages={packages}: {', '.join(stack)} would put the training stack into the "
+                   f"sandbox where model-written code runs; drop it, or set rollout.tool_allow_training_stack=true")
     if not isinstance(ro.max_turns, int) or ro.max_turns < 1:
         out.append(f"rollout.max_turns must be >= 1 (tool calls per response), got {ro.max_turns!r}")
     for key, rule, ok in (("tool_timeout_s", "> 0", lambda v: v > 0), ("tool_memory_mb", ">= 32", lambda v: v >= 32),
