@@ -135,6 +135,23 @@ class DataConfig:
 
 
 @dataclass
+class ToolConfig:
+    """How the tools of rollout.tools run (rollout/tools.py, rollout/multi_turn.py, rewards/sandbox.py)."""
+
+    max_turns: int = 4  # tool calls per response
+    timeout_s: float = 5.0  # wall clock per call (the sandbox's namespace is killed after it)
+    memory_mb: int = 512  # address space per call
+    max_output_chars: int = 1024  # of a call's stdout shown to the model
+    workers: int = 4  # calls running at once (threads; each call is a sandboxed process)
+    sandbox: str = "auto"  # auto | bwrap | unshare (rewards/sandbox.py)
+    # import packages the sandboxed code may use, read-only, with the distributions they require (sympy: mpmath);
+    # nothing else installed imports there; []: the standard library only
+    packages: list[str] = field(default_factory=lambda: ["sympy", "numpy"])
+    # true: packages may put the training stack (torch, vllm, megatron, ...) into the sandbox (refused otherwise)
+    allow_training_stack: bool = False
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8  # rollouts per prompt (the GRPO group size)
     max_response_length: int = 15360
@@ -157,19 +174,9 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512
     weight_sync_backend: str = "auto"  # auto | nccl | ipc | cpu
     # tool use (rollout/multi_turn.py): [python] lets the model run ```python blocks in the OS sandbox mid-response;
-    # up to max_turns calls per response, tool outputs count against max_response_length and are never trained on
+    # up to tool.max_turns calls per response, tool outputs count against max_response_length and are never trained on
     tools: list[str] = field(default_factory=list)
-    max_turns: int = 4
-    tool_timeout_s: float = 5.0  # wall clock per call (the sandbox's namespace is killed after it)
-    tool_memory_mb: int = 512  # address space per call
-    tool_max_output_chars: int = 1024  # of a call's stdout shown to the model
-    tool_workers: int = 4  # calls running at once (threads; each call is a sandboxed process)
-    tool_sandbox: str = "auto"  # auto | bwrap | unshare (rewards/sandbox.py)
-    # import packages the sandboxed code may use, read-only, with the distributions they require (sympy: mpmath);
-    # nothing else installed imports there; []: the standard library only
-    tool_packages: list[str] = field(default_factory=lambda: ["sympy", "numpy"])
-    # true: tool_packages may put the training stack (torch, vllm, megatron, ...) into the sandbox (refused otherwise)
-    tool_allow_training_stack: bool = False
+    tool: ToolConfig = field(default_factory=ToolConfig)
 
 
 @dataclass
@@ -418,8 +425,18 @@ def schema_keys(cls: type = None, prefix: str = "") -> dict[str, str]:
     return keys
 
 
+# keys that were renamed: the old name -> the new one (an old key is refused in one line that names the new one)
+RENAMED = {
+    "rollout.max_turns": "rollout.tool.max_turns",
+    **{f"rollout.tool_{name}": f"rollout.tool.{name}"
+       for name in ("timeout_s", "memory_mb", "max_output_chars", "workers", "sandbox", "packages")},
+}
+
+
 def key_problem(key: str) -> str | None:
     """None when `key` (dotted) is a schema key or lies under a free-form dict field; else what is wrong with it."""
+    if key in RENAMED:
+        return f"{key} is now {RENAMED[key]}: rename it"
     keys, parts = schema_keys(), key.split(".")
     for i in range(1, len(parts) + 1):
         kind = keys.get(".".join(parts[:i]))
@@ -537,6 +554,18 @@ def closest_key_hint(key: str) -> str:
         match = [fixed if fixed in all_keys else prefix + near[0]] if near else []
     match = match or difflib.get_close_matches(key, [k for k, kind in all_keys.items() if kind != "section"], n=1)
     return f"; did you mean {match[0]}?" if match else " (the schema, justrl_megatron/config.py, has no such key)"
+
+
+def composition_problem(exc: BaseException) -> str | None:
+    """One line for hydra's error when a YAML file of the config sets a key the schema lacks ("recipe/mine:
+    rollout.tool_workers is now rollout.tool.workers: rename it"), else None (hydra's own first line says it)."""
+    text = str(exc)
+    key = re.search(r"full_key: (\S+)", text)
+    problem = key_problem(key.group(1)) if key else None
+    if problem is None:
+        return None
+    where = re.match(r"In '([^']+)'", text)
+    return f"{where.group(1)}: {problem}" if where else problem
 
 
 def unknown_keys(cfg) -> list[str]:

@@ -23,8 +23,8 @@ import hydra
 from hydra.experimental.callback import Callback
 
 from . import lifeline, run_lock
-from .config import (CONFIG_DIR, ConfigError, config_warnings, data_name_problems, key_problem, register,
-                     validate, value_type_problem)
+from .config import (CONFIG_DIR, ConfigError, composition_problem, config_warnings, data_name_problems,
+                     key_problem, register, validate, value_type_problem)
 from .console import quiet_console
 
 register()
@@ -253,14 +253,18 @@ def run_dir_problem(run_dir) -> str | None:
 
 
 def _run_dir_of(args: list[str]) -> str | None:
-    """trainer.run_dir as the command line's overrides compose it (None where they do not compose: hydra says why)."""
+    """trainer.run_dir as the command line's overrides compose it (None where they do not compose: hydra says why,
+    unless a YAML file sets a key the schema lacks: refused here in one line, composition_problem)."""
     from omegaconf import OmegaConf
 
     from .config import compose
 
     try:
         return OmegaConf.select(compose(_task_overrides(args)), "trainer.run_dir", default=None)
-    except Exception:  # noqa: BLE001 - hydra reports a bad override itself
+    except Exception as exc:  # noqa: BLE001 - hydra reports a bad override itself
+        problem = composition_problem(exc)
+        if problem is not None:
+            refuse(f"invalid config: {problem}")
         return None
 
 
@@ -390,7 +394,8 @@ def validate_only(args: list[str]) -> int:
         print(f"justrl-train: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:  # noqa: BLE001  (hydra's composition errors: an unknown recipe, a bad override)
-        print(f"justrl-train: invalid config: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        print(f"justrl-train: invalid config: {composition_problem(exc) or str(exc).splitlines()[0]}",
+              file=sys.stderr, flush=True)
         return 2
     print(f"justrl-train: config ok for {_world_size()} process(es)", flush=True)
     return 0

@@ -142,9 +142,9 @@ def test_kept_groups_of_another_group_size_are_generated_anew_with_one_line(caps
 
 SAMPLING = {"rollout.temperature": "temperature", "rollout.top_p": "top_p", "rollout.top_k": "top_k",
             "rollout.max_response_length": "max_tokens"}
-PYTHON_TOOL = {"rollout.tools": ["python"], "rollout.max_turns": 4, "rollout.tool_timeout_s": 5.0,
-               "rollout.tool_memory_mb": 512, "rollout.tool_max_output_chars": 1024, "rollout.tool_sandbox": "auto",
-               "rollout.tool_packages": ["sympy", "numpy"]}
+PYTHON_TOOL = {"rollout.tools": ["python"], "rollout.tool.max_turns": 4, "rollout.tool.timeout_s": 5.0,
+               "rollout.tool.memory_mb": 512, "rollout.tool.max_output_chars": 1024, "rollout.tool.sandbox": "auto",
+               "rollout.tool.packages": ["sympy", "numpy"]}
 
 
 def _settings(n=2, tools=None, **sampling):
@@ -183,8 +183,8 @@ def _resume(state, settings, capsys):
     ("rollout.top_k", 50, -1),
     ("rollout.tools", None, PYTHON_TOOL),  # a plain group into a tool run
     ("rollout.tools", PYTHON_TOOL, None),  # a tool group into a plain run
-    ("rollout.tool_timeout_s", PYTHON_TOOL, {**PYTHON_TOOL, "rollout.tool_timeout_s": 30.0}),
-    ("rollout.tool_packages", PYTHON_TOOL, {**PYTHON_TOOL, "rollout.tool_packages": ["sympy"]}),
+    ("rollout.tool.timeout_s", PYTHON_TOOL, {**PYTHON_TOOL, "rollout.tool.timeout_s": 30.0}),
+    ("rollout.tool.packages", PYTHON_TOOL, {**PYTHON_TOOL, "rollout.tool.packages": ["sympy"]}),
 ])
 def test_a_kept_group_sampled_otherwise_is_generated_anew_counted_in_one_line(key, then, now, capsys):
     """The probe's case first: groups of 2 kept at a stop and resumed with rollout.n=4 were continued into a batch of
@@ -202,12 +202,12 @@ def test_a_kept_group_sampled_otherwise_is_generated_anew_counted_in_one_line(ke
 
 
 def test_a_kept_group_goes_on_where_only_the_number_of_tool_workers_changed(capsys):
-    """rollout.tool_workers sets how many calls run at once, not what a call answers: the group is carried."""
+    """rollout.tool.workers sets how many calls run at once, not what a call answers: the group is carried."""
     from justrl_megatron.config import compose
     from justrl_megatron.rollout.tools import environment
 
-    before = environment(compose(["rollout.tools=[python]", "rollout.tool_workers=4"]).rollout)
-    after = environment(compose(["rollout.tools=[python]", "rollout.tool_workers=1"]).rollout)
+    before = environment(compose(["rollout.tools=[python]", "rollout.tool.workers=4"]).rollout)
+    after = environment(compose(["rollout.tools=[python]", "rollout.tool.workers=1"]).rollout)
     assert before == after and before["rollout.tools"] == ["python"]
     source, line = _resume(_kept_state(_settings(tools=before)), _settings(tools=after), capsys)
     assert len(source._resumed) == 1 and source._counts.discarded_at_resume == 0

@@ -138,6 +138,23 @@ def test_command_line_typos_are_taken_off_before_hydra_composes():
     assert kept == args[2:]
 
 
+def test_a_renamed_key_names_its_new_one_in_one_line(tmp_path):
+    """The tool settings moved under rollout.tool: an old key on the command line (with or without +) or in a YAML
+    file of the config is one line naming the new key (a YAML file's was hydra's "ConfigKeyError raised while
+    composing config:")."""
+    from justrl_megatron.config import composition_problem
+
+    problems, _ = override_problems(["rollout.tool_workers=3", "+rollout.max_turns=2", "rollout.tool.workers=3"])
+    assert problems == ["rollout.tool_workers is now rollout.tool.workers: rename it",
+                        "rollout.max_turns is now rollout.tool.max_turns: rename it"]
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - cpu_demo\n  - _self_\n"
+                                                   "rollout:\n  tool_packages: [sympy]\n")
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "recipe=mine"])
+    assert composition_problem(err.value) == "recipe/mine: rollout.tool_packages is now rollout.tool.packages: rename it"
+
+
 # --- every value, before any heavy work ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,message", [

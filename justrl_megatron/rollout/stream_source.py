@@ -67,8 +67,7 @@ KEPT_LENGTH = "rollout.max_response_length"
 def _why_anew(key: str) -> str:
     if key in _ANEW:
         return _ANEW[key]
-    tool = key.startswith(("rollout.tool", "rollout.max_turns"))
-    return _ANEW["rollout.tools"] if tool else "it was sampled otherwise"
+    return _ANEW["rollout.tools"] if key.startswith("rollout.tool") else "it was sampled otherwise"
 
 
 def drawn_with(n: int, sampling: SamplingConfig, tools: dict | None = None) -> dict:
