@@ -152,7 +152,8 @@ def test_a_renamed_key_names_its_new_one_in_one_line(tmp_path):
                                                    "rollout:\n  tool_packages: [sympy]\n")
     with pytest.raises(ConfigCompositionException) as err:
         compose([f"hydra.searchpath=[file://{tmp_path}]", "recipe=mine"])
-    assert composition_problem(err.value) == "recipe/mine: rollout.tool_packages is now rollout.tool.packages: rename it"
+    assert composition_problem(err.value) == ("recipe/mine: rollout.tool_packages is now rollout.tool.packages: "
+                                              "rename it")
 
 
 # --- every value, before any heavy work ------------------------------------------------------------------------------
