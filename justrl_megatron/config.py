@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from .algo.loss_config import LossConfig
+from .algo.loss_config import DISTILL, LossConfig
 
 # algo.rollout_correction's default follows rollout.max_staleness (see AlgoConfig)
 OmegaConf.register_new_resolver("justrl_default_correction",
@@ -179,19 +179,31 @@ class RolloutConfig:
     tool: ToolConfig = field(default_factory=ToolConfig)
 
 
+def _loss_keys(distill: bool) -> list[tuple]:
+    """LossConfig's fields as schema fields (name, type, default): the distill_<name> ones as algo.distill.<name>
+    (`distill`), else every other one as algo.<name>. What each means is written beside the field there."""
+    types = typing.get_type_hints(LossConfig)
+    return [(f.name.removeprefix(DISTILL), types[f.name], field(default=f.default))
+            for f in dataclasses.fields(LossConfig) if f.name.startswith(DISTILL) == distill]
+
+
+_DistillLossKeys = dataclasses.make_dataclass("_DistillLossKeys", _loss_keys(True))
+_AlgoLossKeys = dataclasses.make_dataclass("_AlgoLossKeys", _loss_keys(False))
+
+
 @dataclass
-class DistillConfig:
+class DistillConfig(_DistillLossKeys):
     """On-policy distillation (algo/distill.py, train/teacher.py): a frozen teacher scores the student's sampled
-    tokens; each token's advantage is reward_coef * A_group - coef * (student logprob - teacher logprob)."""
+    tokens; each token's advantage is reward_coef * A_group - coef * (student logprob - teacher logprob). coef and
+    reward_coef are LossConfig's distill_coef and distill_reward_coef."""
 
     teacher: Optional[str] = None  # an HF folder (the student's tokenizer); null: no distillation
-    coef: float = LossConfig.distill_coef
-    reward_coef: float = LossConfig.distill_reward_coef  # 0: pure distillation (the reward is logged only)
 
 
 @dataclass
-class AlgoConfig:
-    """The RL algorithm. The loss settings' defaults (and what each means) are algo/loss_config.LossConfig's."""
+class AlgoConfig(_AlgoLossKeys):
+    """The RL algorithm. Its loss keys (policy_loss, advantage, clip_low, ..., tis_cap) are algo/loss_config
+    LossConfig's fields: their names, types, defaults and meanings are written there once."""
 
     reward: str = "dapo"
     # MoE: off | old (the experts of the old-logprob pass replayed in the update) | rollout (vLLM's own experts,
@@ -199,16 +211,6 @@ class AlgoConfig:
     routing_replay: str = "off"
     reward_options: dict = field(default_factory=dict)
     reward_workers: int = 2
-    policy_loss: str = LossConfig.policy_loss  # ppo | gspo | cispo
-    advantage: str = LossConfig.advantage  # grpo | rloo | reinforce_pp_baseline
-    norm_adv_by_std: bool = LossConfig.norm_adv_by_std
-    clip_low: float = LossConfig.clip_low
-    clip_high: float = LossConfig.clip_high
-    dual_clip_c: Optional[float] = LossConfig.dual_clip_c
-    loss_agg: str = LossConfig.loss_agg  # docs/algorithm.md compares the aggregations
-    kl_coef: float = LossConfig.kl_coef
-    kl_estimator: str = LossConfig.kl_estimator
-    entropy_coef: float = LossConfig.entropy_coef
     # The DAPO / off-policy extras (docs/algorithm.md; all off by default: the JustRL recipes use none of them).
     # dynamic sampling: drop groups whose rewards are all equal, draw and sample more prompt batches (at most
     # max_sampling_rounds per step, the first included) until trainer.prompts_per_step groups have reward variance
@@ -218,13 +220,9 @@ class AlgoConfig:
     # -overlong_penalty_factor at the limit, added to the reward (0: off; DAPO: 4096 of 20480, factor 1.0)
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
-    mask_truncated: bool = LossConfig.mask_truncated  # overlong filtering: truncated responses leave the loss
-    # none | tis | mis | seq-tis | seq-mis: weights pi_trainer_old / pi_vllm on the policy loss, capped (tis) or
-    # masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the geometric mean of
-    # its tokens' ratios). Default: tis when samples may be older than the policy (rollout.max_staleness >= 1,
-    # one-step-off or streaming: decoupled PPO), none on-policy (docs/algorithm.md, "Streaming rollouts")
+    # LossConfig's, with the config's default: tis when samples may be older than the policy (rollout.max_staleness
+    # >= 1, one-step-off or streaming: decoupled PPO), none on-policy (docs/algorithm.md, "Streaming rollouts")
     rollout_correction: str = "${justrl_default_correction:${rollout.max_staleness}}"
-    tis_cap: float = LossConfig.tis_cap  # ms-swift's threshold; slime's MIS example keeps ratios in [0.5, 2]
     # rollout.tools: subtracted from the reward per failed / timed-out call of a response (0: off)
     tool_error_penalty: float = 0.0
     tool_timeout_penalty: float = 0.0

@@ -3,7 +3,7 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from justrl_megatron.config import ConfigError, compose, key_problem, unknown_keys, validate
+from justrl_megatron.config import ConfigError, compose, key_problem, unknown_keys, validate, value_type_problem
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.run_config import ResumeCheck, history, record_launch
 from justrl_megatron.train_entry import check_config, data_problems, override_problems
@@ -126,6 +126,23 @@ def test_keys_under_dict_fields_stay_free_form():
     cfg = compose(["algo.reward=dapo", "+algo.reward_options.strict=false", "++data.task_options.min_terms=2"])
     assert unknown_keys(cfg) == []
     assert key_problem("algo.reward_options.any.depth") is None and key_problem("trainer.lr.x") is not None
+
+
+def test_the_loss_keys_are_loss_configs_fields():
+    """algo.<name> (algo.distill.<name> for distill_<name>) is every LossConfig field, with its type and default:
+    written once there, a new loss knob is a key without an edit here."""
+    import dataclasses
+
+    from justrl_megatron.algo.loss_config import LossConfig
+    from justrl_megatron.config import _schema_default, schema_keys
+
+    for f in dataclasses.fields(LossConfig):
+        key = f"algo.distill.{f.name.removeprefix('distill_')}" if f.name.startswith("distill_") else f"algo.{f.name}"
+        assert schema_keys()[key] == "value", key
+        if f.name != "rollout_correction":  # its config default follows rollout.max_staleness
+            assert _schema_default(key) == f.default, key
+    assert LossConfig.from_algo(compose([]).algo) == LossConfig()
+    assert key_problem("algo.clip_high") is None and "must be a number" in str(value_type_problem("algo.clip_high", "x"))
 
 
 def test_command_line_typos_are_taken_off_before_hydra_composes():
