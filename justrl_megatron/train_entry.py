@@ -23,8 +23,9 @@ import hydra
 from hydra.experimental.callback import Callback
 
 from . import lifeline, run_lock
-from .config import (CONFIG_DIR, ConfigError, composition_problem, config_warnings, data_name_problems,
-                     key_problem, register, validate, value_type_problem)
+from .config.checks import config_warnings, data_name_problems, validate
+from .config.keys import composition_problem, key_problem, value_type_problem
+from .config.schema import CONFIG_DIR, ConfigError, register
 from .console import quiet_console
 
 register()
@@ -257,7 +258,7 @@ def _run_dir_of(args: list[str]) -> str | None:
     unless a YAML file sets a key the schema lacks: refused here in one line, composition_problem)."""
     from omegaconf import OmegaConf
 
-    from .config import compose
+    from .config.schema import compose
 
     try:
         return OmegaConf.select(compose(_task_overrides(args)), "trainer.run_dir", default=None)
@@ -384,7 +385,7 @@ def validate_only(args: list[str]) -> int:
     """justrl-train --validate-only [overrides]: every check a launch makes (check_config) with nothing written and
     nothing started; the same lines and exit 2 as a launch on a problem, else one line and 0. WORLD_SIZE (default 1)
     is the launch's number of processes (launch/slurm/train.sbatch: nodes x processes per node)."""
-    from .config import compose
+    from .config.schema import compose
 
     problems, kept = override_problems(args)
     try:

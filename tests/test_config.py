@@ -134,7 +134,7 @@ def test_the_loss_keys_are_loss_configs_fields():
     import dataclasses
 
     from justrl_megatron.algo.loss_config import LossConfig
-    from justrl_megatron.config import _schema_default, schema_keys
+    from justrl_megatron.config.keys import _schema_default, schema_keys
 
     for f in dataclasses.fields(LossConfig):
         key = f"algo.distill.{f.name.removeprefix('distill_')}" if f.name.startswith("distill_") else f"algo.{f.name}"

@@ -1,12 +1,12 @@
 """`LossConfig`: every setting of the policy loss (and of the advantages it weighs), in one frozen object.
 
 Built once from `cfg.algo` (`LossConfig.from_algo`), it travels whole: loop -> train/step.py's update -> the
-micro-batch loss -> `algo.grpo.policy_loss`. Each setting is written here and only here: config.py's schema derives
+micro-batch loss -> `algo.grpo.policy_loss`. Each setting is written here and only here: config/schema.py derives
 its keys from these fields (algo.<name>, and algo.distill.<name> for distill_<name>: name, type, default), and
 policy_loss's keywords read the defaults from this class. Adding a loss knob: a field here (with its default and a
-comment), its use in algo/grpo.py, its check in config.py's validate if it has a range, and a test.
+comment), its use in algo/grpo.py, its check in config/checks.py if it has a range, and a test.
 
-Import-light on purpose (no torch): config.py imports it to take the defaults.
+Import-light on purpose (no torch): the config schema imports it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 DISTILL = "distill_"  # the fields whose keys are under algo.distill (without it): algo.distill.coef is distill_coef
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -39,7 +40,7 @@ class LossConfig:
     mask_truncated: bool = False  # overlong filtering: truncated responses leave the loss and its denominator
     # none | tis | mis | seq-tis | seq-mis (algo/rollout_correction.py): weights pi_trainer_old / pi_vllm on the policy
     # loss, capped (tis) or masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the
-    # geometric mean of its tokens' ratios). The config's default follows rollout.max_staleness (config.AlgoConfig)
+    # geometric mean of its tokens' ratios). The config's default follows rollout.max_staleness (config/schema.py)
     rollout_correction: str = "none"
     tis_cap: float = 2.0  # ms-swift's threshold; slime's MIS example keeps ratios in [0.5, 2]
     norm_adv_by_std: bool = True  # grpo: advantages divided by the group's std (False: Dr. GRPO)
