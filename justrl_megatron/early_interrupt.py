@@ -52,8 +52,11 @@ def stopped_before_training(signum, frame) -> None:
 
 
 def install_stop() -> None:
-    """A stop before training starts exits 0 with one line; a process of a launch of several is left as it was."""
+    """A stop before training starts exits 0 with one line. Left as they were: the signals of a process of a launch
+    of several, and a signal its parent set to be ignored (a launcher's rank still importing ignores SIGUSR1, which
+    the batch script repeats until the trainer's own handler takes it: launch.py)."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return
     for sig in STOP_SIGNALS:
-        signal.signal(sig, stopped_before_training)
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, stopped_before_training)

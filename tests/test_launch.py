@@ -144,3 +144,24 @@ def test_a_stop_once_training_started_is_the_trainers(monkeypatch):
 
     monkeypatch.setattr(early_interrupt, "_training", True)
     assert early_interrupt.stopped_before_training(signal.SIGUSR1, None) is None
+
+
+def test_the_early_stop_handler_leaves_an_ignored_signal_and_a_rank_of_several_alone(monkeypatch):
+    """A launcher's rank still importing ignores SIGUSR1 (the batch script repeats it until the trainer's handler
+    takes it); a rank of several is left to die of a stop, so that its launcher ends its peers at once."""
+    from justrl_megatron import early_interrupt
+
+    saved = {sig: signal.getsignal(sig) for sig in early_interrupt.STOP_SIGNALS}
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        early_interrupt.install_stop()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        early_interrupt.install_stop()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is early_interrupt.stopped_before_training
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
