@@ -320,13 +320,14 @@ class GroupSource:
         changed = [] if then is None else [
             f"{key} {then.get(key)} -> {now.get(key)}: {_why_anew(key)}" for key in sorted(then.keys() | now.keys())
             if key != KEPT_LENGTH and then.get(key) != now.get(key)]
-        fresh, anew, lost = [], {}, 0
+        fresh, anew, lost, unstarted = [], {}, 0, 0
         resumed_before = self._counts.resumed_groups
         for g in state.get("groups", []):
             kept = Admitted(Prompt(**g["prompt"]), int(g["version"]), g.get("step"), g.get("seed"))
             if g["samples"] is None:
                 fresh.append(kept.prompt)
                 lost += bool(g.get("lost"))
+                unstarted += not g.get("lost")
                 continue
             samples = Rollouts(**g["samples"])
             why = "; ".join(changed) or self._unfit(samples, then)
@@ -342,8 +343,7 @@ class GroupSource:
         self._counts.discarded_at_resume += lost + sum(anew.values())
         self._queue.extendleft(reversed(fresh + [Prompt(**p) for p in state.get("prompts", [])]))
         if self.leader:
-            line = _restore_line(self._counts.resumed_groups - resumed_before, len(fresh) - sum(anew.values()) - lost,
-                                 lost, anew)
+            line = _restore_line(self._counts.resumed_groups - resumed_before, unstarted, lost, anew)
             if line:
                 print(f"justrl-train: {line}", flush=True)
 
