@@ -32,7 +32,9 @@ import subprocess
 import sys
 import time
 
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from .early_interrupt import STOP_SIGNALS
+
+FORWARDED = (*STOP_SIGNALS, signal.SIGINT)
 OWN_CODES = (2, 130)  # a rank that exits with these has printed its own line (refused config / run dir, abort)
 GRACE_S = 20.0  # how long the other ranks get to end on their own after one exits with one of OWN_CODES
 ENTRY_ENV = "JUSTRL_ENTRY"  # what each rank runs instead of the trainer (a program with the same stop contract)
@@ -229,8 +231,6 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
 def _exit_code(code: int, received=()) -> int:
     """The launch's exit code for a rank's: a stop (SIGTERM, SIGUSR1) before training started exits 0, as a stop
     during training does (the ranks had nothing to save); a Ctrl-C 130."""
-    from .early_interrupt import STOP_SIGNALS
-
     if code < 0 and -code in received and -code in STOP_SIGNALS:
         return 0
     return 128 - code if code < 0 else code
