@@ -33,7 +33,9 @@ import subprocess
 import sys
 import time
 
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from .early_interrupt import STOP_SIGNALS
+
+FORWARDED = (*STOP_SIGNALS, signal.SIGINT)
 OWN_CODES = (2, 130)  # a rank that exits with these has printed its own line (refused config / run dir, abort)
 GRACE_S = 20.0  # how long the other ranks get to end on their own after one exits with one of OWN_CODES
 ENTRY_ENV = "JUSTRL_ENTRY"  # what each rank runs instead of the trainer (a program with the same stop contract)
@@ -198,7 +200,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
     line = failure_line(rank, code, nproc, received)
     if line is None:
         return code
-    _exit(_exit_code(code), line)
+    _exit(_exit_code(code, received), line)
 
 
 # --- several nodes (launch/slurm/train.sbatch: one of these per node, under srun) ------------------------------------
@@ -230,8 +232,8 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
         return None
     where = f" on node {node}" if node else ""
     others = f"; the other {world - 1} rank(s) were stopped" if world > 1 else ""
-    if code < 0 and -code in received:
-        return f"stopped by {signal.Signals(-code).name} before training started; nothing was saved"
+    if code < 0 and -code in received:  # it had no handler yet: the trainer's own takes over as the loop starts
+        return f"stopped by {signal.Signals(-code).name} before training started; nothing to save"
     if code < 0:
         name = signal.Signals(-code).name
         why = " (the out-of-memory killer?)" if -code == signal.SIGKILL and not received else ""
@@ -239,7 +241,11 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
     return f"error: rank {rank}{where} exited with code {code} (its output above says why){others}"
 
 
-def _exit_code(code: int) -> int:
+def _exit_code(code: int, received=()) -> int:
+    """The launch's exit code for a rank's: a stop (SIGTERM, SIGUSR1) before training started exits 0, as a stop
+    during training does (the ranks had nothing to save); a Ctrl-C 130."""
+    if code < 0 and -code in received and -code in STOP_SIGNALS:
+        return 0
     return 128 - code if code < 0 else code
 
 
@@ -557,12 +563,12 @@ class _Node:
     def exit_code(self) -> int:
         """The verdict's code; a node that heard none speaks for its own failed rank; 0 when every rank ended well."""
         if self.verdict is not None:
-            return _exit_code(self.verdict)
+            return _exit_code(self.verdict, self.received)
         if self.failed is not None:  # another node that heard no verdict
             line = failure_line(self.failed[0], self.failed[1], self.world, self.received, self.host)
             if line:
                 print(f"justrl-train: {line}", file=sys.stderr, flush=True)
-            return _exit_code(self.failed[1])
+            return _exit_code(self.failed[1], self.received)
         return 0
 
 

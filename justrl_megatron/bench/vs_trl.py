@@ -44,7 +44,7 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
     from transformers import AutoTokenizer
 
     from ..assets import resolve_model_path
-    from ..config import compose
+    from ..config.schema import compose
     from ..dtypes import dtype_name
     from ..data.sampler import PromptSampler, load_training_rows, tokenize_prompts
 
