@@ -254,8 +254,8 @@ def test_streaming_trains_within_the_bound_and_reports_the_stream(streaming):
 @pytest.mark.vllm
 def test_streaming_stops_on_ctrl_c_and_keeps_what_it_generated(streaming):
     """Ctrl-C mid-stream at 4 + 4 ranks: the run saves, says so in one line, exits 0, no process left. Every group
-    admitted and not trained is kept with its samples so far, cut mid-generation: a requeue throws no generated token
-    away (tests/test_modes.py resumes such groups in streaming)."""
+    admitted and not trained is kept with its samples so far: a requeue throws no generated token away
+    (tests/test_modes.py resumes such groups in streaming)."""
     run_dir, out, stopped, kept = streaming
     assert 3 <= stopped < 8 and f"checkpoint saved at step {stopped}; exiting on Ctrl-C" in out, out[-3000:]
     assert "Traceback" not in out, out[-5000:]
@@ -263,9 +263,13 @@ def test_streaming_stops_on_ctrl_c_and_keeps_what_it_generated(streaming):
     # (eta + 1) * 4 admitted, less the 4 trained by a step that ended (the stop cut the next one short: all 8)
     sampled = [g for g in groups if g["samples"] is not None]  # (a group admitted as the stop came: none yet)
     assert len(groups) in (4, 8) and len(sampled) >= len(groups) // 2
-    cut = [len(t) for g in sampled for t, why in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
-           if why == "abort"]
-    assert cut and all(0 <= n < 384 for n in cut)  # a real harvest: samples stopped mid-generation
+    # each kept sample as the harvest found it: finished, or cut short of the 384-token cap. Whether any was still
+    # generating when the Ctrl-C came is timing here (an engine that finished its groups idles until the update);
+    # a harvest mid-generation, continued after new weights, is tests/mp/streaming_engine.py's, deterministic
+    lengths = {why: [len(t) for g in sampled for t, w in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
+                     if w == why] for why in ("abort", "stop", "length")}
+    assert sum(map(len, lengths.values())) == 2 * len(sampled)  # rollout.n samples per kept group, none lost
+    assert all(0 <= n < 384 for n in lengths["abort"]) and all(n <= 384 for n in lengths["length"] + lengths["stop"])
     print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
                                  [len(t) for t in g["samples"]["token_ids"]]) for g in sampled])
 
