@@ -117,11 +117,11 @@ def test_resume_with_a_batch_in_flight_equals_the_uninterrupted_run(one_step_off
     assert_same_weights(straight / "checkpoints" / "step_00000004", root / "step_00000004")
 
 
-# 4 trainer ranks + 4 engines (vLLM in child processes), fed by load; responses long enough to be in flight when a stop
-# comes (the tiny random model rarely samples EOS before the 384-token cap); an async checkpoint every step
+# 4 trainer ranks + 4 engines (vLLM in child processes), fed by load; responses of up to 128 tokens (the tiny random
+# model rarely samples EOS before the cap); an async checkpoint every step
 STREAM = ["rollout.streaming=true", "rollout.max_staleness=1", "trainer.total_steps=8", "trainer.save_every=1",
           "trainer.async_save=true", "trainer.keep_last=2", "rollout.num_rollout_ranks=4", "trainer.prompts_per_step=4",
-          "trainer.mini_batch_size=4", "rollout.max_response_length=384", *LEARN]
+          "trainer.mini_batch_size=4", "rollout.max_response_length=128", *LEARN]
 
 
 def _signal_the_group(tmp_path, model, sig, *args, nproc=2, run_dir=None, after=2, rank=None, placement=SPLIT,
@@ -263,13 +263,13 @@ def test_streaming_stops_on_ctrl_c_and_keeps_what_it_generated(streaming):
     # (eta + 1) * 4 admitted, less the 4 trained by a step that ended (the stop cut the next one short: all 8)
     sampled = [g for g in groups if g["samples"] is not None]  # (a group admitted as the stop came: none yet)
     assert len(groups) in (4, 8) and len(sampled) >= len(groups) // 2
-    # each kept sample as the harvest found it: finished, or cut short of the 384-token cap. Whether any was still
+    # each kept sample as the harvest found it: finished, or cut short of the 128-token cap. Whether any was still
     # generating when the Ctrl-C came is timing here (an engine that finished its groups idles until the update);
     # a harvest mid-generation, continued after new weights, is tests/mp/streaming_engine.py's, deterministic
     lengths = {why: [len(t) for g in sampled for t, w in zip(g["samples"]["token_ids"], g["samples"]["finish_reasons"])
                      if w == why] for why in ("abort", "stop", "length")}
     assert sum(map(len, lengths.values())) == 2 * len(sampled)  # rollout.n samples per kept group, none lost
-    assert all(0 <= n < 384 for n in lengths["abort"]) and all(n <= 384 for n in lengths["length"] + lengths["stop"])
+    assert all(0 <= n < 128 for n in lengths["abort"]) and all(n <= 128 for n in lengths["length"] + lengths["stop"])
     print("kept at the stop:", [(g["version"], g["samples"]["finish_reasons"],
                                  [len(t) for t in g["samples"]["token_ids"]]) for g in sampled])
 

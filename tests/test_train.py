@@ -164,38 +164,6 @@ def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b)
 
 
-@pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_llama, three_steps):
-    """A truncated shard in the latest checkpoint: the rerun names it and resumes the step before (metrics.jsonl
-    keeps each step once, heldout_accuracy.json stays valid JSON with eval_samples=0); trainer.resume=strict stops
-    with the same message instead (exit code 2, no traceback)."""
-    import shutil
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(three_steps, run_dir)  # a 3-step run (the shared one's copy: the original stays intact)
-    args = [f"model.path={tiny_llama}", *SHORT, "trainer.eval_samples=0", f"trainer.run_dir={run_dir}"]
-    shard = sorted((run_dir / "checkpoints" / "step_00000003").glob("*.distcp"))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(1000)
-
-    resumed = train([*args, "trainer.total_steps=4"])
-    said = resumed.stderr + resumed.stdout
-    assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in said, said[-3000:]
-    assert "resuming from step 2" in said and "at step 2" in said
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]  # step 3 logged again, once
-    assert json.loads((run_dir / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
-
-    shard = sorted((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(1000)
-    proc = subprocess.run(train_cmd([*args, "trainer.total_steps=5", "trainer.resume=strict"]), capture_output=True,
-                          text=True, timeout=600, env=ENV)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
-    assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
-
-
 def test_heldout_accuracy_json_is_valid_json_without_numbers(tmp_path):
     from justrl_megatron.train.loop import _write_heldout
 
@@ -307,9 +275,14 @@ def test_resumed_optimizer_follows_the_config_lr(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_path, tiny_llama, three_steps):
-    """A copy of the shared 3-step run resumed with a new lr and one more step: the changes listed, the new lr applied
-    from the resumed step on; then another model on that run dir is refused in one message, nothing started."""
+def test_resume_falls_back_from_a_damaged_checkpoint_lists_changes_and_refuses_another_model(tmp_path, tiny_llama,
+                                                                                                three_steps):
+    """A copy of the shared 3-step run whose latest checkpoint has a truncated shard, resumed with a new lr and one
+    more step: the rerun names the damaged shard and resumes the step before, lists the changed settings and applies
+    the new lr from the resumed step on (metrics.jsonl keeps each step once, heldout_accuracy.json stays valid JSON
+    with eval_samples=0). Then, nothing started either time: another model on that run dir is refused in one message;
+    and with the new latest checkpoint damaged too, trainer.resume=strict stops with the damage named (exit code 2,
+    no traceback) instead of falling back. (One trainer launch for the damage and the changes.)"""
     from justrl_megatron import assets
     from justrl_megatron.checkpoint import latest_step
 
@@ -318,11 +291,17 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
     args = [*three_step_args(tiny_llama), f"trainer.run_dir={run_dir}"]
     before = [r["actor/lr"] for r in metrics(run_dir)]
     assert before == [1e-5] * 3  # the demo's lr, no warmup
+    shard = _truncate_a_shard(run_dir, 3)
+
     resumed = train([*args, "trainer.lr=2e-5", "trainer.total_steps=4"])
     out = resumed.stdout + resumed.stderr
+    assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in out, out[-3000:]
+    assert "resuming from step 2" in out and "at step 2" in out
     assert "with settings changed since the last launch (0001.yaml)" in out
     assert "trainer.lr: 1e-05 -> 2e-05" in out and "trainer.total_steps: 3 -> 4" in out, out[-3000:]
-    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-5), (2, 1e-5), (3, 1e-5), (4, 2e-5)]
+    # step 3 trained again, once, with the new lr
+    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-5), (2, 1e-5), (3, 2e-5), (4, 2e-5)]
+    assert json.loads((run_dir / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
     history = sorted((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))  # (not NNNN.resolved.yaml)
     assert [p.name for p in history] == ["0001.yaml", "0002.yaml"]
     assert "lr: 1.0e-05" in history[0].read_text() and "lr: 2.0e-05" in history[1].read_text()
@@ -337,7 +316,24 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
     assert "is not the model of the checkpoint at step 4 (num_layers 2 -> 3)" in proc.stderr
     assert "trainer.seed changed since the last launch (1 -> 5)" in proc.stderr
     assert latest_step(run_dir) == 4 and len(list((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))) == 2
-    assert latest_step(run_dir) == 4 and len(list((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))) == 2
+
+    shard = _truncate_a_shard(run_dir, 4)
+    proc = subprocess.run(train_cmd([*args, "trainer.lr=2e-5", "trainer.total_steps=5", "trainer.resume=strict"]),
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
+    assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def _truncate_a_shard(run_dir, step: int):
+    """Cut the first tensor shard of checkpoint `step` to 1000 bytes (a write the node's end interrupted); its path."""
+    shard = sorted((run_dir / "checkpoints" / f"step_{step:08d}").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    return shard
+
+
 # --- helpers die with the trainer (kill -9 leaves no orphans) -------------------------------------------------------
 
 HANGING_VERIFIER = '''
