@@ -12,13 +12,19 @@ on the socket at once. Nothing else changes; on GPU, or a vLLM without that queu
 from __future__ import annotations
 
 
+_DONE: list[bool] = []  # vLLM may load its plugins more than once in a process
+
+
 def register() -> None:
+    if _DONE:
+        return
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
         from vllm.platforms import current_platform
     except ImportError:
         return
-    if not current_platform.is_cpu() or getattr(SpinCondition, "_justrl_no_busy_loop", False):
+    _DONE.append(True)
+    if not current_platform.is_cpu():
         return
     init = SpinCondition.__init__
 
@@ -27,4 +33,3 @@ def register() -> None:
         self.busy_loop_s = 0  # a reader waits on its socket right away (a writer's is 0 already)
 
     SpinCondition.__init__ = init_without_busy_loop
-    SpinCondition._justrl_no_busy_loop = True
