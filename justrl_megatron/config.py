@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import MISSING, OmegaConf
 
 from .algo.loss_config import LossConfig
+from .liveness import Deadlines
 
 # algo.rollout_correction's default follows rollout.max_staleness (see AlgoConfig)
 OmegaConf.register_new_resolver("justrl_default_correction",
@@ -135,6 +136,19 @@ class DataConfig:
 
 
 @dataclass
+class LivenessConfig:
+    """How long the trainer and the rollout ranks of a split job wait on each other (liveness.Deadlines says what each
+    value bounds). A rank silent for missed_beats x heartbeat_s is named in one line and the run ends as for a dead
+    rank. The defaults leave minutes to what a 16K-token step on a GPU does in seconds."""
+
+    heartbeat_s: float = Deadlines.heartbeat_s
+    missed_beats: int = Deadlines.missed_beats
+    engine_step_s: float = Deadlines.engine_step_s
+    transfer_s: float = Deadlines.transfer_s
+    transfer_mb_per_s: float = Deadlines.transfer_mb_per_s
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8  # rollouts per prompt (the GRPO group size)
     max_response_length: int = 15360
@@ -168,6 +182,7 @@ class RolloutConfig:
     # import packages the sandboxed code may use, read-only, with the distributions they require (sympy: mpmath);
     # nothing else installed imports there; []: the standard library only
     tool_packages: list[str] = field(default_factory=lambda: ["sympy", "numpy"])
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # split: deadlines of the waits between ranks
 
 
 @dataclass
@@ -591,6 +606,11 @@ RANGES = {
     "rollout.cpu_kvcache_gib": (_AT_LEAST_1, ">= 1"),
     "rollout.max_staleness": (_AT_LEAST_0, ">= 0 (0: on-policy)"),
     "rollout.weight_sync_bucket_mb": (_AT_LEAST_1, ">= 1"),
+    "rollout.liveness.heartbeat_s": (_POSITIVE, "> 0 (seconds between a rank's heartbeats)"),
+    "rollout.liveness.missed_beats": (_AT_LEAST_1, ">= 1 (beats a rank may miss before it counts as hung)"),
+    "rollout.liveness.engine_step_s": (_POSITIVE, "> 0 (seconds one engine step may take)"),
+    "rollout.liveness.transfer_s": (_POSITIVE, "> 0 (seconds a weight transfer may take besides its bytes)"),
+    "rollout.liveness.transfer_mb_per_s": (_POSITIVE, "> 0 (the slowest weight transfer accepted, MB/s)"),
     "algo.reward_workers": (_AT_LEAST_0, ">= 0 (0: score in the trainer's process)"),
     "algo.kl_coef": (_AT_LEAST_0, ">= 0"),
     "algo.distill.coef": (_AT_LEAST_0, ">= 0 (the weight of the reverse KL to the teacher)"),

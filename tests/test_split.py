@@ -346,6 +346,56 @@ def test_split_groups_channel_and_an_incomplete_sync(tmp_path):
     assert r2["abort"][0] == "abort" and r2["abort"][1] == r0["sender_error"]
 
 
+_TAKE_PORT = """
+import socket, sys
+for host in ("", "127.0.0.1"):
+    try:
+        socket.socket().bind((host, int(sys.argv[1])))
+    except OSError as exc:
+        print(exc.errno)
+        sys.exit()
+print("taken")
+"""
+
+
+def test_a_weight_transfer_port_cannot_be_taken_between_its_announcement_and_its_use():
+    """Split placement announces the weight-transfer group's port to the rollout ranks before the group's rendezvous.
+    The gloo group's store holds that port from the moment its number is known, and the nccl sender holds it in a
+    socket until vLLM binds it: another process that tries to take it in between is refused (free_port() closed its
+    socket first, and a process on a shared machine took the port: EADDRINUSE after the model had loaded), and the
+    group still opens and broadcasts."""
+    import errno
+    import threading
+
+    import torch
+    from torch.distributed import BroadcastOptions
+
+    from justrl_megatron.distributed import listening_store, transfer_group
+    from justrl_megatron.ports import held_port
+
+    def take(port):  # from another process, as a stranger on the node would
+        out = subprocess.run([sys.executable, "-c", _TAKE_PORT, str(port)], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip()
+
+    def broadcast(group, tensor):
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([tensor], opts).wait()
+
+    held = held_port()  # the nccl sender's, until vLLM binds the port
+    assert take(held.getsockname()[1]) == str(errno.EADDRINUSE)
+    held.close()
+
+    store = listening_store()  # the gloo sender's; its port is what the receivers are told
+    assert take(store.port) == str(errno.EADDRINUSE)
+    got = torch.zeros(4)
+    receiver = threading.Thread(target=lambda: broadcast(transfer_group("127.0.0.1", store.port, 1, 2, 60), got))
+    receiver.start()
+    broadcast(transfer_group("127.0.0.1", store.port, 0, 2, 60, store=store), torch.arange(4.0))
+    receiver.join(60)
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_engine_parts_merge_in_prompt_order():
     from justrl_megatron.rollout import Rollouts
     from justrl_megatron.rollout.engines import merge_parts

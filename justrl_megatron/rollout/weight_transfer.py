@@ -28,7 +28,6 @@ import it too.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import time
@@ -40,7 +39,9 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from ..distributed import listening_store, transfer_group
 from ..lifeline import exit_with_trainer
+from ..ports import held_port
 from .base import NamedTensor, WeightStream
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -139,6 +140,12 @@ def checkpoint_tensors(model_dir) -> dict[str, int]:
     return numels
 
 
+def sync_bytes_bound(numels: dict[str, int], tied: bool) -> int:
+    """At most how many bytes a full weight stream of a model with these tensors (`checkpoint_tensors`) sends: 4 per
+    parameter (fp32, the widest dtype a policy streams), and the LM head's copy of a tied embedding."""
+    return 4 * (sum(numels.values()) + (numels.get(TIED_EMBEDDING, 0) if tied else 0))
+
+
 def bucket_nbytes(bucket: list[NamedTensor]) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
@@ -229,16 +236,6 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list = field(default_factory=list)
     dtype_names: list = field(default_factory=list)
     shapes: list = field(default_factory=list)
-
-
-def transfer_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float = 600.0):
-    """A gloo group of its own (TCPStore rendezvous; rank 0 hosts the store), independent of torch.distributed's
-    WORLD, so that trainer rank 0 and engine workers in other processes can join it."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    return ProcessGroupGloo(PrefixStore("justrl-weight-sync", store), rank, world_size, timeout)
 
 
 def _broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
@@ -343,15 +340,27 @@ class BroadcastSender:
     `packed_nccl_broadcast_producer`, with one packed buffer per bucket (`packed_buffer_size_bytes` = bucket size,
     so that both ends cut the same chunks). Opening the group is a rendezvous: call `open()` while the receivers
     call `init_weight_transfer_engine` with `receiver_init_info(...)`.
+
+    The rendezvous port is this sender's from its construction on, so a port announced to the receivers is never
+    found taken by another process when the group opens: gloo's store is bound on it at once
+    (distributed.listening_store); for nccl, vLLM's group binds the port itself, so a socket holds it until `open()`
+    hands it over, the instant before vLLM binds it. `timeout_s` bounds each broadcast (gloo: the group's operations;
+    the receivers get the same bound).
     """
 
-    def __init__(self, backend: str, master_address: str, master_port: int, world_size: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0):
+    def __init__(self, backend: str, master_address: str, world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float = 600.0):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"broadcast weight transfer backend must be gloo (CPU) or nccl (GPU), got {backend!r}")
-        self.backend, self.master_address, self.master_port = backend, master_address, master_port
+        self.backend, self.master_address = backend, master_address
         self.world_size, self.bucket_bytes, self.timeout_s = world_size, bucket_bytes, timeout_s
-        self.group = None
+        self.group = self._store = self._held = None
+        if backend == "gloo":
+            self._store = listening_store()
+            self.master_port = self._store.port
+        else:
+            self._held = held_port()
+            self.master_port = self._held.getsockname()[1]
 
     def receiver_init_info(self, rank_offset: int) -> dict[str, Any]:
         """The init_info an engine whose first worker is transfer-group rank `rank_offset` must pass to vLLM."""
@@ -368,13 +377,15 @@ class BroadcastSender:
 
     def open(self) -> None:
         if self.backend == "gloo":
-            self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s)
+            self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s,
+                                        store=self._store)
         else:
             # the group nccl_common.trainer_init opens (this rank 0 of the transfer group, on the current CUDA
             # device), built from stateless_init_process_group, whose signature is the same in 0.32 and 0.33
             # (tools/vllm_api/: both snapshots)
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
+            self._held.close()  # vLLM's own store binds the port next
             self.group = stateless_init_process_group(self.master_address, self.master_port, 0, self.world_size,
                                                       torch.cuda.current_device())
 
@@ -396,7 +407,9 @@ class BroadcastSender:
     def close(self) -> None:
         if self.group is not None and self.backend == "nccl":
             self.group.destroy()
-        self.group = None
+        if self._held is not None:
+            self._held.close()
+        self.group = self._store = None
 
 
 def tied_embeddings(model_dir) -> bool:
