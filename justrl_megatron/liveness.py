@@ -1,17 +1,19 @@
 """Processes that wait on each other (split placement: trainer rank 0 and the rollout ranks) say they are alive, and
 one that stops answering is named in one line: a heartbeat from each, and deadlines derived from what is waited for.
 
-    liveness = Liveness(store, 1, "rollout rank 1", {0: "trainer rank 0"}, Deadlines(), on_lost=...).start()
+    liveness = Liveness(store, 1, {0: "trainer rank 0"}, Deadlines(), on_lost=...).start()
     with liveness.doing("an engine step", deadlines.engine_step_s):  # past its deadline this process falls silent
         engine.step()
-    with liveness.waiting("the weight transfer", seconds):  # a call only the peer can end: once the peer is lost
-        send()                                              # (and this call's own deadline is past), the process ends
+    liveness.call(channel.send, message)  # a call only the peers can end: PeerLost here once one of them is lost
 
 A thread of its own adds 1 to this process' counter in the job's store every `heartbeat_s` and reads its peers'
 counters; a peer whose counter has not moved for `missed_beats` beats is lost: `on_lost(line)` runs once, with
 "<peer> (pid P, node N) has not answered for S s". A thread beats as long as its process lives, also while the main
 thread waits forever on an engine whose GPU hung: so a process stops beating while its main thread is past the
-deadline of what it is `doing`, and leaves the reason in the store for the line.
+deadline of what it is `doing`, and leaves the reason in the store for the line. A send to a peer blocks until the
+peer takes it (gloo: until the receiver has posted its receive), so the waiting thread must not be the one that
+makes it: `call` makes it on a thread of its own and returns (PeerLost) once the peer is lost; every other wait on a
+peer polls `lost` (rollout/engines.GroupBuffer, through `on_lost`).
 
 A store operation whose store's host is stopped (SIGSTOP, a wedged node) blocks regardless of the store's timeout
 (torch 2.13, measured): the reads happen on the beat thread, and a second thread judges from when the beat thread last
@@ -64,23 +66,20 @@ class Deadlines:
 
 
 def exit_process(line: str) -> None:
-    """End this process at once, after the one line (a main thread stuck in a call that only a lost peer could end
-    cannot end it in order; what it started dies with it: lifeline.py)."""
+    """End this process at once, after the one line (for a process with nothing to save: what it started dies with
+    it, lifeline.py)."""
     os.write(2, f"justrl-train: error: {line}\n".encode())
     os._exit(1)
 
 
 class Liveness:
-    """This process' heartbeat in `store` (as rank `me`, called `name`) and its watch over `peers` ({rank: name})."""
+    """This process' heartbeat in `store` (as rank `me`) and its watch over `peers` ({rank: what to call it})."""
 
-    def __init__(self, store, me: int, name: str, peers: dict[int, str], deadlines: Deadlines,
-                 on_lost: Callable[[str], None], *, end: Callable[[str], None] = exit_process):
-        self.store, self.me, self.name, self.peers, self.deadlines = store, me, name, dict(peers), deadlines
-        self.on_lost, self._end = on_lost, end
+    def __init__(self, store, me: int, peers: dict[int, str], deadlines: Deadlines, on_lost: Callable[[str], None]):
+        self.store, self.me, self.peers, self.deadlines = store, me, dict(peers), deadlines
+        self.on_lost = on_lost  # called once, on the watch thread, with the line
         self.lost: str | None = None  # the line naming the first peer found lost
-        self._lost_at = 0.0
         self._doing: tuple[str, float, float] | None = None  # the main thread's (what, since, deadline)
-        self._waiting: tuple[str, float, float] | None = None
         self._seen: dict[int, tuple[int | None, float]] = {}  # peer -> (its counter, when it last moved)
         self._who: dict[int, str] = {}
         self._why: dict[int, str] = {}
@@ -112,17 +111,27 @@ class Liveness:
         finally:
             self._doing = outer
 
-    @contextlib.contextmanager
-    def waiting(self, what: str, deadline_s: float = 0.0):
-        """The main thread waits on the peers in `what`, a call that cannot be interrupted and may end by itself after
-        `deadline_s` (its own timeout): once a peer is lost and that deadline has passed (plus two beats), this
-        process ends in one line. Raises PeerLost at once when a peer is lost already."""
+    def call(self, fn: Callable, *args):
+        """fn(*args), a call that only the peers can end (a send to them), made on a thread of its own while this
+        one waits: returns its result or raises its error, or raises PeerLost once a peer is lost (the call's thread
+        is then left blocked until the process ends; nothing else uses what it blocks on)."""
         self.check()
-        outer, self._waiting = self._waiting, (what, time.monotonic(), deadline_s)
-        try:
-            yield
-        finally:
-            self._waiting = outer
+        done, box = threading.Event(), {}
+
+        def run():
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001  (raised to the caller)
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name="justrl-liveness-call").start()
+        while not done.wait(0.1):
+            self.check()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     # -- the two threads ----------------------------------------------------------------------------------------------
 
@@ -164,24 +173,14 @@ class Liveness:
                 self._why[peer] = self.store.get(WHY + str(peer)).decode()
 
     def _watch(self) -> None:
-        silence, grace = self.deadlines.silence_s, 2 * self.deadlines.heartbeat_s
+        silence = self.deadlines.silence_s
         while not self._stopped.wait(min(1.0, self.deadlines.heartbeat_s / 2)):
             now = time.monotonic()
-            if self.lost is None:
-                quiet = {peer: now - since for peer, (_, since) in self._seen.items() if now - since >= silence}
-                if quiet:
-                    peer = max(quiet, key=quiet.get)
-                    self._declare(peer, quiet[peer], now)
-            waiting = self._waiting
-            if self.lost is not None and waiting is not None and \
-                    now >= max(self._lost_at, waiting[1] + waiting[2]) + grace:
-                self._end(f"{self.lost}; {self.name} was waiting on it in {waiting[0]}, which only it could end, and "
-                          f"stops now")
+            quiet = {peer: now - since for peer, (_, since) in self._seen.items() if now - since >= silence}
+            if quiet:
+                peer = max(quiet, key=quiet.get)
+                who = self._who.get(peer, "pid and node unknown: it never answered")
+                why = f" ({self._why[peer]})" if peer in self._why else ""
+                self.lost = f"{self.peers[peer]} ({who}) has not answered for {quiet[peer]:.0f} s{why}"
+                self.on_lost(self.lost)
                 return
-
-    def _declare(self, peer: int, silent: float, now: float) -> None:
-        who = self._who.get(peer, "pid and node unknown: it never answered")
-        why = f" ({self._why[peer]})" if peer in self._why else ""
-        self.lost = f"{self.peers[peer]} ({who}) has not answered for {silent:.0f} s{why}"
-        self._lost_at = now
-        self.on_lost(self.lost)

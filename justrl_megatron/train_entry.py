@@ -356,10 +356,14 @@ def _hydra_main(cfg) -> None:
             print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
     except PeerLost as exc:  # a rollout rank stopped answering (every trainer rank raises it at the same point)
-        kept = commit_pending()  # the save being written when it happened is kept
+        commit_pending()  # the save being written when it happened is kept
         if _is_rank0():
-            ends = f"; checkpoint step {kept[-1]} was committed" if kept else ""
-            print(f"justrl-train: error: {exc}{ends}; the run ends as for a dead rank", file=sys.stderr, flush=True)
+            from .checkpoint import latest_step
+
+            latest = latest_step(cfg.trainer.run_dir)
+            kept = f"latest checkpoint: step {latest}" if latest is not None else "no checkpoint yet"
+            print(f"justrl-train: error: {exc}; the run ends as for a dead rank ({kept})", file=sys.stderr,
+                  flush=True)
         sys.exit(1)
 
 

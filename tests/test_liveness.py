@@ -27,20 +27,18 @@ from justrl_megatron.liveness import Deadlines, Liveness
 
 store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
 print(store.port, flush=True)  # the store the watcher reads through lives in this process
-Liveness(store, 1, "rollout rank 1", {0: "trainer rank 0"}, Deadlines(heartbeat_s=0.2, missed_beats=5),
-         on_lost=lambda line: None).start()
+Liveness(store, 1, {0: "trainer rank 0"}, Deadlines(heartbeat_s=0.2, missed_beats=5), on_lost=lambda line: None).start()
 print("beating", flush=True)
 time.sleep(300)
 """
 
 
-def _watch(store, peers=None, **kwargs):
+def _watch(store):
+    """Trainer rank 0's watch over rollout rank 1: (its Liveness, the lines it said)."""
     from justrl_megatron.liveness import Deadlines, Liveness
 
     said = []
-    liveness = Liveness(store, 0, "trainer rank 0", peers or {1: "rollout rank 1"}, Deadlines(**FAST),
-                        on_lost=said.append, **kwargs)
-    return liveness, said
+    return Liveness(store, 0, {1: "rollout rank 1"}, Deadlines(**FAST), on_lost=said.append), said
 
 
 def _until(said, seconds):
@@ -95,8 +93,7 @@ def test_an_engine_step_past_its_deadline_silences_its_rank():
     from justrl_megatron.liveness import Deadlines, Liveness
 
     store = dist.HashStore()
-    engine = Liveness(store, 1, "rollout rank 1", {0: "trainer rank 0"}, Deadlines(**FAST),
-                      on_lost=lambda line: None).start()
+    engine = Liveness(store, 1, {0: "trainer rank 0"}, Deadlines(**FAST), on_lost=lambda line: None).start()
     trainer, said = _watch(store)
     trainer.start()
     stuck = threading.Event()
@@ -117,26 +114,31 @@ def test_an_engine_step_past_its_deadline_silences_its_rank():
     assert said[0].endswith("(it was in an engine step for 1 s, past that deadline of 1 s)"), said[0]
 
 
-def test_a_wait_that_only_a_lost_peer_could_end_ends_the_process():
-    """The main thread in a call that only the peer could end (a broadcast to it): once the peer is lost and the call's
-    own deadline is past (plus two beats), the process ends in one line saying where it waited. A wait that starts
-    after the verdict raises it instead."""
+def test_a_send_that_only_a_lost_peer_could_take_gives_up_once_it_is_lost():
+    """A send to a peer blocks until the peer takes it (gloo: a stopped receiver leaves it waiting for its full
+    timeout); made through `call`, the waiting thread gets PeerLost, naming the peer, once the peer is lost (here:
+    it never beat, 1 s); a call that ends returns its result or raises its own error; and a call after the verdict
+    raises at once."""
     import torch.distributed as dist
 
     from justrl_megatron.liveness import PeerLost
 
-    ended = []
-    liveness, said = _watch(dist.HashStore(), end=ended.append)  # the peer never beats: lost after 1 s
+    liveness, said = _watch(dist.HashStore())
     liveness.start()
-    with liveness.waiting("the weight transfer", 0.5):
-        assert _until(ended, 10), "the process was never ended"
-    assert said == [liveness.lost] and said[0].startswith("rollout rank 1 (pid and node unknown: it never answered)")
-    assert ended == [f"{said[0]}; trainer rank 0 was waiting on it in the weight transfer, which only it could end, "
-                     f"and stops now"]
+    assert liveness.call(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        liveness.call(lambda: 1 / 0)
+    never = threading.Event()
+    started = time.monotonic()
+    with pytest.raises(PeerLost) as info:
+        liveness.call(never.wait)
+    assert 0.8 <= time.monotonic() - started <= 3.0
+    assert said == [str(info.value)] and said[0].startswith("rollout rank 1 (pid and node unknown: it never answered) "
+                                                            "has not answered for ")
     with pytest.raises(PeerLost, match="rollout rank 1"):
-        with liveness.waiting("a message to the rollout ranks"):
-            pass
+        liveness.call(print, "never sent")
     liveness.stop()
+    never.set()
 
 
 def test_deadlines_come_from_the_config_and_a_transfer_from_its_size():

@@ -294,6 +294,39 @@ def test_a_rollout_rank_killed_mid_stream_ends_every_rank_at_once_in_one_line(st
     assert latest >= stopped and checkpoint_problem(step_dir(run_dir, latest)) is None
 
 
+# 1 s beats, lost after 5 silent: the stopped rank is named ~5 s after the stop; a weight transfer that can only stall
+# is given 5 s (plus its bytes at 1 GB/s) before its broadcast fails
+LIVENESS = ["rollout.liveness.heartbeat_s=1", "rollout.liveness.missed_beats=5", "rollout.liveness.transfer_s=5",
+            "rollout.liveness.transfer_mb_per_s=1000"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_stopped_rollout_rank_ends_the_run_in_one_line_and_its_checkpoint_is_committed(tmp_path, tiny_llama):
+    """SIGSTOP of the rollout rank once step 1 is logged (what a hung GPU, a stalled NFS read or a wedged driver look
+    like), split streaming: the trainer, waiting for step 2's groups (or sending them weights), names it in one line
+    once it has missed 5 beats of 1 s, commits step 1's checkpoint (its async write was still pending: the loop
+    commits after the next batch), and the launch ends as for a dead rank (exit 1, every process gone) within 60 s of
+    the stop: 5 s of silence, the commit, the exit. Before, the trainer waited silently until killed."""
+    import re
+    import signal
+
+    from justrl_megatron.checkpoint import checkpoint_problem, latest_step, step_dir
+
+    run_dir, out, code, left, seconds = _signal_the_group(
+        tmp_path, tiny_llama, signal.SIGSTOP, "rollout.streaming=true", "rollout.max_staleness=1",
+        "trainer.total_steps=2", "rollout.max_response_length=8", *LIVENESS, after=1, rank=1)
+    assert code == 1 and seconds < 60, (code, seconds, out[-3000:])
+    named = [line for line in out.splitlines() if "rollout rank 1" in line]
+    assert len(named) == 1 and re.fullmatch(
+        r"justrl-train: error: rollout rank 1 \(pid \d+, node \S+\) has not answered for \d+ s; the run ends as "
+        r"for a dead rank \(latest checkpoint: step 1\)", named[0]), out[-3000:]
+    assert "Traceback" not in out, out[-5000:]
+    assert not left  # the stopped rank and its engine's processes too
+    assert latest_step(run_dir) == 1 and checkpoint_problem(step_dir(run_dir, 1)) is None
+    print(f"ended {seconds:.1f} s after the stop")
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sigterm_to_the_whole_group_one_step_off_saves_and_exits_0(one_step_off_stopped):

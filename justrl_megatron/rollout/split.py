@@ -105,9 +105,9 @@ class SplitPlacement:
             self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                           world_size=1 + self.roles.num_rollout_ranks, bucket_bytes=self._bucket_bytes,
                                           timeout_s=bucket_s)
-            with self.liveness.waiting("the rollout ranks' start"):
-                self.roles.control.broadcast_object(("init", self.sender.receiver_init_info(rank_offset=1)), 0)
-                self.sender.open()  # rendezvous with every engine's worker
+            self.liveness.call(self.roles.control.broadcast_object,
+                               ("init", self.sender.receiver_init_info(rank_offset=1)), 0)
+            self.liveness.call(self.sender.open)  # rendezvous with every engine's worker
         self.engines = RemoteEngines(self.cfg, self.roles, self.leader, self.liveness)
         return self.engines
 
@@ -130,10 +130,11 @@ class SplitPlacement:
             try:
                 if min_version is None:
                     self.engines.wait_idle()
-                with self.engines.lock, self.liveness.waiting("the weight transfer", self._sync_s):
-                    self.roles.control.broadcast_object(("weights", min_version), 0)
+                with self.engines.lock:
+                    self.liveness.call(self.roles.control.broadcast_object, ("weights", min_version), 0)
                     figures = send_weights(self.sender, stream, version, self.roles.control, tied=self._tied,
-                                           bucket_bytes=self._bucket_bytes, expected_names=self._expected)
+                                           bucket_bytes=self._bucket_bytes, expected_names=self._expected,
+                                           call=self.liveness.call)
             except PeerLost as exc:
                 lost = str(exc)
             except RuntimeError as exc:  # a broadcast past its deadline (the transfer group's timeout)
@@ -172,9 +173,9 @@ def watch_each_other(cfg, roles) -> Liveness | None:
     store = store_client("justrl-liveness", datetime.timedelta(seconds=deadlines.silence_s))
     if roles.is_trainer:
         peers = {r: f"rollout rank {r}" for r in range(roles.train_world, roles.world)}
-        return Liveness(store, 0, "trainer rank 0", peers, deadlines, on_lost=lambda line: None).start()
+        return Liveness(store, 0, peers, deadlines, on_lost=lambda line: None).start()
     me = roles.global_rank
-    return Liveness(store, me, f"rollout rank {me}", {0: "trainer rank 0"}, deadlines,
+    return Liveness(store, me, {0: "trainer rank 0"}, deadlines,
                     on_lost=lambda line: exit_process(f"{line}; rollout rank {me} stops")).start()
 
 
@@ -205,8 +206,8 @@ class RemoteEngines:
                 self._receivers.append(thread)
 
     def _send(self, message) -> None:
-        with self.lock, self.liveness.waiting(f"sending {message[0]!r} to the rollout ranks"):
-            self.roles.control.broadcast_object(message, 0)
+        with self.lock:
+            self.liveness.call(self.roles.control.broadcast_object, message, 0)
 
     def open(self, n: int, sampling: SamplingConfig, capacity: int) -> GroupBuffer | None:
         if not self.leader:

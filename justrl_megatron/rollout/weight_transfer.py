@@ -361,6 +361,9 @@ class BroadcastSender:
         else:
             self._held = held_port()
             self.master_port = self._held.getsockname()[1]
+            # this rank's device, read here: `open` and the sends may run on threads of their own (Liveness.call),
+            # whose current device is the first
+            self._device = torch.cuda.current_device()
 
     def receiver_init_info(self, rank_offset: int) -> dict[str, Any]:
         """The init_info an engine whose first worker is transfer-group rank `rank_offset` must pass to vLLM."""
@@ -380,14 +383,14 @@ class BroadcastSender:
             self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s,
                                         store=self._store)
         else:
-            # the group nccl_common.trainer_init opens (this rank 0 of the transfer group, on the current CUDA
-            # device), built from stateless_init_process_group, whose signature is the same in 0.32 and 0.33
+            # the group nccl_common.trainer_init opens (this rank 0 of the transfer group, on this rank's device),
+            # built from stateless_init_process_group, whose signature is the same in 0.32 and 0.33
             # (tools/vllm_api/: both snapshots)
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
             self._held.close()  # vLLM's own store binds the port next
             self.group = stateless_init_process_group(self.master_address, self.master_port, 0, self.world_size,
-                                                      torch.cuda.current_device())
+                                                      self._device)
 
     def send_bucket(self, bucket: list[NamedTensor]) -> None:
         """Broadcast one bucket; the receivers are inside `update_weights(bucket_metadata(bucket))` meanwhile."""
@@ -399,10 +402,12 @@ class BroadcastSender:
         from vllm.distributed.weight_transfer.packed_tensor import (
             DEFAULT_PACKED_NUM_BUFFERS, packed_nccl_broadcast_producer)
 
-        # both ends cut a bucket into packed chunks by the same rule and buffer size, so they agree
-        packed_nccl_broadcast_producer(iter(bucket), self.group, src=0, post_iter_func=lambda item: item[1],
-                                       buffer_size_bytes=self.bucket_bytes, num_buffers=DEFAULT_PACKED_NUM_BUFFERS)
-        torch.cuda.current_stream().synchronize()
+        with torch.cuda.device(self._device):
+            # both ends cut a bucket into packed chunks by the same rule and buffer size, so they agree
+            packed_nccl_broadcast_producer(iter(bucket), self.group, src=0, post_iter_func=lambda item: item[1],
+                                           buffer_size_bytes=self.bucket_bytes,
+                                           num_buffers=DEFAULT_PACKED_NUM_BUFFERS)
+            torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:
         if self.group is not None and self.backend == "nccl":
@@ -422,15 +427,18 @@ def tied_embeddings(model_dir) -> bool:
 
 def send_weights(sender, stream: WeightStream, version: int, control_group, *, tied: bool,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True,
-                 expected_names: set[str] | None = None) -> dict:
+                 expected_names: set[str] | None = None, call=None) -> dict:
     """Split placement, on the trainer: drive one sync into every rollout rank's `receive_weights`.
 
     Every trainer rank iterates the stream (the export's gathers are collectives); only the sender (trainer rank 0,
     holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors. With `expected_names` (the HF
     checkpoint's tensors) a stream that missed some is refused on both ends instead of leaving mixed weights.
+    `call(fn, *args)` makes each send (split placement: `Liveness.call`, which gives up on a receiver that stopped
+    answering); the stream is iterated here, where the export's collectives run.
     """
     import torch.distributed as dist
 
+    call = call or (lambda fn, *args: fn(*args))
     src = 0 if hasattr(control_group, "broadcast_object") else dist.get_rank()
     start = time.perf_counter()
     nbytes = nbuckets = 0
@@ -438,8 +446,8 @@ def send_weights(sender, stream: WeightStream, version: int, control_group, *, t
     for bucket in tie_lm_head(iter_buckets(stream, bucket_bytes), tied):
         if not is_sender:
             continue
-        broadcast_object(("bucket", bucket_metadata(bucket)), src, control_group)
-        sender.send_bucket(bucket)
+        call(broadcast_object, ("bucket", bucket_metadata(bucket)), src, control_group)
+        call(sender.send_bucket, bucket)
         sent.update(n for n, _ in bucket)
         nbytes += bucket_nbytes(bucket)
         nbuckets += 1
@@ -448,10 +456,10 @@ def send_weights(sender, stream: WeightStream, version: int, control_group, *, t
         message = (f"weight sync of version {version} missed {len(missing)} of the model's {len(expected_names)} "
                    f"tensors, e.g. {missing[:4]}: the trainer's export does not cover the rollout model (a "
                    f"different model.path, or a converter mapping gap)")
-        broadcast_object(("abort", message), src, control_group)
+        call(broadcast_object, ("abort", message), src, control_group)
         raise RuntimeError(message)
     if is_sender:
-        broadcast_object(("done", int(version)), src, control_group)
+        call(broadcast_object, ("done", int(version)), src, control_group)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}
