@@ -459,9 +459,14 @@ def test_a_rollout_rank_that_aborted_its_side_batch_stops_the_trainer_and_later_
         return Rollouts(prompt_index=[0], token_ids=[tokens], logprobs=[[-1.0] * len(tokens)],
                         finish_reasons=["stop"], weight_version=0)
 
+    import torch.distributed as dist
+
+    from justrl_megatron.liveness import Deadlines, Liveness
+
     monkeypatch.setattr(split, "trainer_broadcast", lambda obj: obj)  # one trainer rank
     engines = object.__new__(split.RemoteEngines)
     engines.leader, engines.count, engines.lock = True, 2, threading.Lock()
+    engines.liveness = Liveness(dist.HashStore(), 0, {}, Deadlines(), on_lost=print)  # no peer to lose here
     engines.roles = SimpleNamespace(control=SimpleNamespace(broadcast_object=lambda message, src: None))
     engines.buffer = GroupBuffer(capacity=0, producers=2)
     for answer in [([0], part([1])), ([1], None), ([0], part([3])), ([1], part([4]))]:

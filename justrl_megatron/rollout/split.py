@@ -25,6 +25,16 @@ update with min_version None ("nothing generates across it": synchronous and one
 admitted group has come back, so a round is sampled by one version, as a one-call batch would be.
 
 The other trainer ranks take part in the weight export only (its gathers are collectives).
+
+Trainer rank 0 and every rollout rank watch each other (`watch_each_other`, liveness.py, rollout.liveness): each
+beats from a thread of its own, and a rollout rank stops beating while an engine step or a weight sync is past its
+deadline (engine_step_s; transfer_s + the sync's bytes at transfer_mb_per_s). A rollout rank silent for missed_beats
+beats ends every wait of the trainer on it: the buffer's waits fail, the sends (made on a thread of their own,
+`Liveness.call`: a gloo send waits for its receiver) give up, a publish lets the export run out on every trainer rank;
+every trainer rank raises PeerLost at the same point, the save in progress is committed and the run ends in one line
+naming the rank (train_entry). A stop signal meanwhile still saves and commits first; the harvest then gives up on
+the lost rank. A silent trainer rank 0 ends each rollout rank at once, in one line (it has nothing to save). The
+weight-transfer group's port is held from the moment it is announced (weight_transfer.BroadcastSender).
 """
 
 from __future__ import annotations
