@@ -98,7 +98,7 @@ class SplitPlacement:
         return True
 
     def start(self, export_weights) -> "RemoteEngines":
-        from ..rollout.weight_transfer import BroadcastSender, checkpoint_tensors, sync_bytes_bound, tied_embeddings
+        from ..rollout.weight_transfer import BroadcastSender, checkpoint_tensors, tied_embeddings
 
         self.leader = self.roles.control is not None
         self._export_weights = export_weights
@@ -106,10 +106,8 @@ class SplitPlacement:
         numels = checkpoint_tensors(self.model_dir)
         self._expected = set(numels)  # a sync must cover all of them
         if self.leader:
-            deadlines = self.liveness.deadlines
-            self._sync_s = deadlines.transfer(sync_bytes_bound(numels, self._tied))
             # each broadcast carries a bucket, or one tensor larger than a bucket (4 bytes a parameter at most)
-            bucket_s = deadlines.transfer(max(self._bucket_bytes, 4 * max(numels.values())))
+            bucket_s = self.liveness.deadlines.transfer(max(self._bucket_bytes, 4 * max(numels.values())))
             # the weight-transfer group's store lives on this rank's host: MASTER_ADDR under torchrun and the Slurm
             # scripts (rank 0 runs on the rendezvous node)
             self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"),
