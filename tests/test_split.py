@@ -304,10 +304,11 @@ LIVENESS = ["rollout.liveness.heartbeat_s=1", "rollout.liveness.missed_beats=5",
 @pytest.mark.vllm
 def test_a_stopped_rollout_rank_ends_the_run_in_one_line_and_its_checkpoint_is_committed(tmp_path, tiny_llama):
     """SIGSTOP of the rollout rank once step 1 is logged (what a hung GPU, a stalled NFS read or a wedged driver look
-    like), split streaming: the trainer, waiting for step 2's groups (or sending them weights), names it in one line
-    once it has missed 5 beats of 1 s, commits step 1's checkpoint (its async write was still pending: the loop
-    commits after the next batch), and the launch ends as for a dead rank (exit 1, every process gone) within 60 s of
-    the stop: 5 s of silence, the commit, the exit. Before, the trainer waited silently until killed."""
+    like), split streaming: the trainer, waiting on it (a send, step 2's groups or the weight sync: a gloo send waits
+    for its receiver), names it in one line once it has missed 5 beats of 1 s, keeps step 1's checkpoint committed
+    (an async write still pending then is committed first), and the launch ends as for a dead rank (exit 1, every
+    process gone) within 60 s of the stop: 5 s of silence, the commit, the exit (measured: 9 s on 2 loaded cores).
+    Before, the trainer waited silently until killed, and a pending save was never committed."""
     import re
     import signal
 
