@@ -54,7 +54,8 @@ MODULE_SECONDS = {
     "test_eval": 34, "test_gpu_check": 33, "test_sandbox": 29, "test_config": 26, "test_streaming": 22,
     "test_launch": 21, "test_model": 18, "test_liveness": 15, "test_install": 9, "test_memory": 9, "test_console": 9,
     "test_upcycle": 9, "test_rewards": 8, "test_dockerfile": 6, "test_vllm_api": 6, "test_writers": 6,
-    "test_preflight": 6, "test_plan": 5, "test_assets": 5, "test_data": 4, "test_safety_smaller": 3, "test_update_ab": 3,
+    "test_preflight": 6, "test_plan": 5, "test_assets": 5, "test_data": 4, "test_safety_smaller": 3,
+    "test_update_ab": 3,
 }
 
 
