@@ -97,8 +97,8 @@ def init_split(num_rollout_ranks: int, timeout_minutes: int = 30) -> SplitRoles:
     return SplitRoles(rank, world, train_world, control, store, timeout)
 
 
-JOIN_TIMEOUT = datetime.timedelta(minutes=30)  # how long a group's members wait for each other to join (an engine
-# or a policy takes minutes to start)
+# how long a group's members wait for each other to join (an engine or a policy takes minutes to start)
+JOIN_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def listening_store():

@@ -32,9 +32,10 @@ deadline (engine_step_s; transfer_s + the sync's bytes at transfer_mb_per_s). A 
 beats ends every wait of the trainer on it: the buffer's waits fail, the sends (made on a thread of their own,
 `Liveness.call`: a gloo send waits for its receiver) give up, a publish lets the export run out on every trainer rank;
 every trainer rank raises PeerLost at the same point, the save in progress is committed and the run ends in one line
-naming the rank (train_entry). A stop signal meanwhile still saves and commits first; the harvest then gives up on
-the lost rank. A silent trainer rank 0 ends each rollout rank at once, in one line (it has nothing to save). The
-weight-transfer group's port is held from the moment it is announced (weight_transfer.BroadcastSender).
+naming the rank (train_entry). A stop signal meanwhile still saves as a stop does: the harvest of the engines' work
+gives up on the lost rank, the save is committed, then the run ends in that line. A silent trainer rank 0 ends each
+rollout rank at once, in one line (it has nothing to save). The weight-transfer group's port is held from the moment
+it is announced (weight_transfer.BroadcastSender).
 """
 
 from __future__ import annotations
