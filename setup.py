@@ -60,6 +60,8 @@ setup(
             "justrl-convert=justrl_megatron.cli:convert_main",
             "justrl-bench=justrl_megatron.cli:bench_main",
             "justrl-eval=justrl_megatron.cli:eval_main",
-        ]
+        ],
+        # run by vLLM in each of its processes (rollout/vllm_plugin.py: on CPU, its queues wait without spinning)
+        "vllm.general_plugins": ["justrl_cpu_queues=justrl_megatron.rollout.vllm_plugin:register"],
     },
 )

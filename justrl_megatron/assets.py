@@ -175,17 +175,24 @@ def tiny_model(
     moe_intermediate_size: int = 40,
     norm_topk_prob: bool = False,
 ) -> Path:
-    """Write a tiny random Qwen2, Qwen3, Llama, Mistral, Mixtral or Qwen3-MoE HF folder (fp32 safetensors). Llama
-    defaults tied, the others untied. MoE: `num_experts`, `moe_top_k`, Qwen3-MoE's `moe_intermediate_size` and
-    `norm_topk_prob` (Mixtral's experts are `intermediate_size` wide and always renormalised). `head_dim` (default hidden/heads) and `rope_scaling` (e.g. a llama3 dict) go into the config.
+    """Write a tiny random Qwen2, Qwen3, Llama, Mistral, Mixtral or Qwen3-MoE HF folder (fp32 safetensors), by its
+    family's recipe (model/families.py: config class, RoPE base, its own config keys). Llama defaults tied, the
+    others untied. MoE: `num_experts`, `moe_top_k`, Qwen3-MoE's `moe_intermediate_size` and `norm_topk_prob`
+    (Mixtral's experts are `intermediate_size` wide and always renormalised). `head_dim` (default hidden/heads) and
+    `rope_scaling` (e.g. a llama3 dict) go into the config.
 
     `with_tokenizer` copies the Qwen2 tokenizer in; `tokenizer` copies the one of that folder instead and sizes the
     vocabulary to it (a model the trainer can run end to end on text prompts, e.g. with SmolLM2's 49,152 tokens).
     """
     import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, MixtralConfig,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .model.families import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"tiny_model family must be one of {sorted(FAMILIES)}, got {family!r}")
+    recipe = FAMILIES[family]
     tokenizer_src = tokenizer if tokenizer is not None else (qwen2_tokenizer() if with_tokenizer else None)
     tok = AutoTokenizer.from_pretrained(tokenizer_src) if tokenizer_src is not None else None
     if tokenizer is not None:
@@ -193,7 +200,7 @@ def tiny_model(
     if tok is not None and len(tok) > vocab_size:
         raise ValueError(f"tiny_model: vocab_size={vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
     if tie_word_embeddings is None:
-        tie_word_embeddings = family == "llama"
+        tie_word_embeddings = recipe.tiny_tied
     eos = tok.eos_token_id if tok is not None else 1
     common = dict(
         num_hidden_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_heads,
@@ -205,23 +212,16 @@ def tiny_model(
         common["head_dim"] = head_dim
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
-    theta = {"qwen2": 10000.0, "qwen3": 1000000.0, "llama": 100000.0, "mistral": 10000.0, "mixtral": 1000000.0,
-             "qwen3_moe": 1000000.0}
-    moe = dict(num_experts_per_tok=moe_top_k, router_aux_loss_coef=0.01)
-    classes = {"qwen2": (Qwen2Config, dict(use_sliding_window=False), "Qwen2ForCausalLM"),
-               "qwen3": (Qwen3Config, dict(use_sliding_window=False, attention_bias=False), "Qwen3ForCausalLM"),
-               "llama": (LlamaConfig, dict(attention_bias=False), "LlamaForCausalLM"),
-               "mistral": (MistralConfig, dict(sliding_window=None), "MistralForCausalLM"),
-               "mixtral": (MixtralConfig, dict(sliding_window=None, num_local_experts=num_experts, **moe),
-                           "MixtralForCausalLM"),
-               "qwen3_moe": (Qwen3MoeConfig, dict(use_sliding_window=False, attention_bias=False,
-                                                  num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
-                                                  norm_topk_prob=norm_topk_prob, **moe), "Qwen3MoeForCausalLM")}
-    if family not in classes:
-        raise ValueError(f"tiny_model family must be one of {sorted(classes)}, got {family!r}")
-    cls, extra, arch = classes[family]
-    config = cls(rope_theta=rope_theta or theta[family], **extra, **common)
-    config.architectures = [arch]
+    extra = dict(recipe.tiny_config)
+    if recipe.moe:
+        extra.update({recipe.experts_key: num_experts}, num_experts_per_tok=moe_top_k, router_aux_loss_coef=0.01)
+        if recipe.expert_size != "intermediate_size":  # (Mixtral's experts are intermediate_size wide)
+            extra[recipe.expert_size] = moe_intermediate_size
+        if not recipe.always_renormalised:
+            extra["norm_topk_prob"] = norm_topk_prob
+    config = getattr(transformers, recipe.config_class)(rope_theta=rope_theta or recipe.tiny_rope_theta, **extra,
+                                                        **common)
+    config.architectures = [recipe.architecture]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF zero-initialises biases and ones the norms: randomise them so tests see them

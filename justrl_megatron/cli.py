@@ -18,6 +18,8 @@ def train_main() -> None:
     CPU demo); with --nproc-per-node, N ranks on this machine under justrl's launcher (launch.py); with
     --validate-only, the launch's checks alone (train_entry.validate_only; N: the world size checked)."""
     early_interrupt.install()
+    if VALIDATE_ONLY not in sys.argv[1:]:  # a launch (one process, or the launcher before its ranks): a stop exits 0
+        early_interrupt.install_stop()
     from .launch import split_nproc
 
     nproc, sys.argv[1:] = split_nproc(sys.argv[1:])

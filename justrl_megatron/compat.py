@@ -234,7 +234,7 @@ def apply() -> bool:
         _patch_torch_cuda()
         _patch_rng_tracker()
         _mode = CudaToCpuMode()
-        _mode.__enter__()  # global for the process' main thread; see `in_worker_thread` for others
+        _mode.__enter__()  # the process' main thread only: TorchFunctionMode stacks are per thread
         return True
 
 
@@ -245,16 +245,6 @@ def reapply_after_vllm() -> None:
     same no-op methods, events that exist) back. No-op with CUDA."""
     if _mode is not None:
         _patch_torch_cuda()
-
-
-@contextlib.contextmanager
-def in_worker_thread():
-    """TorchFunctionMode stacks are per thread: wrap the body of any thread that runs megatron code."""
-    if _mode is None:
-        yield
-        return
-    with CudaToCpuMode():
-        yield
 
 
 def default_device() -> torch.device:

@@ -193,6 +193,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
         raise ValueError(f"world size {world} is not divisible by expert_parallel x pipeline_parallel = {ep}x{pp}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+        _destroy(_GROUPS_OF_THE_LAST_LAYOUT)
+    before = set(_live_groups())
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -201,7 +203,33 @@ def init_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
     )
+    _GROUPS_OF_THE_LAST_LAYOUT[:] = [g for g in _live_groups() if g not in before]
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# The process groups megatron built for the current layout. `destroy_model_parallel` only forgets them: torch.distributed
+# keeps every group alive, and on gloo each holds threads that poll, so a process that rebuilds its layout (a parity
+# test, a converter, a policy built at another layout) would pile them up and burn cores idle (docs/testing.md). A
+# rebuild destroys the previous layout's groups.
+_GROUPS_OF_THE_LAST_LAYOUT: list = []
+
+
+def _live_groups() -> list:
+    """Every process group torch.distributed holds (its registry is private: none seen, none destroyed)."""
+    import torch.distributed as dist
+
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
+
+
+def _destroy(groups: list) -> None:
+    import torch.distributed as dist
+
+    live = set(_live_groups())  # (megatron destroys some of its own)
+    for group in groups:
+        if group in live and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    groups.clear()
 
 
 def trainer_broadcast(obj):

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from . import run_lock
+from . import early_interrupt, run_lock
 from .slurm import STOP_SIGNALS, StopSignal, requeue_message
 
 INTERRUPTED = ("justrl-train: interrupted: finishing this step (a rollout stops at once), then saving a checkpoint "
@@ -51,6 +51,7 @@ class Interruptible(StopSignal):
 
     def install(self) -> "Interruptible":
         super().install()
+        early_interrupt.training_started()
         _start_quiet_resource_tracker()
         return self
 

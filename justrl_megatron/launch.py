@@ -26,13 +26,16 @@ names it, its node and its signal; a launcher that vanishes (a lost node) ends t
 from __future__ import annotations
 
 import os
+import select
 import shlex
 import signal
 import subprocess
 import sys
 import time
 
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from .early_interrupt import STOP_SIGNALS
+
+FORWARDED = (*STOP_SIGNALS, signal.SIGINT)
 OWN_CODES = (2, 130)  # a rank that exits with these has printed its own line (refused config / run dir, abort)
 GRACE_S = 20.0  # how long the other ranks get to end on their own after one exits with one of OWN_CODES
 ENTRY_ENV = "JUSTRL_ENTRY"  # what each rank runs instead of the trainer (a program with the same stop contract)
@@ -103,13 +106,25 @@ def _signal_running(ranks: dict, signum: int) -> None:
                 pass
 
 
-def _rank_env(rank: int, world: int, port: int, lock_fd: int | None) -> dict:
+def _entry() -> list[str]:
+    """What each rank runs after `python`: the trainer, or JUSTRL_ENTRY."""
+    return shlex.split(os.environ.get(ENTRY_ENV, "")) or ["-m", "justrl_megatron.cli", "train"]
+
+
+def _inherited_env() -> dict:
+    """A rank's environment from this launcher's: without a trainer's own marks (lifeline.TRAINER_ENV, an earlier
+    launch's TORCHELASTIC_RUN_ID), with the launcher's pid (the rank dies with it: lifeline.watch_launcher)."""
     from . import lifeline
 
     env = {k: v for k, v in os.environ.items() if k not in (lifeline.TRAINER_ENV, "TORCHELASTIC_RUN_ID")}
+    env[lifeline.LAUNCHER_ENV] = str(os.getpid())
+    return env
+
+
+def _rank_env(rank: int, world: int, port: int, lock_fd: int | None) -> dict:
+    env = _inherited_env()
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               **{lifeline.LAUNCHER_ENV: str(os.getpid())})
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if lock_fd is not None:
         from .run_lock import LOCK_FD_ENV
 
@@ -138,7 +153,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
 
     lock_fd, run_dir, created = _lock_for_the_launch(overrides)
     print(f"justrl-train: {nproc} process(es) on this machine", file=sys.stderr, flush=True)
-    entry = shlex.split(os.environ.get(ENTRY_ENV, "")) or ["-m", "justrl_megatron.cli", "train"]
+    entry = _entry()
     port = free_port()
     ranks: dict[int, subprocess.Popen] = {}
     received: list[int] = []
@@ -185,7 +200,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
     line = failure_line(rank, code, nproc, received)
     if line is None:
         return code
-    _exit(_exit_code(code), line)
+    _exit(_exit_code(code, received), line)
 
 
 # --- several nodes (launch/slurm/train.sbatch: one of these per node, under srun) ------------------------------------
@@ -217,8 +232,8 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
         return None
     where = f" on node {node}" if node else ""
     others = f"; the other {world - 1} rank(s) were stopped" if world > 1 else ""
-    if code < 0 and -code in received:
-        return f"stopped by {signal.Signals(-code).name} before training started; nothing was saved"
+    if code < 0 and -code in received:  # it had no handler yet: the trainer's own takes over as the loop starts
+        return f"stopped by {signal.Signals(-code).name} before training started; nothing to save"
     if code < 0:
         name = signal.Signals(-code).name
         why = " (the out-of-memory killer?)" if -code == signal.SIGKILL and not received else ""
@@ -226,7 +241,11 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
     return f"error: rank {rank}{where} exited with code {code} (its output above says why){others}"
 
 
-def _exit_code(code: int) -> int:
+def _exit_code(code: int, received=()) -> int:
+    """The launch's exit code for a rank's: a stop (SIGTERM, SIGUSR1) before training started exits 0, as a stop
+    during training does (the ranks had nothing to save); a Ctrl-C 130."""
+    if code < 0 and -code in received and -code in STOP_SIGNALS:
+        return 0
     return 128 - code if code < 0 else code
 
 
@@ -321,177 +340,236 @@ def launch_node(nproc: int, overrides: list[str], nnodes: int, node_rank: int, m
     node 0's launcher, which tells every node to SIGKILL theirs, and prints the one line that names the rank, its node
     and its signal or exit code. No rank ever takes a peer's death for a stop request (no SIGTERM goes round: a
     SIGTERM is always Slurm's or the user's, and means "finish the step, save, exit")."""
-    import select
-
-    from . import lifeline
-
-    world = nnodes * nproc
-    host = _host()
     if node_rank == 0:
         print(f"justrl-train: {nnodes} node(s) x {nproc} process(es)", file=sys.stderr, flush=True)
-    entry = shlex.split(os.environ.get(ENTRY_ENV, "")) or ["-m", "justrl_megatron.cli", "train"]
+    entry = _entry()
+    node = _Node(nproc, nnodes, node_rank, master_addr, _link_the_nodes(node_rank, nnodes, master_addr, master_port))
+    for sig in FORWARDED:
+        signal.signal(sig, node.forward)
+    node.start_ranks(entry, overrides, master_port, run_id)
+    while not node.over():
+        ready = node.wait()
+        node.reap()
+        for sock in ready:
+            node.hear(sock)
+    return node.exit_code()
+
+
+def _link_the_nodes(node_rank: int, nnodes: int, master_addr: str, master_port: int) -> _Link:
+    """This node launcher's end of the link between them (node 0 listens on master_port+1); one line and exit 1,
+    before any rank starts, when node 0 cannot listen."""
     try:
-        link = _Link(node_rank, nnodes, master_addr, master_port + 1)
+        return _Link(node_rank, nnodes, master_addr, master_port + 1)
     except OSError as exc:
         _exit(1, f"error: node 0 cannot listen on port {master_port + 1} for the other nodes' launchers "
                  f"({exc.strerror or exc}); nothing was started: pick another MASTER_PORT")
-    ranks: dict[int, subprocess.Popen] = {}
-    received: list[int] = []
-    verdict: list[int] = []  # the code every node exits with, once decided
 
-    def forward(signum, frame):
-        received.append(signum)
-        if not verdict:
-            _signal_running(ranks, signum)
 
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
-    base = {k: v for k, v in os.environ.items() if k not in (lifeline.TRAINER_ENV, "TORCHELASTIC_RUN_ID")}
-    for local in range(nproc):
-        rank = node_rank * nproc + local
-        env = dict(base, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(nproc),
-                   GROUP_RANK=str(node_rank), NODE_RANK=str(node_rank), MASTER_ADDR=master_addr,
-                   MASTER_PORT=str(master_port), **{lifeline.LAUNCHER_ENV: str(os.getpid())})
-        if run_id:
-            env["TORCHELASTIC_RUN_ID"] = run_id  # the launch's id (run_lock.launch_id): one per job and restart
-        ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=env, preexec_fn=_ignore_usr1)
-    pids = {proc.pid: rank for rank, proc in ranks.items()}
-    pidfds = {}
-    for proc in ranks.values():
-        try:
-            pidfds[os.pidfd_open(proc.pid)] = proc
-        except (AttributeError, OSError):  # no pidfd: the 50 ms poll below
-            pass
+def _node_rank_env(rank: int, local: int, nproc: int, nnodes: int, node_rank: int, master_addr: str,
+                   master_port: int, run_id: str | None) -> dict:
+    """The environment of one rank of a several-node launch (torchrun's names)."""
+    env = dict(_inherited_env(), RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(nnodes * nproc),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK=str(node_rank), NODE_RANK=str(node_rank),
+               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    if run_id:
+        env["TORCHELASTIC_RUN_ID"] = run_id  # the launch's id (run_lock.launch_id): one per job and restart
+    return env
 
-    failed: tuple[int, int] | None = None  # (rank, code) of this node's first failed rank
-    kill_at = None
-    asked_at = None  # another node: when it told node 0 of its failure
-    said_done = False
-    verdict_at = 0.0
 
-    def decide(code: int, line: str | None, grace: bool) -> None:
-        """Node 0: the first failure anywhere is the verdict; every node stops its ranks."""
-        nonlocal kill_at, verdict_at
-        verdict.append(code)
-        verdict_at = time.monotonic()
-        if line:
-            print(f"justrl-train: {line}", file=sys.stderr, flush=True)
-        link.send(f"stop {code} {int(grace)}")
-        kill_at = min(kill_at or float("inf"), time.monotonic() + (GRACE_S if grace else 0.0))
+class _Node:
+    """One node launcher while its ranks run: its ranks, what it heard (signals, the other launchers), and the verdict
+    (the code every node exits with, once decided: node 0 decides, the others hear it)."""
 
-    while True:
+    def __init__(self, nproc: int, nnodes: int, node_rank: int, master_addr: str, link: _Link):
+        self.nproc, self.nnodes, self.node_rank, self.master_addr = nproc, nnodes, node_rank, master_addr
+        self.link = link
+        self.world = nnodes * nproc
+        self.host = _host()
+        self.ranks: dict[int, subprocess.Popen] = {}
+        self.pids: dict[int, int] = {}  # pid -> rank
+        self.pidfds: dict[int, subprocess.Popen] = {}  # (where the kernel has them) a readable fd per running rank
+        self.received: list[int] = []  # the stop signals this launcher got
+        self.verdict: int | None = None
+        self.verdict_at = 0.0
+        self.failed: tuple[int, int] | None = None  # (rank, code) of this node's first failed rank
+        self.kill_at: float | None = None  # when the ranks still running are SIGKILLed
+        self.asked_at: float | None = None  # another node: when it told node 0 of its failure
+        self.said_done = False
+
+    # --- signals and ranks ----------------------------------------------------------------------------------------
+    def forward(self, signum, frame) -> None:
+        """The launcher's handler of FORWARDED: a stop signal goes on to every running rank, unless judged already."""
+        self.received.append(signum)
+        if self.verdict is None:
+            _signal_running(self.ranks, signum)
+
+    def start_ranks(self, entry: list[str], overrides: list[str], master_port: int, run_id: str | None) -> None:
+        for local in range(self.nproc):
+            rank = self.node_rank * self.nproc + local
+            env = _node_rank_env(rank, local, self.nproc, self.nnodes, self.node_rank, self.master_addr, master_port,
+                                 run_id)
+            self.ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=env,
+                                                preexec_fn=_ignore_usr1)
+        self.pids = {proc.pid: rank for rank, proc in self.ranks.items()}
+        for proc in self.ranks.values():
+            try:
+                self.pidfds[os.pidfd_open(proc.pid)] = proc
+            except (AttributeError, OSError):  # no pidfd: the 50 ms poll of `wait`
+                pass
+
+    # --- the loop: over? wait, reap, hear -------------------------------------------------------------------------
+    def over(self) -> bool:
+        """SIGKILL the ranks when their time is up; once none runs, whether this launcher may leave now."""
         now = time.monotonic()
-        if kill_at is not None and now >= kill_at:
-            _kill_all(ranks)
-        running = any(proc.returncode is None for proc in ranks.values())
-        if not running:
-            # the other nodes leave after node 0 (once it has printed its line): srun's --kill-on-bad-exit, which
-            # the first task to exit sets off, cannot cut node 0 short before it has
-            if verdict and (node_rank == 0 or link.conn is None or now >= verdict_at + VERDICT_WAIT_S):
-                break
-            if failed is None and node_rank != 0:
-                if link.conn is None and now < link.connect_until:
-                    link.try_connect()
-                if link.conn is not None and not said_done:
-                    link.send("done")
-                    said_done = True
-                if said_done or now >= link.connect_until:
-                    break
-            if failed is None and node_rank == 0:
-                if len(link.done_nodes) >= nnodes - 1 or (now >= link.connect_until and not any(
-                        not p["done"] for p in link.peers.values())):
-                    break
-            if failed is not None and node_rank != 0 and (link.conn is None or now - asked_at >= VERDICT_WAIT_S):
-                break  # nobody to hear it: speak for this node
-        link.try_connect()
-        timeout = 0.05 if not pidfds or kill_at is not None else 0.5
+        if self.kill_at is not None and now >= self.kill_at:
+            _kill_all(self.ranks)
+        if any(proc.returncode is None for proc in self.ranks.values()):
+            return False
+        link = self.link
+        # the other nodes leave after node 0 (once it has printed its line): srun's --kill-on-bad-exit, which the
+        # first task to exit sets off, cannot cut node 0 short before it has
+        if self.verdict is not None and (self.node_rank == 0 or link.conn is None
+                                         or now >= self.verdict_at + VERDICT_WAIT_S):
+            return True
+        if self.failed is None and self.node_rank != 0:
+            if link.conn is None and now < link.connect_until:
+                link.try_connect()
+            if link.conn is not None and not self.said_done:
+                link.send("done")
+                self.said_done = True
+            if self.said_done or now >= link.connect_until:
+                return True
+        if self.failed is None and self.node_rank == 0:
+            if len(link.done_nodes) >= self.nnodes - 1 or (now >= link.connect_until and not any(
+                    not p["done"] for p in link.peers.values())):
+                return True
+        if self.failed is not None and self.node_rank != 0 and (link.conn is None
+                                                                or now - self.asked_at >= VERDICT_WAIT_S):
+            return True  # nobody to hear it: speak for this node
+        return False
+
+    def wait(self) -> list:
+        """Until a rank exits or a launcher speaks (or a short while): the readable pidfds and sockets."""
+        self.link.try_connect()
+        timeout = 0.05 if not self.pidfds or self.kill_at is not None else 0.5
         try:
-            ready, _, _ = select.select([*pidfds, *link.sockets()], [], [], timeout)
+            ready, _, _ = select.select([*self.pidfds, *self.link.sockets()], [], [], timeout)
         except InterruptedError:
             ready = []
-        while True:  # reap
+        return ready
+
+    def reap(self) -> None:
+        """Collect the ranks that exited; the first failure stops this node's other ranks and is judged."""
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            if pid not in pids:
+            if pid not in self.pids:
                 continue
-            rank = pids[pid]
-            ranks[rank].returncode = code = os.waitstatus_to_exitcode(status)
-            for fd, proc in list(pidfds.items()):
+            rank = self.pids[pid]
+            self.ranks[rank].returncode = code = os.waitstatus_to_exitcode(status)
+            for fd, proc in list(self.pidfds.items()):
                 if proc.pid == pid:
                     os.close(fd)
-                    del pidfds[fd]
-            if code != 0 and failed is None and not verdict:
-                failed = (rank, code)
-                grace = code in OWN_CODES
-                kill_at = time.monotonic() + (GRACE_S if grace else 0.0)
-                if not grace:
-                    _kill_all(ranks)  # at once: they cannot finish a step without it
-                line = failure_line(rank, code, world, received, host)
-                if node_rank == 0:
-                    decide(code, line, grace)
-                else:
-                    link.send(f"fail {code} {int(grace)} {line or '-'}")
-                    asked_at = time.monotonic()
-        for sock in ready:
-            if isinstance(sock, int):  # a pidfd (reaped above)
-                continue
-            lines = link.read(sock)
-            if node_rank == 0 and sock is not link.server:
-                state = link.peers[sock]
-                if lines is None:
-                    link.peers.pop(sock)
-                    sock.close()
-                    if not state["done"] and not verdict:  # that node's launcher is gone without a word
-                        decide(1, f"error: the launcher of node {state['node']} ({state['host']}) ended without a "
-                                  f"word (a lost node, or kill -9?); the other ranks were stopped", False)
-                    continue
-                for text in lines:
-                    kind, _, rest = text.partition(" ")
-                    if kind == "hello":
-                        node, _, state["host"] = rest.partition(" ")
-                        state["node"] = int(node)
-                    elif kind == "done":
-                        state["done"] = True
-                        link.done_nodes.add(state["node"])
-                    elif kind == "fail":
-                        code, grace, line = rest.split(" ", 2)
-                        state["done"] = True  # it exits once it has the verdict
-                        link.done_nodes.add(state["node"])
-                        if not verdict:
-                            decide(int(code), None if line == "-" else line, grace == "1")
-            elif node_rank != 0:
-                if lines is None:
-                    link.conn.close()
-                    link.conn = None
-                    link.connect_until = 0.0  # no second connection
-                    if not verdict and failed is None and any(p.returncode is None for p in ranks.values()):
-                        print(f"justrl-train: error: the launcher of node 0 ({master_addr}) ended without a word (a "
-                              f"lost node, or kill -9?); the {nproc} rank(s) of node {host} were stopped",
-                              file=sys.stderr, flush=True)
-                        _kill_all(ranks)
-                        verdict.append(1)
-                    continue  # (a failure of this node's own, not yet judged: it speaks for itself below)
-                for text in lines:
-                    kind, _, rest = text.partition(" ")
-                    if kind == "stop" and not verdict:
-                        code, grace = rest.split(" ")
-                        verdict.append(int(code))
-                        verdict_at = time.monotonic()
-                        kill_at = time.monotonic() + (GRACE_S if grace == "1" else 0.0)
-                        if grace != "1":
-                            _kill_all(ranks)
-    if verdict:
-        return _exit_code(verdict[0])
-    if failed is not None:  # another node that heard no verdict
-        line = failure_line(failed[0], failed[1], world, received, host)
+                    del self.pidfds[fd]
+            if code != 0 and self.failed is None and self.verdict is None:
+                self._rank_failed(rank, code)
+
+    def _rank_failed(self, rank: int, code: int) -> None:
+        self.failed = (rank, code)
+        grace = code in OWN_CODES
+        self.kill_at = time.monotonic() + (GRACE_S if grace else 0.0)
+        if not grace:
+            _kill_all(self.ranks)  # at once: they cannot finish a step without it
+        line = failure_line(rank, code, self.world, self.received, self.host)
+        if self.node_rank == 0:
+            self._decide(code, line, grace)
+        else:
+            self.link.send(f"fail {code} {int(grace)} {line or '-'}")
+            self.asked_at = time.monotonic()
+
+    def _decide(self, code: int, line: str | None, grace: bool) -> None:
+        """Node 0: the first failure anywhere is the verdict; every node stops its ranks."""
+        self.verdict = code
+        self.verdict_at = time.monotonic()
         if line:
             print(f"justrl-train: {line}", file=sys.stderr, flush=True)
-        return _exit_code(failed[1])
-    return 0
+        self.link.send(f"stop {code} {int(grace)}")
+        self.kill_at = min(self.kill_at or float("inf"), time.monotonic() + (GRACE_S if grace else 0.0))
+
+    def hear(self, sock) -> None:
+        """What a readable socket says: node 0 hears the nodes, a node hears node 0 (a pidfd was reaped already)."""
+        if isinstance(sock, int):  # a pidfd
+            return
+        lines = self.link.read(sock)
+        if self.node_rank == 0 and sock is not self.link.server:
+            self._hear_a_node(sock, lines)
+        elif self.node_rank != 0:
+            self._hear_node_0(lines)
+
+    def _hear_a_node(self, sock, lines: list[str] | None) -> None:
+        """Node 0: a node's hello, done or fail; its launcher gone without a word is a failure of its own."""
+        state = self.link.peers[sock]
+        if lines is None:
+            self.link.peers.pop(sock)
+            sock.close()
+            if not state["done"] and self.verdict is None:  # that node's launcher is gone without a word
+                self._decide(1, f"error: the launcher of node {state['node']} ({state['host']}) ended without a "
+                                f"word (a lost node, or kill -9?); the other ranks were stopped", False)
+            return
+        for text in lines:
+            kind, _, rest = text.partition(" ")
+            if kind == "hello":
+                node, _, state["host"] = rest.partition(" ")
+                state["node"] = int(node)
+            elif kind == "done":
+                state["done"] = True
+                self.link.done_nodes.add(state["node"])
+            elif kind == "fail":
+                code, grace, line = rest.split(" ", 2)
+                state["done"] = True  # it exits once it has the verdict
+                self.link.done_nodes.add(state["node"])
+                if self.verdict is None:
+                    self._decide(int(code), None if line == "-" else line, grace == "1")
+
+    def _hear_node_0(self, lines: list[str] | None) -> None:
+        """Another node: node 0's verdict; node 0's launcher gone without a word stops this node's ranks."""
+        link = self.link
+        if lines is None:
+            link.conn.close()
+            link.conn = None
+            link.connect_until = 0.0  # no second connection
+            if self.verdict is None and self.failed is None and any(
+                    p.returncode is None for p in self.ranks.values()):
+                print(f"justrl-train: error: the launcher of node 0 ({self.master_addr}) ended without a word (a "
+                      f"lost node, or kill -9?); the {self.nproc} rank(s) of node {self.host} were stopped",
+                      file=sys.stderr, flush=True)
+                _kill_all(self.ranks)
+                self.verdict = 1
+            return  # (a failure of this node's own, not yet judged: it speaks for itself in exit_code)
+        for text in lines:
+            kind, _, rest = text.partition(" ")
+            if kind == "stop" and self.verdict is None:
+                code, grace = rest.split(" ")
+                self.verdict = int(code)
+                self.verdict_at = time.monotonic()
+                self.kill_at = time.monotonic() + (GRACE_S if grace == "1" else 0.0)
+                if grace != "1":
+                    _kill_all(self.ranks)
+
+    def exit_code(self) -> int:
+        """The verdict's code; a node that heard none speaks for its own failed rank; 0 when every rank ended well."""
+        if self.verdict is not None:
+            return _exit_code(self.verdict, self.received)
+        if self.failed is not None:  # another node that heard no verdict
+            line = failure_line(self.failed[0], self.failed[1], self.world, self.received, self.host)
+            if line:
+                print(f"justrl-train: {line}", file=sys.stderr, flush=True)
+            return _exit_code(self.failed[1], self.received)
+        return 0
 
 
 def main(nproc: int, overrides: list[str]) -> None:

@@ -39,8 +39,8 @@ class PeerLost(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Deadlines:
-    """How long waits between the trainer and the rollout ranks may last (rollout.liveness: config.LivenessConfig
-    takes its defaults from here)."""
+    """How long waits between the trainer and the rollout ranks may last (rollout.liveness: config/schema.py's
+    LivenessConfig takes its defaults from here, so this module imports nothing but the standard library)."""
 
     heartbeat_s: float = 5.0  # each process beats this often, from a thread of its own
     missed_beats: int = 12  # 60 s of silence: far above a thread's scheduling delays or a long GIL-holding call

@@ -26,8 +26,9 @@ import signal
 from dataclasses import dataclass
 from typing import Mapping
 
+from .early_interrupt import STOP_SIGNALS
+
 REQUEUE_MESSAGE = "checkpoint saved at step {step}; exiting for requeue"
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 _INSTALLED: list["StopSignal"] = []  # the handlers in place in this process (stop_requested reads them)
 
 

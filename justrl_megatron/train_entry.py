@@ -23,8 +23,9 @@ import hydra
 from hydra.experimental.callback import Callback
 
 from . import lifeline, run_lock
-from .config import (CONFIG_DIR, ConfigError, config_warnings, data_name_problems, key_problem, register,
-                     validate, value_type_problem)
+from .config.checks import config_warnings, data_name_problems, validate
+from .config.keys import composition_problem, key_problem, value_type_problem
+from .config.schema import CONFIG_DIR, ConfigError, register
 from .console import quiet_console
 
 register()
@@ -253,14 +254,18 @@ def run_dir_problem(run_dir) -> str | None:
 
 
 def _run_dir_of(args: list[str]) -> str | None:
-    """trainer.run_dir as the command line's overrides compose it (None where they do not compose: hydra says why)."""
+    """trainer.run_dir as the command line's overrides compose it (None where they do not compose: hydra says why,
+    unless a YAML file sets a key the schema lacks: refused here in one line, composition_problem)."""
     from omegaconf import OmegaConf
 
-    from .config import compose
+    from .config.schema import compose
 
     try:
         return OmegaConf.select(compose(_task_overrides(args)), "trainer.run_dir", default=None)
-    except Exception:  # noqa: BLE001 - hydra reports a bad override itself
+    except Exception as exc:  # noqa: BLE001 - hydra reports a bad override itself
+        problem = composition_problem(exc)
+        if problem is not None:
+            refuse(f"invalid config: {problem}")
         return None
 
 
@@ -281,7 +286,7 @@ def prompt_length_problems(cfg, model_dir) -> list[str]:
     only when none of those fits."""
     from transformers import AutoTokenizer
 
-    from .data.sampler import load_training_rows, tokenize_prompts
+    from .data.sampler import load_training_rows, load_training_source, none_fit, tokenize_prompts
     from .train.validation import length_problems
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
@@ -294,12 +299,12 @@ def prompt_length_problems(cfg, model_dir) -> list[str]:
             rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=DATA_SAMPLE_ROWS)
             if tokenize_prompts(rows, tokenizer, cfg.data)[0]:
                 continue
-            rows = load_training_rows(cfg.data, seed=cfg.trainer.seed, split=split, limit=limit)
-            prompts, too_long = tokenize_prompts(rows, tokenizer, cfg.data)
+            source = load_training_source(cfg.data, seed=cfg.trainer.seed, split=split, limit=limit)
+            prompts, too_long = tokenize_prompts(source.rows, tokenizer, cfg.data)
             if not prompts:
-                problems.append(f"data.max_prompt_length={cfg.data.max_prompt_length}: all {too_long} prompts of "
-                                f"{key} are longer (with data.template={cfg.data.template}); raise it or use shorter "
-                                f"prompts")
+                problems.append(f"data.max_prompt_length={cfg.data.max_prompt_length}: "
+                                f"{none_fit(too_long, source, key)} longer (with data.template={cfg.data.template}); "
+                                f"raise it or use shorter prompts")
         problems += length_problems(cfg, tokenizer)
     return problems
 
@@ -391,7 +396,7 @@ def validate_only(args: list[str]) -> int:
     """justrl-train --validate-only [overrides]: every check a launch makes (check_config) with nothing written and
     nothing started; the same lines and exit 2 as a launch on a problem, else one line and 0. WORLD_SIZE (default 1)
     is the launch's number of processes (launch/slurm/train.sbatch: nodes x processes per node)."""
-    from .config import compose
+    from .config.schema import compose
 
     problems, kept = override_problems(args)
     try:
@@ -401,7 +406,8 @@ def validate_only(args: list[str]) -> int:
         print(f"justrl-train: {exc}", file=sys.stderr, flush=True)
         return 2
     except Exception as exc:  # noqa: BLE001  (hydra's composition errors: an unknown recipe, a bad override)
-        print(f"justrl-train: invalid config: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        print(f"justrl-train: invalid config: {composition_problem(exc) or str(exc).splitlines()[0]}",
+              file=sys.stderr, flush=True)
         return 2
     print(f"justrl-train: config ok for {_world_size()} process(es)", flush=True)
     return 0

@@ -47,15 +47,16 @@ def tiny_llama(request, tmp_path_factory):
 # prints them). Only the order matters: the 2 xdist workers take whole modules slowest first (longest-processing-
 # time-first), so that no long module starts last and runs alone at the end. A module missing here runs after them.
 MODULE_SECONDS = {
-    "test_split": 796, "test_train": 498, "test_convert": 449, "test_slurm": 275, "test_modes": 209, "test_step": 190,
-    "test_bench": 162, "test_rollout": 162, "test_moe": 147, "test_algo_extras": 145, "test_lora": 116,
-    "test_context_parallel": 103, "test_models": 92, "test_distill": 88, "test_validation": 78, "test_loop": 76,
-    "test_checkpoint": 75, "test_tools": 50, "test_compat": 43, "test_run_safety": 39, "test_shared_prompt": 38,
-    "test_eval": 34, "test_gpu_check": 33, "test_sandbox": 29, "test_config": 26, "test_streaming": 22,
-    "test_launch": 21, "test_model": 18, "test_liveness": 15, "test_install": 9, "test_memory": 9, "test_console": 9,
-    "test_upcycle": 9, "test_rewards": 8, "test_dockerfile": 6, "test_vllm_api": 6, "test_writers": 6,
-    "test_preflight": 6, "test_plan": 5, "test_assets": 5, "test_data": 4, "test_safety_smaller": 3,
-    "test_update_ab": 3,
+    "test_split": 880, "test_train": 626, "test_convert": 401, "test_modes": 294, "test_slurm": 256, "test_step": 234,
+    "test_bench": 202, "test_rollout": 200, "test_moe": 183, "test_algo_extras": 177, "test_lora": 137,
+    "test_context_parallel": 134, "test_model_families": 129, "test_validation": 102, "test_checkpoint": 87,
+    "test_loop": 84, "test_distill": 80, "test_tools": 58, "test_run_safety": 55, "test_compat": 51,
+    "test_shared_prompt": 41, "test_eval": 37, "test_gpu_check": 37, "test_config": 32, "test_sandbox": 30,
+    "test_launch": 27, "test_streaming": 26, "test_model": 18, "test_liveness": 15, "test_upcycle": 14,
+    "test_preflight": 12, "test_rewards": 11, "test_dockerfile": 10, "test_install": 9, "test_memory": 9,
+    "test_console": 9, "test_writers": 9, "test_plan": 9, "test_data": 9, "test_vllm_api": 6, "test_assets": 6,
+    "test_update_ab": 5, "test_attention": 5, "test_exact": 4, "test_grpo": 3, "test_loss_family": 2, "test_fp8": 2,
+    "test_grouped_experts": 1, "test_fast_paths": 1, "test_admission": 1, "test_packed_shape": 1,
 }
 
 

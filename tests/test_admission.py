@@ -28,9 +28,9 @@ class SeededEngines(ScriptedEngines):
 def _rounds(engines, eta=0, groups=2, **kwargs):
     from justrl_megatron.rollout.admission import RoundSource
 
-    return RoundSource(engines, _sampler(), kwargs.pop("scorer", Scorer()), Tokenizer(), n=2,
-                       sampling=SamplingConfig(max_tokens=4), leader=True, seed=7, max_staleness=eta,
-                       num_groups=groups, **kwargs)
+    return RoundSource(engines, _sampler(), kwargs.pop("scorer", Scorer()), Tokenizer(), n=kwargs.pop("n", 2),
+                       sampling=kwargs.pop("sampling", SamplingConfig(max_tokens=4)), leader=True, seed=7,
+                       max_staleness=eta, num_groups=groups, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -135,3 +135,129 @@ def test_kept_groups_of_another_group_size_are_generated_anew_with_one_line(caps
     assert [p.id for p in scored.batch.prompts][0] == "0" and not engines.resumed  # admitted anew, not continued
     assert scored.sampling_stats.metrics()["rollout/discarded_at_resume"] == 1
     assert capsys.readouterr().out.count("generated anew") == 1
+
+
+
+# --- a resume that changes what a kept group is (rollout/stream_source.py: the rule above _ANEW) ---------------------
+
+SAMPLING = {"rollout.temperature": "temperature", "rollout.top_p": "top_p", "rollout.top_k": "top_k",
+            "rollout.max_response_length": "max_tokens"}
+PYTHON_TOOL = {"rollout.tools": ["python"], "rollout.tool.max_turns": 4, "rollout.tool.timeout_s": 5.0,
+               "rollout.tool.memory_mb": 512, "rollout.tool.max_output_chars": 1024, "rollout.tool.sandbox": "auto",
+               "rollout.tool.packages": ["sympy", "numpy"]}
+
+
+def _settings(n=2, tools=None, **sampling):
+    """(n, SamplingConfig, tools) of a run: _rounds' (n 2, max_tokens 4) with `sampling` given by config key."""
+    values = {SAMPLING[k]: v for k, v in {"rollout.max_response_length": 4, **sampling}.items()}
+    return n, SamplingConfig(**values), tools
+
+
+def _kept_state(settings, lengths=(1, 1), reasons=None, mask=None):
+    """What a stop keeps of one group of len(lengths) samples drawn under `settings` (_settings)."""
+    from justrl_megatron.rollout.stream_source import drawn_with
+
+    samples = {"prompt_index": [0] * len(lengths), "token_ids": [[5] * k for k in lengths],
+               "logprobs": [[-1.0] * k for k in lengths], "finish_reasons": list(reasons or ["abort"] * len(lengths)),
+               "weight_version": 0, "sampled_mask": mask}
+    state = {"groups": [{"prompt": {"ids": [1], "answer": 0, "data_source": "t", "id": "0"}, "version": 0, "step": 1,
+                         "seed": None, "lost": False, "samples": samples}],
+             "prompts": [], "drawn_with": drawn_with(*settings)}
+    return json.loads(json.dumps(state))  # as the checkpoint stores it
+
+
+def _resume(state, settings, capsys):
+    """(a source of a run under `settings` that restored `state`, the one line it said)."""
+    n, sampling, tools = settings
+    source = _rounds(SeededEngines({}, 0), n=n, sampling=sampling, tools=tools)
+    source.restore(state)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    return source, lines[0]
+
+
+@pytest.mark.parametrize("key, then, now", [
+    ("rollout.n", 2, 4),
+    ("rollout.temperature", 1.0, 0.7),
+    ("rollout.top_p", 0.9, 1.0),
+    ("rollout.top_k", 50, -1),
+    ("rollout.tools", None, PYTHON_TOOL),  # a plain group into a tool run
+    ("rollout.tools", PYTHON_TOOL, None),  # a tool group into a plain run
+    ("rollout.tool.timeout_s", PYTHON_TOOL, {**PYTHON_TOOL, "rollout.tool.timeout_s": 30.0}),
+    ("rollout.tool.packages", PYTHON_TOOL, {**PYTHON_TOOL, "rollout.tool.packages": ["sympy"]}),
+])
+def test_a_kept_group_sampled_otherwise_is_generated_anew_counted_in_one_line(key, then, now, capsys):
+    """The probe's case first: groups of 2 kept at a stop and resumed with rollout.n=4 were continued into a batch of
+    4-sample groups (logprob_diff 0.124, ratio_max 2.05). A kept group sampled under another group size, another
+    distribution or another tool environment goes back to its prompt, first, counted, and the line names why."""
+    def run(value):
+        if key == "rollout.n":
+            return _settings(n=value)
+        return _settings(tools=value) if key.startswith("rollout.tool") else _settings(**{key: value})
+
+    source, line = _resume(_kept_state(run(then)), run(now), capsys)
+    assert not source._resumed and [p.id for p in source._queue] == ["0"]  # its prompt, before any new one
+    assert source._counts.discarded_at_resume == 1 and source._counts.resumed_groups == 0
+    assert line.startswith("justrl-train: work in flight: 1 kept group(s) are generated anew (") and key in line, line
+
+
+def test_a_kept_group_goes_on_where_only_the_number_of_tool_workers_changed(capsys):
+    """rollout.tool.workers sets how many calls run at once, not what a call answers: the group is carried."""
+    from justrl_megatron.config import compose
+    from justrl_megatron.rollout.tools import environment
+
+    before = environment(compose(["rollout.tools=[python]", "rollout.tool.workers=4"]).rollout)
+    after = environment(compose(["rollout.tools=[python]", "rollout.tool.workers=1"]).rollout)
+    assert before == after and before["rollout.tools"] == ["python"]
+    source, line = _resume(_kept_state(_settings(tools=before)), _settings(tools=after), capsys)
+    assert len(source._resumed) == 1 and source._counts.discarded_at_resume == 0
+    assert line == "justrl-train: work in flight: 1 kept group(s) continue where they stopped"
+
+
+def test_a_shorter_cap_carries_the_groups_that_fit_and_regenerates_the_others(capsys):
+    """rollout.max_response_length 4 -> 2: a group whose samples fit is what the shorter cap would have drawn; one
+    with a longer sample is generated anew."""
+    fits = _kept_state(_settings(), lengths=(2, 1), reasons=["stop", "abort"])
+    source, line = _resume(fits, _settings(**{"rollout.max_response_length": 2}), capsys)
+    assert len(source._resumed) == 1 and source._counts.discarded_at_resume == 0
+    longer = _kept_state(_settings(), lengths=(3, 1))
+    source, line = _resume(longer, _settings(**{"rollout.max_response_length": 2}), capsys)
+    assert not source._resumed and source._counts.discarded_at_resume == 1
+    assert "rollout.max_response_length 4 -> 2: a sample is longer (3 tokens)" in line, line
+
+
+def test_a_longer_cap_reopens_the_samples_the_old_cap_cut(capsys):
+    """rollout.max_response_length 4 -> 8: a sample the old cap ended ("length") goes on to the new cap (its tokens
+    are what the longer cap would have drawn so far); a tool group with such a sample is generated anew."""
+    state = _kept_state(_settings(), lengths=(4, 2), reasons=["length", "stop"])
+    source, line = _resume(state, _settings(**{"rollout.max_response_length": 8}), capsys)
+    ((_, samples),) = source._resumed
+    assert samples.finish_reasons == ["abort", "stop"] and samples.truncated == [False, False]
+    assert source._counts.discarded_at_resume == 0 and "1 kept group(s) continue" in line
+    tool = _kept_state(_settings(tools=PYTHON_TOOL), lengths=(4, 2), reasons=["length", "stop"],
+                       mask=[[1, 1, 0, 1], [1, 1]])
+    source, line = _resume(tool, _settings(tools=PYTHON_TOOL, **{"rollout.max_response_length": 8}), capsys)
+    assert not source._resumed and source._counts.discarded_at_resume == 1
+    assert "the old cap cut a tool sample" in line, line
+
+
+def test_a_colocated_resume_of_a_streaming_stop_says_how_many_kept_groups_go_on(monkeypatch, capsys):
+    """A streaming run's stop kept its groups; the resume with rounds (colocated) said "0 prompts ... skipped" while
+    kept groups were there. The line counts what the restore did."""
+    import justrl_megatron.rollout.admission as admission
+    from test_streaming import ScriptedEngines, _pipeline
+
+    engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others are cut short
+    engines.frozen = True
+    streaming = _pipeline(engines, _sampler(), 1)
+    engines.publish(0)
+    monkeypatch.setattr(admission, "stop_requested", lambda: True)
+    assert streaming.next_batch(1, 0, Timer()) is None
+    state = json.loads(json.dumps(streaming.stop_state()))
+    assert len(state["groups"]) == 4
+    capsys.readouterr()
+    rounds = _rounds(SeededEngines({}, 0))
+    rounds.restore(state)
+    assert capsys.readouterr().out.splitlines() == [
+        "justrl-train: work in flight: 4 kept group(s) continue where they stopped"]
+    assert rounds._counts.resumed_groups == 4 and rounds._counts.discarded_at_resume == 0

@@ -134,7 +134,7 @@ EXPECTED_ROWS = {
 def test_every_phase_on_a_tiny_model_writes_json_with_every_field(tmp_path, tiny_llama):
     out = tmp_path / "bench.json"
     proc = bench(["--phase", "rewards,rollout,train,sync,step", "--model", str(tiny_llama), "--prompts", "2",
-                  "--n", "2", "--prompt-len", "16", "--response-len", "8", "--train-tokens", "96", "--warmup", "1",
+                  "--n", "2", "--prompt-len", "16", "--response-len", "8", "--train-tokens", "96", "--warmup", "0",
                   "--repeats", "2", "--reward-items", "2000", "--verifiers", "dapo", "gsm8k", "--bucket-mb", "4",
                   "--peak-tflops", "0.5", "--json", str(out)])
     report = json.loads(out.read_text())
@@ -177,7 +177,7 @@ def test_every_phase_on_a_tiny_model_writes_json_with_every_field(tmp_path, tiny
     assert by["rollout"]["raw"]["generated_tokens"] == 2 * 2 * 8
     # sync: bytes moved are the model's parameters (fp32, tied lm_head sent too)
     assert by["sync"]["config"]["bytes"] > 4 * (49152 * 128)
-    # step: the real loop ran warm-up + 2 steps of 2 prompts x 2 responses
+    # step: the real loop ran 2 steps of 2 prompts x 2 responses (no warm-up: the warm-up's drop is unit-tested)
     step = by["step"]
     assert step["config"]["samples_per_step"] == 4 and step["config"]["optimizer_steps_per_step"] == 1
     assert step["config"]["model"] == str(tiny_llama) and step["raw"]["repeats"] == 2

@@ -3,7 +3,8 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from justrl_megatron.config import ConfigError, compose, key_problem, unknown_keys, validate
+from justrl_megatron.config import (CONFIG_DIR, ConfigError, compose, key_problem, unknown_keys, validate,
+                                    value_type_problem, yaml_bool_problems)
 from justrl_megatron.model.hf_config import ModelShape
 from justrl_megatron.run_config import ResumeCheck, history, record_launch
 from justrl_megatron.train_entry import check_config, data_problems, override_problems
@@ -128,6 +129,23 @@ def test_keys_under_dict_fields_stay_free_form():
     assert key_problem("algo.reward_options.any.depth") is None and key_problem("trainer.lr.x") is not None
 
 
+def test_the_loss_keys_are_loss_configs_fields():
+    """algo.<name> (algo.distill.<name> for distill_<name>) is every LossConfig field, with its type and default:
+    written once there, a new loss knob is a key without an edit here."""
+    import dataclasses
+
+    from justrl_megatron.algo.loss_config import LossConfig
+    from justrl_megatron.config.keys import _schema_default, schema_keys
+
+    for f in dataclasses.fields(LossConfig):
+        key = f"algo.distill.{f.name.removeprefix('distill_')}" if f.name.startswith("distill_") else f"algo.{f.name}"
+        assert schema_keys()[key] == "value", key
+        if f.name != "rollout_correction":  # its config default follows rollout.max_staleness
+            assert _schema_default(key) == f.default, key
+    assert LossConfig.from_algo(compose([]).algo) == LossConfig()
+    assert key_problem("algo.clip_high") is None and "must be a number" in str(value_type_problem("algo.clip_high", "x"))
+
+
 def test_command_line_typos_are_taken_off_before_hydra_composes():
     """hydra refuses `trainer.lrr=1` with advice to append it with `+`; justrl-train reports both forms itself."""
     args = ["trainer.lrr=1", "+trainer.seeed=3", "recipe=cpu_demo", "parallel=tp2", "model.path=/x", "--cfg", "job",
@@ -136,6 +154,24 @@ def test_command_line_typos_are_taken_off_before_hydra_composes():
     assert problems == ["unknown key trainer.lrr; did you mean trainer.lr?",
                         "unknown key trainer.seeed; did you mean trainer.seed?"]
     assert kept == args[2:]
+
+
+def test_a_renamed_key_names_its_new_one_in_one_line(tmp_path):
+    """The tool settings moved under rollout.tool: an old key on the command line (with or without +) or in a YAML
+    file of the config is one line naming the new key (a YAML file's was hydra's "ConfigKeyError raised while
+    composing config:")."""
+    from justrl_megatron.config import composition_problem
+
+    problems, _ = override_problems(["rollout.tool_workers=3", "+rollout.max_turns=2", "rollout.tool.workers=3"])
+    assert problems == ["rollout.tool_workers is now rollout.tool.workers: rename it",
+                        "rollout.max_turns is now rollout.tool.max_turns: rename it"]
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "mine.yaml").write_text("# @package _global_\ndefaults:\n  - cpu_demo\n  - _self_\n"
+                                                   "rollout:\n  tool_packages: [sympy]\n")
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "recipe=mine"])
+    assert composition_problem(err.value) == ("recipe/mine: rollout.tool_packages is now rollout.tool.packages: "
+                                              "rename it")
 
 
 # --- every value, before any heavy work ------------------------------------------------------------------------------
@@ -235,6 +271,62 @@ def test_several_kinds_of_problem_in_one_message():
         assert part in msg
 
 
+# --- bools in YAML files: OmegaConf reads 2 as true; the command line already refuses it (above) ----------------------
+
+def test_committed_config_files_hold_true_or_false_in_bool_keys():
+    files = [("", "config")] + [(p.parent.name, p.stem) for p in sorted(CONFIG_DIR.glob("*/*.yaml"))]
+    assert len(files) > 15
+    assert yaml_bool_problems([str(CONFIG_DIR)], files) == []
+
+
+def test_a_bool_key_of_a_yaml_file_takes_true_or_false_only(tmp_path):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "parallel").mkdir()
+    recipe = tmp_path / "recipe" / "mine.yaml"
+    recipe.write_text("# @package _global_\ndefaults:\n  - /model: qwen3_1p7b\ntrainer:\n  async_save: 2\n"
+                      "  lr: 1e-6\nrollout:\n  streaming: 'no'\n  max_staleness: 1\n"
+                      "algo:\n  reward_options: {flag: 2}\nlogging:\n  wandb_mode: \"${oc.env:X,offline}\"\n")
+    (tmp_path / "parallel" / "mine.yaml").write_text("tensor: 1\nsequence_parallel: 0\ndistributed_optimizer: true\n")
+    assert yaml_bool_problems([str(tmp_path), str(CONFIG_DIR)], [("recipe", "mine"), ("parallel", "mine"),
+                                                                   ("model", "qwen3_1p7b")]) == [
+        f"{tmp_path / 'parallel' / 'mine.yaml'}: parallel.sequence_parallel must be true or false, got 0",
+        f"{recipe}: rollout.streaming must be true or false, got 'no'",
+        f"{recipe}: trainer.async_save must be true or false, got 2"]
+
+
+def test_justrl_train_refuses_a_yaml_bool_in_one_line(tmp_path, monkeypatch, capfd):
+    """Through justrl-train (hydra.main, in this process): a --config-dir file's bool read as true is refused, exit
+    2, one line, among the other problems."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from justrl_megatron import train_entry
+
+    (tmp_path / "configs" / "parallel").mkdir(parents=True)
+    (tmp_path / "configs" / "parallel" / "mine.yaml").write_text(
+        "tensor: 1\npipeline: 1\nsequence_parallel: false\ndistributed_optimizer: 2\n")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    monkeypatch.setattr("sys.argv", ["justrl-train", "--config-dir", str(tmp_path / "configs"), "parallel=mine",
+                                     f"trainer.run_dir={tmp_path / 'run'}", "model.path=/nonexistent/model"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            train_entry.main()
+    finally:
+        root.handlers[:], root.level = handlers, level
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None  # later validate() calls in this process compose without hydra.main
+    err = capfd.readouterr().err
+    line = (f"  - {tmp_path / 'configs' / 'parallel' / 'mine.yaml'}: parallel.distributed_optimizer must be true or "
+            f"false, got 2")
+    assert exit_.value.code == 2 and line in err.splitlines(), err
+    # the refused launch leaves nothing: the run dir it would have created (its name composed with --config-dir's
+    # files too) is gone
+    assert not (tmp_path / "run").exists()
+
+
 # --- data: read a few rows as the loop would; each problem one line ------------------------------------------------
 
 def _parquet(path, table):
@@ -304,6 +396,12 @@ def test_resume_lists_changes_that_take_effect(tmp_path):
     ("trainer.seed=2", "trainer.seed"),
     ("model.lora.enabled=true", "model.lora.enabled"),  # a full run's checkpoint has no adapters (issue 20)
     ("model.lora.rank=8", "model.lora.rank"),
+    # what a kept group's prompt is (its tokens): refused before any model loads, the kept groups never reach a run
+    # that would read them otherwise (the sampling settings: tests/test_admission.py)
+    ("model.tokenizer=/other/tokenizer", "model.tokenizer"),
+    ("data.template=justrl", "data.template"),
+    ("data.system_prompt=hi", "data.system_prompt"),
+    ("data.max_prompt_length=77", "data.max_prompt_length"),
 ])
 def test_resume_refuses_what_the_checkpoint_pins(tmp_path, override, key):
     record_launch(_launch(tmp_path), None)
@@ -471,6 +569,22 @@ def test_every_prompt_too_long_is_found_before_the_run_dir_is_written(tmp_path, 
     assert lines == ["  - data.max_prompt_length=8: all 16 prompts of data.train are longer (with "
                      "data.template=boxed); raise it or use shorter prompts"], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_file_of_one_giant_prompt_repeated_is_counted_as_the_loader_left_it(tmp_path, tiny_llama):
+    """A file of 3 copies of one giant prompt was refused as "all 1 prompts": the count is of what data.dedup left,
+    and the line says so."""
+    import json
+
+    data = tmp_path / "giant.jsonl"
+    data.write_text(3 * (json.dumps({"problem": "word " * 300, "answer": "1"}) + "\n"))
+    cfg = compose([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tiny_llama}", f"data.train={data}",
+                   "data.format=generic", "data.max_prompt_length=64", "rollout.max_response_length=8"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, launch=False)
+    assert str(err.value).splitlines()[1:] == [
+        "  - data.max_prompt_length=64: the one prompt of data.train (3 records; 2 exact duplicate(s) dropped: "
+        "data.dedup) is longer (with data.template=boxed); raise it or use shorter prompts"]
 
 
 def test_resume_pins_the_training_data_by_content_and_rereads_a_changed_eval_set(tmp_path):

@@ -2,8 +2,8 @@
 
 Models: tiny Qwen2 (untied, GQA 4/2, QKV bias, vocab 1100: not a multiple of 128, and padded differently at TP1
 (1152) and TP2 (1280)) and tiny Llama (tied embeddings, vocab 1000, head_dim 16); the new families of
-tests/test_models.py (Qwen2.5, Qwen3 with q/k norms and head_dim 48, Llama-3 with llama3 RoPE scaling, Mistral) in the
-same torchrun launch; slow: the real SmolLM2-135M-Instruct.
+tests/test_model_families.py (Qwen2.5, Qwen3 with q/k norms and head_dim 48, Llama-3 with llama3 RoPE scaling,
+Mistral) in the same torchrun launch; slow: the real SmolLM2-135M-Instruct.
 """
 
 import functools
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import ENV, HERE, TORCHRUN, VLLM_TINY, rank_verdicts, run_mp, run_ok
-from test_models import NEW_FAMILIES, build_new_family  # Qwen2.5, Qwen3, Llama-3 (rope scaling), Mistral
+from test_model_families import NEW_FAMILIES, build_new_family  # Qwen2.5, Qwen3, Llama-3 (rope scaling), Mistral
 from justrl_megatron.assets import tiny_model
 from justrl_megatron.convert import mapping
 from justrl_megatron.model.hf_config import ModelShape, require_parallel_layout

@@ -28,6 +28,22 @@ def _packed(lengths, hq=4, hkv=2, d=32, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.vllm
+def test_a_typo_in_the_exact_switches_from_the_environment_is_refused_by_the_preflight(monkeypatch):
+    """JUSTRL_EXACT_OFF=atention measured nothing and said nothing; the pre-flight names it (as JUSTRL_FAST_PATHS_OFF)."""
+    from justrl_megatron.model import exact
+
+    cfg = compose([])
+    monkeypatch.setenv(exact.OFF_ENV, "rope, atention")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=1)
+    lines = [line for line in str(err.value).splitlines() if exact.OFF_ENV in line]
+    assert lines == [f"  - {exact.OFF_ENV}='rope, atention': unknown piece(s) ['atention']; known: attention, linear, "
+                     f"rope, residual, silu, head"], lines
+    monkeypatch.setenv(exact.OFF_ENV, "rope, attention")
+    validate(cfg, world_size=1)
+    assert not exact.piece_on("attention") and not exact.piece_on("rope") and exact.piece_on("head")
+
+
 def test_engine_attention_is_causal_attention_and_batch_invariant():
     from justrl_megatron.model.exact import engine_attention
 

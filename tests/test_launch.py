@@ -113,9 +113,15 @@ def test_a_config_every_rank_refuses_leaves_no_run_dir(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("sig, code, said", [
+    (signal.SIGINT, 130, "justrl-train: interrupted before training started; nothing was saved"),
+    # a stop exits 0 as a stop during training does (it exited 143): nothing to save yet, said in one line
+    (signal.SIGTERM, 0, "justrl-train: stopped by SIGTERM before training started; nothing to save"),
+])
 @pytest.mark.parametrize("nproc", [None, 2])
-def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, nproc):
-    """Ctrl-C to the process group a moment after the start (imports under way), alone and under the launcher."""
+def test_ctrl_c_or_a_stop_while_importing_is_one_line(tmp_path, nproc, sig, code, said):
+    """Ctrl-C or SIGTERM to the process group a moment after the start (imports under way), alone and under the
+    launcher."""
     cmd = [*TRAIN, *([f"--nproc-per-node={nproc}"] if nproc else []), f"trainer.run_dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, cwd=tmp_path)
@@ -125,8 +131,37 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, nproc):
         time.sleep(0.5)
     else:
         time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
-    assert [w for w in err.splitlines() if "process(es)" not in w] == [
-        "justrl-train: interrupted before training started; nothing was saved"], err
+    assert proc.returncode == code, err
+    assert [w for w in err.splitlines() if "process(es)" not in w] == [said], err
+
+
+def test_a_stop_once_training_started_is_the_trainers(monkeypatch):
+    """The trainer's handlers put the early one back at exit (slurm.StopSignal.restore): a stop repeated then (Slurm
+    repeats SIGUSR1) neither exits nor says "before training started"."""
+    from justrl_megatron import early_interrupt
+
+    monkeypatch.setattr(early_interrupt, "_training", True)
+    assert early_interrupt.stopped_before_training(signal.SIGUSR1, None) is None
+
+
+def test_the_early_stop_handler_leaves_an_ignored_signal_and_a_rank_of_several_alone(monkeypatch):
+    """A launcher's rank still importing ignores SIGUSR1 (the batch script repeats it until the trainer's handler
+    takes it); a rank of several is left to die of a stop, so that its launcher ends its peers at once."""
+    from justrl_megatron import early_interrupt
+
+    saved = {sig: signal.getsignal(sig) for sig in early_interrupt.STOP_SIGNALS}
+    try:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        early_interrupt.install_stop()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        early_interrupt.install_stop()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is early_interrupt.stopped_before_training
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -207,6 +207,38 @@ def test_gsm8k_table(response, answer, expected):
     assert get_reward_fn("gsm8k")(response, answer) == expected
 
 
+@pytest.mark.parametrize("response, answer, expected", [
+    # digits of any script are the digits they are, in the response and in the ground truth
+    ("#### \uff11\uff12", "12", 1.0),  # fullwidth
+    ("#### \u0661\u0662", "12", 1.0),  # Arabic-Indic
+    ("\\boxed{\u0967\u0968}", "12", 1.0),  # Devanagari
+    ("The answer is \uff11\uff0c\uff12\uff13\uff14\uff0e\uff15", "1234.5", 1.0),  # fullwidth comma and point
+    ("#### \u0663\u066b\u0665", "3.5", 1.0),  # the Arabic decimal separator
+    ("#### \u22125", "-5", 1.0),  # the minus sign
+    ("#### 12", "\uff11\uff12", 1.0),
+    ("The area is 12 m\u00b2", "2", 0.0),  # a superscript is no digit: the last number is 12
+    # exact, or within rel_tol (1e-9 of the truth): a double's printing noise counts, a different number does not
+    ("#### 12.0000001", "12", 0.0),
+    ("#### 0.30000000000000004", "0.3", 1.0),
+    ("#### 12.000000000001", "12", 1.0),
+    ("#### 11.9999", "12", 0.0),
+])
+def test_gsm8k_digits_and_tolerance_follow_the_stated_rule(response, answer, expected):
+    assert get_reward_fn("gsm8k")(response, answer) == expected
+
+
+def test_gsm8k_rewards_stay_in_range_and_the_tolerance_is_the_users():
+    fn = get_reward_fn("gsm8k", correct=1, wrong=-1, no_answer=-0.5)
+    hostile = ["", "####", "#### 1/0", "#### " + "9" * 5000, "\\boxed{" * 1000, "#### nan", "#### inf", "#### -0",
+               "".join(chr(c) for c in range(0x660, 0x66e)) * 50, "".join(map(chr, range(0x2000, 0x2400)))]
+    low, high = fn.reward_range
+    assert all(low <= fn(r, a) <= high for r in hostile for a in ("12", "0", "-3.5", "\u0661"))
+    assert get_reward_fn("gsm8k", rel_tol=1e-6)("#### 12.0000001", "12") == 1.0  # looser, when asked for
+    for bad in (-1e-9, float("nan"), float("inf"), 1.0, "1e-9"):
+        with pytest.raises(ValueError, match="rel_tol must be a number in"):
+            get_reward_fn("gsm8k", rel_tol=bad)
+
+
 def test_gsm8k_strict_and_values():
     strict = get_reward_fn("gsm8k", mode="strict", correct=1, wrong=-1, no_answer=-0.5)
     assert strict("#### 5", "5") == 1 and strict("The answer is 5", "5") == -0.5 and strict("#### 6", "5") == -1

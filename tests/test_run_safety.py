@@ -9,12 +9,17 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers import ENV, MP, SHORT_TRAIN
+from justrl_megatron.interrupt import ABORTED, REPEAT_S
+
+ROOT = Path(__file__).resolve().parent.parent
+
 
 # --- the run-dir lock: real processes ----------------------------------------------------------------------------
 
@@ -166,6 +171,77 @@ def test_a_trainer_on_a_full_disk_stops_with_one_line(tmp_path, tiny_llama):
     # no staging folder, no latest; step 1 logged (and step 2: an async write's failure surfaces at the next step's
     # commit, after its rollout)
     assert [json.loads(row)["step"] for row in left] in ([1], [1, 2]), left
+
+
+# --- a second Ctrl-C is one line, whatever the helpers left to the resource tracker ------------------------------
+
+CHILD = textwrap.dedent("""
+    import os, sys, threading, time
+    from multiprocessing import shared_memory
+    from justrl_megatron import interrupt, run_lock
+
+    interrupt.Interruptible().install()
+    kept = shared_memory.SharedMemory(create=True, size=4096)  # a helper's, never unlinked: the tracker's to clean
+    late = shared_memory.SharedMemory(create=True, size=4096)  # unlinked while the abort is under way
+    aborting = threading.Event()
+    remove = run_lock.remove_staging
+
+    def slow_remove():  # removing a large staging folder takes a while; other threads run meanwhile
+        aborting.set()
+        time.sleep(0.5)
+        return remove()
+
+    run_lock.remove_staging = slow_remove
+
+    def unlink_late():  # as a library's thread does when its engine process was killed under it
+        aborting.wait()
+        late.close()
+        late.unlink()
+
+    threading.Thread(target=unlink_late, daemon=True).start()
+    print(kept.name, late.name, flush=True)
+    while True:
+        time.sleep(0.02)
+""")
+
+
+def test_second_ctrl_c_leaves_no_traceback_and_no_shared_memory():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0"}
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    names, left = [], []
+    try:
+        names = child.stdout.readline().split()
+        assert len(names) == 2, child.communicate(timeout=60)
+        child.send_signal(signal.SIGINT)
+        time.sleep(REPEAT_S + 0.5)  # a second press, not the terminal's and torchrun's copies of the first
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)  # stderr's EOF: the resource tracker, which holds it too, is gone
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        left = [name for name in names if Path("/dev/shm", name.lstrip("/")).exists()]
+        for name in left:  # only what this test made
+            Path("/dev/shm", name.lstrip("/")).unlink()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and "resource_tracker" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[1].startswith(ABORTED.split(":")[0]), err
+    assert not left, f"{left} leaked: the resource tracker was killed before it could unlink them"
+
+
+def test_the_resource_tracker_leaves_stop_signals_to_the_rank():
+    """A SIGUSR1 to every process (Slurm) killed the tracker a rank shares with its helpers: what it tracked leaked,
+    and the next unregistration relaunched it into the KeyError traceback above."""
+    code = ("import os, signal, time\nfrom multiprocessing import resource_tracker\n"
+            "from justrl_megatron.interrupt import Interruptible\nInterruptible().install()\n"
+            "pid = resource_tracker._resource_tracker._pid\n"
+            "for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):\n    os.kill(pid, sig)\n"
+            "time.sleep(0.5)\nprint(os.waitpid(pid, os.WNOHANG))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "(0, 0)", (done.stdout, done.stderr)  # still running
 
 
 # --- metrics.jsonl: a torn row -------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from helpers import run_mp
 from justrl_megatron.config import ConfigError, compose, validate
 from justrl_megatron.rollout import Rollouts, SamplingConfig, logprob_gap
 from justrl_megatron.rollout.multi_turn import ToolRollout
-from justrl_megatron.rollout.tools import Observation, PythonTool, tool_metrics, tool_penalties, trigger_token_ids
+from justrl_megatron.rollout.tools import (Observation, PythonTool, fenced_block_at_end, tool_metrics, tool_penalties,
+                                           trigger_token_ids)
 
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2"])
@@ -425,6 +426,42 @@ def test_fences_found_on_the_real_tokenizers(tokenizer):
         assert tool.find_call(no_call) is None, no_call
 
 
+# --- a closing fence is a line of its own -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [
+    'print("```")\n',
+    "s = '```python'\nprint(len(s))\n",
+    'fence = "`" * 3 + "```"\nprint(f"{fence}done")\n',
+    "x = 1  # ``` in a comment\nprint(x)\n",
+])
+def test_a_fence_inside_the_code_does_not_close_the_block(code):
+    tool = PythonTool()
+    prefix = "Let me check.\n```python\n"
+    # every point where the driver asks (after a backtick): no call until the real closing fence
+    for k in range(len(prefix), len(prefix) + len(code)):
+        if (prefix + code)[k - 1] == "`":
+            assert tool.find_call(prefix + code[:k - len(prefix)]) is None, code[:k - len(prefix)]
+    assert tool.find_call(prefix + code + "```") == code
+    assert tool.find_call(prefix + code + "```\n") == code
+    assert tool.find_call(prefix + code + "  ```  \n") == code  # an indented closing fence (a list item)
+
+
+def test_fence_rule_cases():
+    tool = PythonTool()
+    assert tool.find_call("```python\nprint(1)\n```") == "print(1)\n"
+    assert tool.find_call("Compute:```python\nprint(1)\n```\n") == "print(1)\n"  # an opening fence mid-line
+    # an earlier closed block (with a fence in its code) and prose, then the block the text ends in
+    text = "```python\nprint('```')\n```\n```output\n```\n\nAnd now:\n```py\nprint(2)\n```"
+    assert tool.find_call(text) == "print(2)\n"
+    for no_call in ("```python\nprint(1)\n", "```output\n3\n```", "```\nprint(1)\n```", "```python\n```",
+                    "```python\nprint(1)\n``` and more", "a ``` b", "```python\nprint(1)\n```\nmore",
+                    '```python\nprint("```', "```python\nx = 1 ```", "```python"):
+        assert tool.find_call(no_call) is None, no_call
+    assert fenced_block_at_end("```output\n3\n```") == ("output", "3\n")
+    # Markdown's limit, kept: a line of just ``` in a multi-line string closes the block
+    assert tool.find_call('```python\ns = """\n```') == 's = """\n'
+
+
 # --- the Python tool against hostile code (the code reward's sandbox cases, through the tool) -------------------------
 
 def test_hostile_code_stays_in_the_sandbox(tmp_path):
@@ -493,7 +530,7 @@ def test_sympy_and_numpy_in_the_tool_and_only_with_the_allow_list():
     tool = PythonTool(timeout_s=30, packages=("sympy", "numpy"))  # a deadline no import comes near: no false timeout
     obs = tool.run(code)
     assert (obs.status, obs.text) == ("ok", "[2, 3]\n1/2\narray([0.8, 1.4])\n"), obs
-    obs = PythonTool(timeout_s=30).run(code)  # rollout.tool_packages=[]: the standard library only
+    obs = PythonTool(timeout_s=30).run(code)  # rollout.tool.packages=[]: the standard library only
     assert obs.status == "error" and obs.text.endswith("ModuleNotFoundError: No module named 'sympy'\n"), obs
 
 
@@ -539,21 +576,36 @@ def test_packing_masks_tool_tokens_target_by_target():
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.tools=[shell]"], "rollout.tools: unknown tool(s) ['shell']"),
-    (["rollout.tools=[python]", "rollout.max_turns=0"], "rollout.max_turns must be >= 1"),
+    (["rollout.tools=[python]", "rollout.tool.max_turns=0"], "rollout.tool.max_turns must be >= 1"),
     (["rollout.tools=[python]", "rollout.tensor_parallel=2"], "rollout.tools needs rollout.tensor_parallel=1"),
-    (["rollout.tools=[python]", "rollout.tool_timeout_s=0"], "rollout.tool_timeout_s must be > 0"),
+    (["rollout.tools=[python]", "rollout.tool.timeout_s=0"], "rollout.tool.timeout_s must be > 0"),
     (["rollout.tools=[python]", "algo.tool_error_penalty=-1"], "algo.tool_error_penalty and"),
     (["rollout.tools=[python,python]"], "rollout.tools names python more than once"),
-    (["rollout.tools=[python]", "rollout.tool_packages=[sympy,os.path]"], "rollout.tool_packages must list import"),
-    (["rollout.tools=[python]", "rollout.tool_packages=[sympy,no_such_package_here]"],
+    (["rollout.tools=[python]", "rollout.tool.packages=[sympy,os.path]"], "rollout.tool.packages must list import"),
+    (["rollout.tools=[python]", "rollout.tool.packages=[sympy,no_such_package_here]"],
      "no_such_package_here is not installed in this environment"),
     # the packages are imported in the sandbox under the tool's own limits: too little memory for them
-    (["rollout.tools=[python]", "rollout.tool_memory_mb=96"], "import sympy, numpy inside the sandbox (memory 96 MiB"),
+    (["rollout.tools=[python]", "rollout.tool.memory_mb=96"], "import sympy, numpy inside the sandbox (memory 96 MiB"),
+    # the training stack stays out of the sandbox, named or required (it was accepted: only the default list held)
+    (["rollout.tools=[python]", "rollout.tool.packages=[sympy,torch]"],
+     "rollout.tool.packages=['sympy', 'torch']: torch would put the training stack into the sandbox"),
+    (["rollout.tools=[python]", "rollout.tool.packages=[vllm]"], "vllm would put the training stack"),
+    (["rollout.tools=[python]", "rollout.tool.packages=[megatron]"], "megatron would put the training stack"),
+    (["rollout.tools=[python]", "rollout.tool.packages=[accelerate]"],
+     "accelerate (requires torch) would put the training stack into the sandbox where model-written code runs; "
+     "drop it, or set rollout.tool.allow_training_stack=true"),
 ])
 def test_tool_refusals_say_what_to_fix_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(compose(overrides), world_size=2)
     assert message in str(err.value) and str(err.value).count("\n  - ") == 1, str(err.value)
+
+
+def test_the_training_stack_in_the_sandbox_only_when_asked_for():
+    """rollout.tool.allow_training_stack=true lets it through (the sandbox check then imports it as any package)."""
+    validate(compose(["rollout.tool.packages=[torch]", "rollout.tool.allow_training_stack=true"]), world_size=2)
+    with pytest.raises(ConfigError, match="torch would put the training stack"):
+        validate(compose(["rollout.tool.packages=[torch]"]), world_size=2)  # named: refused with or without tools
 
 
 def test_no_sandbox_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
@@ -642,7 +694,7 @@ def test_the_colocated_placement_generates_multi_turn_with_rollout_tools(tokeniz
     """A colocated rank drives its engine through its engine loop, tool turns included (rollout/engines.py)."""
     from justrl_megatron.rollout.placement import ColocatedPlacement
 
-    cfg = compose(["rollout.tools=[python]", "rollout.max_turns=1", f"model.tokenizer={tokenizer.name_or_path}"])
+    cfg = compose(["rollout.tools=[python]", "rollout.tool.max_turns=1", f"model.tokenizer={tokenizer.name_or_path}"])
     engine = StreamingScriptedEngine(tokenizer, TURNS)
     engine.generate_all = engine.generate = None  # the batch calls must not be asked for: the loop drives it
     placement = ColocatedPlacement(cfg, "unused-model-dir", engine=engine)

@@ -90,12 +90,10 @@ def three_steps(tmp_path_factory, tiny_llama):
 @pytest.mark.slow
 def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama, three_steps):
     """Kill -9 right after the step-2 checkpoint; rerunning the same command resumes and ends on the same weights.
-    The same launches also show (issue 32): a second trainer on the run dir is refused at once, naming the first; the
-    SIGKILL leaves no helper process alive. And (issue 42) a rerun whose rollout is made huge answers a SIGTERM a
-    few seconds into it within seconds, keeping step 2 as it was; the next rerun still ends on the same weights."""
+    The same launches also show: a second trainer on the run dir is refused at once, naming the first (the rerun
+    takes the lock over from the dead trainer); the SIGKILL leaves no helper process alive."""
     from justrl_megatron.checkpoint import latest_step
     from justrl_megatron.run_lock import LOCK_FILE
-    from justrl_megatron.slurm import requeue_message
 
     args = three_step_args(tiny_llama)
     straight = three_steps
@@ -134,27 +132,8 @@ def test_sigkill_and_rerun_gives_the_uninterrupted_weights(tmp_path, tiny_llama,
     # the refused launch wrote nothing; step 3 may be logged: an async save of step 2 commits during step 3
     assert [r["step"] for r in metrics(killed)] in ([1, 2], [1, 2, 3])
 
-    # a rerun (its lock taken over from the dead trainer) with a huge rollout: 2 prompts x 256 samples x 384 tokens,
-    # minutes of generation; a SIGTERM 3 s into step 3 (the weight sync before it takes < 1 s) aborts the rollout
-    huge = ["rollout.n=256", "rollout.max_response_length=384"]
-    resumed = subprocess.Popen(train_cmd([*args, *huge, f"trainer.run_dir={killed}"]), env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    said = []
-    for line in resumed.stdout:
-        said.append(line)
-        if "resumed from" in line:
-            break
-    time.sleep(3)
-    signalled = time.monotonic()
-    resumed.send_signal(signal.SIGTERM)
-    said = "".join(said + resumed.stdout.readlines())
-    assert resumed.wait(timeout=600) == 0, said[-5000:]
-    took = time.monotonic() - signalled
-    print(f"SIGTERM 3 s into a huge rollout: the trainer exited after {took:.1f} s")
-    assert requeue_message(2) in said and "Traceback" not in said, said[-5000:]
-    assert took < 45, f"the trainer took {took:.0f} s to answer SIGTERM during its rollout"  # ~5-10 s here
-    assert latest_step(killed) == 2 and [r["step"] for r in metrics(killed)][-1] in (2, 3)  # step 2 kept as it was
-
+    # (a SIGTERM during a huge rollout: answered in seconds by the engine loop's abort, in-process and in an engine's
+    # own process alike: tests/test_rollout.py's split 768-sample batch, tests/test_modes.py's stops mid-generation)
     # the same command as the uninterrupted run resumes from step 2 and ends on its weights
     train([*args, f"trainer.run_dir={killed}"])
     assert [r["step"] for r in metrics(killed)][-1] == 3
@@ -183,38 +162,6 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.dtype == b.dtype and torch.equal(a, b)
-
-
-@pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_named_and_the_run_falls_back(tmp_path, tiny_llama, three_steps):
-    """A truncated shard in the latest checkpoint: the rerun names it and resumes the step before (metrics.jsonl
-    keeps each step once, heldout_accuracy.json stays valid JSON with eval_samples=0); trainer.resume=strict stops
-    with the same message instead (exit code 2, no traceback)."""
-    import shutil
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(three_steps, run_dir)  # a 3-step run (the shared one's copy: the original stays intact)
-    args = [f"model.path={tiny_llama}", *SHORT, "trainer.eval_samples=0", f"trainer.run_dir={run_dir}"]
-    shard = sorted((run_dir / "checkpoints" / "step_00000003").glob("*.distcp"))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(1000)
-
-    resumed = train([*args, "trainer.total_steps=4"])
-    said = resumed.stderr + resumed.stdout
-    assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in said, said[-3000:]
-    assert "resuming from step 2" in said and "at step 2" in said
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]  # step 3 logged again, once
-    assert json.loads((run_dir / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
-
-    shard = sorted((run_dir / "checkpoints" / "step_00000004").glob("*.distcp"))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(1000)
-    proc = subprocess.run(train_cmd([*args, "trainer.total_steps=5", "trainer.resume=strict"]), capture_output=True,
-                          text=True, timeout=600, env=ENV)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
-    assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_heldout_accuracy_json_is_valid_json_without_numbers(tmp_path):
@@ -328,9 +275,14 @@ def test_resumed_optimizer_follows_the_config_lr(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_path, tiny_llama, three_steps):
-    """A copy of the shared 3-step run resumed with a new lr and one more step: the changes listed, the new lr applied
-    from the resumed step on; then another model on that run dir is refused in one message, nothing started."""
+def test_resume_falls_back_from_a_damaged_checkpoint_lists_changes_and_refuses_another_model(tmp_path, tiny_llama,
+                                                                                                three_steps):
+    """A copy of the shared 3-step run whose latest checkpoint has a truncated shard, resumed with a new lr and one
+    more step: the rerun names the damaged shard and resumes the step before, lists the changed settings and applies
+    the new lr from the resumed step on (metrics.jsonl keeps each step once, heldout_accuracy.json stays valid JSON
+    with eval_samples=0). Then, nothing started either time: another model on that run dir is refused in one message;
+    and with the new latest checkpoint damaged too, trainer.resume=strict stops with the damage named (exit code 2,
+    no traceback) instead of falling back. (One trainer launch for the damage and the changes.)"""
     from justrl_megatron import assets
     from justrl_megatron.checkpoint import latest_step
 
@@ -339,11 +291,17 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
     args = [*three_step_args(tiny_llama), f"trainer.run_dir={run_dir}"]
     before = [r["actor/lr"] for r in metrics(run_dir)]
     assert before == [1e-5] * 3  # the demo's lr, no warmup
+    shard = _truncate_a_shard(run_dir, 3)
+
     resumed = train([*args, "trainer.lr=2e-5", "trainer.total_steps=4"])
     out = resumed.stdout + resumed.stderr
+    assert f"checkpoint step 3 ({shard.parent}) is damaged: {shard.name}: 1000 bytes" in out, out[-3000:]
+    assert "resuming from step 2" in out and "at step 2" in out
     assert "with settings changed since the last launch (0001.yaml)" in out
     assert "trainer.lr: 1e-05 -> 2e-05" in out and "trainer.total_steps: 3 -> 4" in out, out[-3000:]
-    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-5), (2, 1e-5), (3, 1e-5), (4, 2e-5)]
+    # step 3 trained again, once, with the new lr
+    assert [(r["step"], r["actor/lr"]) for r in metrics(run_dir)] == [(1, 1e-5), (2, 1e-5), (3, 2e-5), (4, 2e-5)]
+    assert json.loads((run_dir / "heldout_accuracy.json").read_text()) == {"start": None, "end": None}
     history = sorted((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))  # (not NNNN.resolved.yaml)
     assert [p.name for p in history] == ["0001.yaml", "0002.yaml"]
     assert "lr: 1.0e-05" in history[0].read_text() and "lr: 2.0e-05" in history[1].read_text()
@@ -351,15 +309,31 @@ def test_resume_lists_changes_applies_the_new_lr_and_refuses_another_model(tmp_p
 
     other = assets.tiny_model(tmp_path / "other", "llama", tokenizer=tiny_llama, num_layers=3, hidden_size=128,
                               num_heads=4, num_kv_heads=2, intermediate_size=96)
-    start = time.monotonic()
     proc = subprocess.run(train_cmd([*args, f"model.path={other}", "trainer.total_steps=5", "trainer.seed=5"]),
                           capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"model.path changed since the last launch ('{tiny_llama}' -> '{other}')" in proc.stderr
     assert "is not the model of the checkpoint at step 4 (num_layers 2 -> 3)" in proc.stderr
     assert "trainer.seed changed since the last launch (1 -> 5)" in proc.stderr
-    assert time.monotonic() - start < 90
     assert latest_step(run_dir) == 4 and len(list((run_dir / "config_history").glob("[0-9][0-9][0-9][0-9].yaml"))) == 2
+
+    shard = _truncate_a_shard(run_dir, 4)
+    proc = subprocess.run(train_cmd([*args, "trainer.lr=2e-5", "trainer.total_steps=5", "trainer.resume=strict"]),
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{shard.parent}) is damaged: {shard.name}: 1000 bytes" in proc.stderr
+    assert "step 3" in proc.stderr and "trainer.resume=auto" in proc.stderr and "Traceback" not in proc.stderr
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def _truncate_a_shard(run_dir, step: int):
+    """Cut the first tensor shard of checkpoint `step` to 1000 bytes (a write the node's end interrupted); its path."""
+    shard = sorted((run_dir / "checkpoints" / f"step_{step:08d}").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    return shard
+
+
 # --- helpers die with the trainer (kill -9 leaves no orphans) -------------------------------------------------------
 
 HANGING_VERIFIER = '''

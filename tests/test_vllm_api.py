@@ -238,3 +238,25 @@ def test_a_stale_hint_is_reported():
     problems = tool.check(cpu, {"rollout/vllm_engine.py": renamed})
     assert any("HINTS[rollout/vllm_engine.py:VLLMEngine._group] names 'out'" in p for p in problems), problems
     assert any("HINTS names rollout/vllm_engine.py:span_versions, which does not exist" in p for p in problems), problems
+
+
+def test_on_cpu_vllm_queue_readers_wait_on_their_socket_without_spinning(tmp_path):
+    """rollout/vllm_plugin.py is registered as a vLLM general plugin (vLLM runs it in its engine core and workers),
+    and once run a reader of vLLM's shared-memory queue sleeps at once instead of spinning for a second."""
+    from importlib.metadata import entry_points
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.plugins import load_general_plugins
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("justrl_cpu_queues") == "justrl_megatron.rollout.vllm_plugin:register", plugins
+    load_general_plugins()
+    context = zmq.Context()
+    address = f"ipc://{tmp_path}/notify"
+    try:
+        writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+        reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+        assert reader.busy_loop_s == 0 and writer.busy_loop_s == 0
+    finally:
+        context.destroy(linger=0)

@@ -1,7 +1,7 @@
 """RL algorithms: the loss settings (`LossConfig`), advantages (`compute_advantages`) and the policy loss
 (`policy_loss`: ppo, gspo, cispo).
 
-`LossConfig` imports without torch (config.py takes its defaults from it); the torch names load on first use."""
+`LossConfig` imports without torch (the config schema derives its loss keys from it); the torch names load on first use."""
 from .loss_config import LossConfig
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "AGG_MODES", "KL_ESTIMATORS", "LossConfig", "POLICY_LOSSES", "aggregate",

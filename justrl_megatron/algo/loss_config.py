@@ -1,11 +1,12 @@
 """`LossConfig`: every setting of the policy loss (and of the advantages it weighs), in one frozen object.
 
 Built once from `cfg.algo` (`LossConfig.from_algo`), it travels whole: loop -> train/step.py's update -> the
-micro-batch loss -> `algo.grpo.policy_loss`. Each default is written here and only here: config.py's AlgoConfig and
-policy_loss's keywords read them from this class. Adding a loss knob: a field here (with its default and a comment),
-its use in algo/grpo.py, its check in config.py's validate if it has a range, and a test.
+micro-batch loss -> `algo.grpo.policy_loss`. Each setting is written here and only here: config/schema.py derives
+its keys from these fields (algo.<name>, and algo.distill.<name> for distill_<name>: name, type, default), and
+policy_loss's keywords read the defaults from this class. Adding a loss knob: a field here (with its default and a
+comment), its use in algo/grpo.py, its check in config/checks.py if it has a range, and a test.
 
-Import-light on purpose (no torch): config.py imports it to take the defaults.
+Import-light on purpose (no torch): the config schema imports it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
+
+DISTILL = "distill_"  # the fields whose keys are under algo.distill (without it): algo.distill.coef is distill_coef
 
 
 @dataclass(frozen=True)
@@ -34,9 +37,12 @@ class LossConfig:
     kl_coef: float = 0.0  # the KL penalty to the reference policy (JustRL: none)
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0  # an entropy bonus (JustRL: none)
-    mask_truncated: bool = False  # truncated responses leave the loss and its denominator
-    rollout_correction: str = "none"  # none | tis | mis | seq-tis | seq-mis (algo/rollout_correction.py)
-    tis_cap: float = 2.0
+    mask_truncated: bool = False  # overlong filtering: truncated responses leave the loss and its denominator
+    # none | tis | mis | seq-tis | seq-mis (algo/rollout_correction.py): weights pi_trainer_old / pi_vllm on the policy
+    # loss, capped (tis) or masking tokens outside [1/tis_cap, tis_cap] (mis); seq-*: one weight per response (the
+    # geometric mean of its tokens' ratios). The config's default follows rollout.max_staleness (config/schema.py)
+    rollout_correction: str = "none"
+    tis_cap: float = 2.0  # ms-swift's threshold; slime's MIS example keeps ratios in [0.5, 2]
     norm_adv_by_std: bool = True  # grpo: advantages divided by the group's std (False: Dr. GRPO)
     # on-policy distillation (algo/distill.py; used only when a teacher scores the batch, algo.distill.teacher):
     # per-token advantage reward_coef * A_group - coef * (student logprob - teacher logprob)
@@ -53,8 +59,8 @@ class LossConfig:
         """The loss settings of a config's `algo` section (every field has a key of the same name there; the
         distill_* ones under algo.distill)."""
         def key(name):
-            if name.startswith("distill_"):
-                return getattr(algo.distill, name.removeprefix("distill_"))
+            if name.startswith(DISTILL):
+                return getattr(algo.distill, name.removeprefix(DISTILL))
             return getattr(algo, name)
 
         return cls(**{f.name: key(f.name) for f in dataclasses.fields(cls)})

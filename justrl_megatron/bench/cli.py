@@ -149,13 +149,16 @@ def model_folder(model: str, *, tokenizer: bool = False) -> Path:
     """An HF folder for --model: built-in shapes become random-weight folders (built once into the asset cache);
     with `tokenizer`, one the trainer can run on text prompts."""
     from .. import assets
+    from ..model.families import FAMILIES
     from .train import BUILTIN_SHAPES
 
     if model not in BUILTIN_SHAPES:
         return assets.resolve_model_path(model)
     s = BUILTIN_SHAPES[model]
-    if s.family == "qwen2" and s.head_dim * s.num_attention_heads != s.hidden_size:
-        raise ValueError(f"built-in shape {model} has head_dim != hidden/heads, which Qwen2 cannot express")
+    family = FAMILIES[s.family]
+    if not family.free_head_dim and s.head_dim * s.num_attention_heads != s.hidden_size:
+        raise ValueError(f"built-in shape {model} has head_dim != hidden/heads, which "
+                         f"{family.architecture.removesuffix('ForCausalLM')} cannot express")
     rope = None if s.rope_type == "default" else {"rope_type": s.rope_type, "factor": s.rope_factor}
     if s.rope_type == "llama3":
         rope.update(low_freq_factor=s.rope_low_freq_factor, high_freq_factor=s.rope_high_freq_factor,
@@ -171,7 +174,7 @@ def model_folder(model: str, *, tokenizer: bool = False) -> Path:
     if model == "tiny":  # the tiny shape's vocabulary holds no real tokenizer: a Llama of its size with SmolLM2's
         return assets._build_once("bench-random-tiny-llama-tok", lambda out: assets.tiny_model(
             out, "llama", tokenizer=assets.smollm2_135m_instruct(), **kw))
-    if s.family in ("qwen2", "qwen3"):  # the Qwen2 tokenizer (151,665 tokens) fits Qwen3's vocabulary too
+    if family.qwen_tokenizer:  # the Qwen2 tokenizer (151,665 tokens) fits Qwen2's and Qwen3's vocabulary
         return assets._build_once(f"bench-random-{model}-tok", lambda out: assets.tiny_model(
             out, s.family, vocab_size=s.vocab_size, with_tokenizer=True, **kw))
     return assets._build_once(f"bench-random-{model}-tok", lambda out: assets.tiny_model(

@@ -29,14 +29,10 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _fill_grads(policy, update, samples, old):
-    """A real update's gradients in the main grads (the guard and the bare step then consume them)."""
-    update(policy, samples, old)
-
-
 def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, seq_len: int = 256,
                 repeats: int = 7, shape=None) -> dict:
     """``shape`` (a ModelShape) instead of a named ``model``: the GPU test's moderate model."""
+    from ..algo.loss_config import LossConfig
     from ..distributed import init_distributed
     from ..model.build import nonfinite_parameters
     from ..model.policy import Policy
@@ -54,7 +50,7 @@ def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, s
     batch = [Sample(prompt_ids=torch.randint(1, shape.vocab_size, (seq_len // 4,), generator=g).tolist(),
                     response_ids=torch.randint(1, shape.vocab_size, (seq_len - seq_len // 4,), generator=g).tolist(),
                     advantage=1.0 if i % 2 else -1.0, group=i // 4) for i in range(samples)]
-    kw = dict(max_tokens_per_micro_batch=samples * seq_len, clip_low=0.2, clip_high=0.28, dual_clip_c=10.0)
+    kw = dict(max_tokens_per_micro_batch=samples * seq_len, loss=LossConfig())  # the loss's own defaults
     old = step_mod.compute_logprobs(policy, batch, max_tokens_per_micro_batch=samples * seq_len)
 
     def backward_only(policy, step):  # the update's gradients, kept for the timed steps below
@@ -66,7 +62,7 @@ def bench_guard(*, model: str = "tiny", dtype: str = "fp32", samples: int = 8, s
         except _GradsReady:
             pass
 
-    def old_guard():  # the guard before issue 38: its own grad copy + norm, a host copy of the trainable weights,
+    def old_guard():  # the former guard: its own grad copy + norm, a host copy of the trainable weights,
         # megatron's step, then a max-|w| check with a host sync
         found_inf = policy.optimizer.prepare_grads()
         norm = float(policy.optimizer.get_grad_norm())

@@ -171,7 +171,7 @@ def length_histogram(lengths: list[int], edges=HISTOGRAM_EDGES) -> list[tuple[st
 
 def workload_config(overrides):
     """The run's config from a shape's (and a mode's) overrides, placement aside (measurements build their own)."""
-    from ..config import compose
+    from ..config.schema import compose
 
     return compose([w for w in overrides if not w.startswith("rollout.placement") and "num_rollout" not in w])
 

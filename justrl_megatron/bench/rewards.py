@@ -1,7 +1,7 @@
 """Verifier throughput (verifications per second) through a BatchScorer, on synthetic but realistic responses.
 
 Responses are ~``response_chars`` characters of LaTeX-heavy reasoning ending the way policies end them: a correct
-box, a wrong box, a box followed by chatter, or no box (truncated). Targets from issue 3, on 2 cores: dapo >= 20,000/s,
+box, a wrong box, a box followed by chatter, or no box (truncated). Targets, on 2 cores: dapo >= 20,000/s,
 math_verify >= 1,000/s through the worker pool. ``run_reward_bench`` is what ``tools/bench_rewards.py`` (and the
 CLI's bench phase) call.
 

@@ -44,7 +44,7 @@ def train_overrides(*, model: str | None = None, prompts: int | None = None, n: 
         out.append(f"rollout.max_response_length={response_len}")
     out += list(extra)  # the caller's own overrides win (hydra: the last one counts)
     if response_len is not None and not any(o.startswith("trainer.max_tokens_per_micro_batch=") for o in extra):
-        from ..config import compose
+        from ..config.schema import compose
 
         cfg = compose(out)  # a micro-batch must hold one whole sample
         need = cfg.data.max_prompt_length + response_len

@@ -48,7 +48,7 @@ BUILTIN_SHAPES = {
         family="llama", num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9,
         num_query_groups=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
         rms_norm_eps=1e-5, qkv_bias=False, tie_word_embeddings=True, init_std=0.041666666666666664),
-    # the published configs of these models map to exactly these shapes (tests/test_models.py)
+    # the published configs of these models map to exactly these shapes (tests/test_model_families.py)
     "qwen2.5-math-1.5b": ModelShape(
         family="qwen2", num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
         num_query_groups=2, head_dim=128, vocab_size=151936, max_position_embeddings=4096, rope_theta=10000.0,

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGET_RATIO = 0.5  # issue 9: ours / TRL seconds per step
+TARGET_RATIO = 0.5  # the target: ours / TRL seconds per step
 
 
 def trl_available() -> bool:
@@ -44,7 +44,7 @@ def prepare_prompts(*, overrides: list[str], total_steps: int, prompts: int) -> 
     from transformers import AutoTokenizer
 
     from ..assets import resolve_model_path
-    from ..config import compose
+    from ..config.schema import compose
     from ..dtypes import dtype_name
     from ..data.sampler import PromptSampler, load_training_rows, tokenize_prompts
 

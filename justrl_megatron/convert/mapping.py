@@ -19,7 +19,8 @@ MoE layers (Mixtral, Qwen3-MoE) have a router (`mlp.router.weight`, HF `...gate.
 their Megatron names here carry the GLOBAL expert index (`mlp.experts.local_experts.{e}`): EP rank r holds experts
 r*E/EP .. (r+1)*E/EP - 1 as its local experts 0 .. E/EP - 1 (`live_parameters` renames them). The HF names are the
 per-expert ones transformers saves and vLLM loads (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2` = gate/up/down;
-Qwen3-MoE: `mlp.experts.{e}.gate_proj/up_proj/down_proj`), not transformers 5's fused in-memory `gate_up_proj`.
+Qwen3-MoE: `mlp.experts.{e}.gate_proj/up_proj/down_proj`: each family's `moe_module` and `expert_projections`,
+model/families.py), not transformers 5's fused in-memory `gate_up_proj`.
 
 `hf_to_shard` builds one TP rank's shard from HF tensors, reading only the rows/columns that rank needs (via `read`);
 `shards_to_hf` turns the full list of TP shards back into the HF tensors, bitwise.
@@ -35,6 +36,7 @@ import re
 import torch
 
 from ..model.build import unwrap
+from ..model.families import FAMILIES
 from ..model.hf_config import ModelShape
 
 # read(hf_name, dim, start, stop) -> tensor; dim=None means the whole tensor
@@ -56,15 +58,14 @@ _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 
 def _hf_expert_names(shape: ModelShape, i: int, e: int) -> tuple[str, str, str]:
     """(gate, up, down) of expert e in layer i, as the hub's files name them."""
-    if shape.family == "mixtral":
-        p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
-        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
-    p = f"model.layers.{i}.mlp.experts.{e}."
-    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+    family = FAMILIES[shape.family]
+    p = f"model.layers.{i}.{family.moe_module}.experts.{e}."
+    gate, up, down = family.expert_projections
+    return p + f"{gate}.weight", p + f"{up}.weight", p + f"{down}.weight"
 
 
 def _hf_router_name(shape: ModelShape, i: int) -> str:
-    return f"model.layers.{i}.{'block_sparse_moe' if shape.family == 'mixtral' else 'mlp'}.gate.weight"
+    return f"model.layers.{i}.{FAMILIES[shape.family].moe_module}.gate.weight"
 
 
 def _mlp_entries(shape: ModelShape, i: int) -> list[Entry]:

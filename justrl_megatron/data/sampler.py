@@ -27,18 +27,36 @@ def load_training_rows(data_cfg, *, seed: int, split: str = "train", limit: int 
     """Rows {problem, answer, data_source, id} of data.train (split="train") or of the held-out set (split="eval":
     data.eval, or for a generated task the same task under another seed). 'generated:<task>' draws from
     reasoning-gym."""
-    from . import generate_rows, load_rows
+    return load_training_source(data_cfg, seed=seed, split=split, limit=limit).rows
+
+
+def load_training_source(data_cfg, *, seed: int, split: str = "train", limit: int | None = None):
+    """load_training_rows' rows with what the loader read and dropped on the way (a data.loaders.LoadResult)."""
+    from . import LoadResult, generate_rows, load_rows
 
     spec = data_cfg.train if split == "train" else (data_cfg.eval or data_cfg.train)
     if spec.startswith("generated:"):
         n = data_cfg.num_generated if limit is None else limit
         task_seed = seed if split == "train" else seed + HELDOUT_SEED_OFFSET
         options = OmegaConf.to_container(data_cfg.task_options) if data_cfg.task_options else {}
-        return generate_rows(spec.split(":", 1)[1], n, task_seed, **options)
+        rows = generate_rows(spec.split(":", 1)[1], n, task_seed, **options)
+        return LoadResult(rows=rows, source=spec, read=len(rows))
     if split != "train" and not data_cfg.eval:
-        return []
+        return LoadResult(rows=[])
     fmt = data_cfg.format if split == "train" else (data_cfg.eval_format or data_cfg.format)
-    return list(load_rows(spec, fmt, dedup=data_cfg.dedup, limit=limit).rows)
+    return load_rows(spec, fmt, dedup=data_cfg.dedup, limit=limit)
+
+
+def none_fit(too_long: int, source, of: str = "") -> str:
+    """The prompts of `source` (a LoadResult) none of which fits data.max_prompt_length, counted as the loader left
+    them, with the verb that agrees: "all 3 prompts of data.train are", "the one prompt of data.train (3 records; 2
+    exact duplicate(s) dropped: data.dedup) is"."""
+    what = ("the one prompt" if too_long == 1 else f"all {too_long} prompts") + (f" of {of}" if of else "")
+    dropped = [f"{source.duplicates} exact duplicate(s) dropped: data.dedup"] if source.duplicates else []
+    skipped = sum(source.skipped.values())
+    dropped += [f"{skipped} malformed skipped"] if skipped else []
+    return what + (f" ({source.read} records; {', '.join(dropped)})" if dropped else "") + \
+        (" is" if too_long == 1 else " are")
 
 
 def tokenize_prompts(rows: list[dict], tokenizer, data_cfg) -> tuple[list[Prompt], int]:

@@ -1,5 +1,6 @@
 """The Megatron policy: HF config -> TransformerConfig + layer spec -> GPTModel chunks -> trainable Policy.
 
+families.py   the model families: each one registered Family (HF config traits, MoE weight names, tiny-model recipe)
 hf_config.py  HF config -> ModelShape -> TransformerConfig (+ parameter count)
 spec.py       the one switch model.transformer_impl: TransformerEngine spec on GPU, local spec otherwise
 attention.py  torch-SDPA core attention for the local spec (no S x S scores; packed THD rows)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .exact import engine_attention, piece_on
+from .fast_paths import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,6 @@ def varlen_choice(device, dtype, num_heads: int, num_groups: int, head_dim: int)
 # faster on Hopper at head dim 128 (FlashAttention-3 paper: forward 595 vs 370 TFLOP/s, backward 516 vs 322). torch
 # exposes it through SDPA on a [b, h, s, d] batch, so a packed row is attended one sequence at a time (one call for
 # a 16K-token sample) from bounds known on the host (`PackedPlan`, no sync: the micro-batch carries them).
-ATTENTION_BACKENDS = ("auto", "flash", "cudnn")
 
 
 def cudnn_candidates() -> list:
@@ -654,11 +654,14 @@ except Exception:  # pragma: no cover - megatron is a hard dependency; keeps the
 
 
 class SDPAttention(_Base):
-    """Drop-in core attention for megatron's local spec (same constructor/forward contract as DotProductAttention)."""
+    """Drop-in core attention for megatron's local spec (same constructor/forward contract as DotProductAttention).
+    `backend`: model.attention_backend for packed rows, from the layer spec's `ModuleSpec.params` (spec.block_spec):
+    the one every rank agreed on (model/fast_paths.resolve, Policy.build); "auto" (a model built without a Policy:
+    tests, converters) decides per process."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, **_unused):
+                 cp_comm_type: str | None = None, pg_collection=None, backend: str = "auto", **_unused):
         super().__init__(config=config)
         from megatron.core import parallel_state as ps
 
@@ -678,10 +681,7 @@ class SDPAttention(_Base):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.attn_mask_type = attn_mask_type
-        # the backend every rank agreed on (model/fast_paths.resolve, set by Policy.build); a model built without a
-        # Policy (tests, converters) decides per process
-        fast = getattr(config, "justrl_fast_paths", None)
-        self.backend = fast.attention_backend if fast is not None else "auto"
+        self.backend = backend
         # rollout.exact: log-prob passes (no autograd) attend with the engine's own kernel (model/exact.py)
         self.exact = bool(getattr(config, "justrl_exact", False))
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout

@@ -27,9 +27,11 @@ def build_model_chunks(
     parallel_output: bool = True,
     moe_grouped_gemm: bool = False,
     fp8: bool = False,
+    attention_backend: str = "auto",
 ):
     """Return the list of GPTModel chunks of this rank (length = virtual pipeline size, 1 without VPP).
-    `moe_grouped_gemm`, `fp8`: the local spec's grouped experts and FP8 linears (spec.block_spec)."""
+    `moe_grouped_gemm`, `fp8`, `attention_backend`: the local spec's grouped experts, FP8 linears and packed
+    attention kernel (spec.block_spec)."""
     vpp = config.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(shape.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by)
     chunks = []
@@ -38,7 +40,8 @@ def build_model_chunks(
         model = GPTModel(
             config=config,
             transformer_layer_spec=block_spec(config, transformer_impl, vp_stage=stage,
-                                              moe_grouped_gemm=moe_grouped_gemm, fp8=fp8),
+                                              moe_grouped_gemm=moe_grouped_gemm, fp8=fp8,
+                                              attention_backend=attention_backend),
             vocab_size=vocab,
             max_sequence_length=max_sequence_length or shape.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

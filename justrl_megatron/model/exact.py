@@ -23,10 +23,15 @@ import torch
 # The pieces of the exact mode; JUSTRL_EXACT_OFF=attention,rope,... leaves those to the trainer's own kernels, which
 # is how tools/logprob_parity.py measures what each one contributes (docs/numerics.md).
 PIECES = ("attention", "linear", "rope", "residual", "silu", "head")
+OFF_ENV = "JUSTRL_EXACT_OFF"
+
+
+def _off() -> set[str]:
+    return {n.strip() for n in os.environ.get(OFF_ENV, "").split(",") if n.strip()}
 
 
 def piece_on(name: str) -> bool:
-    return name not in os.environ.get("JUSTRL_EXACT_OFF", "").split(",")
+    return name not in _off()
 
 
 # K/V cache block size of the engine in exact mode (vllm_engine passes it; the kernel's tiling follows it)
@@ -34,7 +39,11 @@ BLOCK_SIZE = 128
 
 
 def problems(cfg, shape=None) -> list[str]:
-    """rollout.exact's refusals, one line, before any model is built: what it does not mirror op for op."""
+    """rollout.exact's refusals, one line, before any model is built: what it does not mirror op for op; a name in
+    JUSTRL_EXACT_OFF that is no piece (a typo would measure nothing and say nothing)."""
+    unknown = sorted(_off() - set(PIECES))
+    if unknown:
+        return [f"{OFF_ENV}={os.environ[OFF_ENV]!r}: unknown piece(s) {unknown}; known: {', '.join(PIECES)}"]
     if not cfg.rollout.exact:
         return []
     refused = [name for name, on in (

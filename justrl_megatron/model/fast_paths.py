@@ -16,9 +16,10 @@ config pre-flight (`problems`), in one line, before any model is built.
 
 Decided once: `Policy.build` turns the config's switches, the override and `model.attention_backend` into one
 `FastPaths` (`resolve`). `attention_backend=auto` is measured on rank 0 only and broadcast, so every rank attends
-with the same kernel (their bf16 gradients differ by up to 3e-2); the result reaches the modules through the
-TransformerConfig (`config.justrl_fast_paths`) and the step through the Policy. `FastPaths.record()` is what the run
-writes beside its config_history entry (run_config.record_resolved), so a resume that resolves otherwise says so.
+with the same kernel (their bf16 gradients differ by up to 3e-2); the resolved backend reaches the attention modules
+through their layer spec (`spec.block_spec`: the core attention's `ModuleSpec.params`), the switches reach the step
+through the Policy. `FastPaths.record()` is what the run writes beside its config_history entry
+(run_config.record_resolved), so a resume that resolves otherwise says so.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 from typing import Callable
 
 SWITCHES = ("rope_once", "foreach_grad_norm", "fused_adamw", "compiled_head")
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn")  # model.attention_backend; resolved: flash | cudnn
 ENV = "JUSTRL_FAST_PATHS_OFF"
 
 

@@ -6,7 +6,8 @@ All are pre-norm RMSNorm decoders with SwiGLU MLPs, RoPE and grouped-query atten
 scaling (Llama 3.x: `llama3`), and whether the embeddings are tied. Mixtral and Qwen3-MoE replace every MLP with
 megatron's MoE layer (a router plus E SwiGLU experts, top-k): Mixtral is Mistral's attention with a softmax over the
 top-k router logits; Qwen3-MoE is Qwen3's attention with a softmax over all experts, then top-k, renormalised only
-with `norm_topk_prob`. A field that changes the math is never ignored:
+with `norm_topk_prob`. What sets each family apart is its `Family` (model/families.py); this module reads it and
+never branches on a family's name. A field that changes the math is never ignored:
 `HF_FIELDS` lists every field these configs carry and how it is handled (mapped into `ModelShape`, refused with a
 message naming it when its value asks for math we do not implement, or irrelevant to the forward pass); a field
 that is not in the table is refused too, unless it has its config class's default value.
@@ -24,10 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                           "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                           "Qwen3MoeForCausalLM": "qwen3_moe"}
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+from .families import FAMILIES, Family
+
+SUPPORTED_ARCHITECTURES = {f.architecture: f.name for f in FAMILIES.values()}
 # MoE architectures refused by name: each needs a piece of math beyond a router + routed SwiGLU experts
 REFUSED_MOE = {
     "Qwen2MoeForCausalLM": "a sigmoid-gated shared expert beside the routed ones",
@@ -126,7 +126,7 @@ ROPE_TYPES = {"default": (), "linear": ("factor",),
 class ModelShape:
     """What the rest of the code needs to know about an HF model, independent of parallelism."""
 
-    family: str  # "qwen2" | "qwen3" | "llama" | "mistral"
+    family: str  # a key of model/families.FAMILIES: "qwen2" | "qwen3" | "llama" | "mistral" | "mixtral" | "qwen3_moe"
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -211,22 +211,22 @@ def _rope(fields: dict) -> dict:
                 if kind == "llama3" else None)
 
 
-def _check_fields(fields: dict, family: str, class_defaults: dict) -> None:
+def _check_fields(fields: dict, family: Family, class_defaults: dict) -> None:
     """Refuse the fields (and values) whose math is not implemented; see HF_FIELDS. A field the table lacks passes
     only at its config class's default (a newer transformers may add fields whose default is today's architecture)."""
     unknown = sorted(k for k in fields if k not in HF_FIELDS and k not in _GENERATION_FIELDS
                      and not (k in class_defaults and class_defaults[k] == fields[k]))
     if unknown:
         raise UnsupportedConfig(
-            f"config.json field {unknown[0]}={fields[unknown[0]]!r} is unknown to justrl-megatron's {family} mapping "
-            f"(HF_FIELDS in model/hf_config.py) and may change the model's math; remove it if it does not"
+            f"config.json field {unknown[0]}={fields[unknown[0]]!r} is unknown to justrl-megatron's {family.name} "
+            f"mapping (HF_FIELDS in model/hf_config.py) and may change the model's math; remove it if it does not"
             + (f" (also unknown: {unknown[1:]})" if len(unknown) > 1 else ""))
     act = fields.get("hidden_act", "silu")
     if act != "silu":
         _refuse("hidden_act", act, "the MLP is SwiGLU (silu)")
-    if fields.get("attention_bias") and family != "qwen2":
-        _refuse("attention_bias", True, f"{family} with attention_bias also has an o_proj bias, which this trainer "
-                                        f"does not implement")
+    if fields.get("attention_bias") and not family.qkv_bias:
+        _refuse("attention_bias", True, f"{family.name} with attention_bias also has an o_proj bias, which this "
+                                        f"trainer does not implement")
     if fields.get("mlp_bias"):
         _refuse("mlp_bias", True, "the MLP linears have no bias here")
     if fields.get("attention_dropout"):
@@ -243,12 +243,12 @@ def _check_fields(fields: dict, family: str, class_defaults: dict) -> None:
         _refuse("decoder_sparse_step", fields["decoder_sparse_step"], "every layer must be an MoE layer")
     if fields.get("mlp_only_layers"):
         _refuse("mlp_only_layers", fields["mlp_only_layers"], "every layer must be an MoE layer")
-    if family in MOE_FAMILIES:
-        norm = family == "mixtral" or bool(fields.get("norm_topk_prob"))
+    if family.moe:
+        norm = family.always_renormalised or bool(fields.get("norm_topk_prob"))
         if fields.get("num_experts_per_tok") == 1 and norm:
             _refuse("num_experts_per_tok", 1, "top-1 routing renormalised to 1 (megatron refuses a softmax over one "
                                               "logit: its gradient is zero)")
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family.window_switch:
         if fields.get("use_sliding_window") and window:
             _refuse("use_sliding_window", True, f"sliding-window attention (sliding_window={window}) is not "
                                                 f"implemented; set use_sliding_window=false only if the model was "
@@ -265,7 +265,7 @@ def _check_fields(fields: dict, family: str, class_defaults: dict) -> None:
 def model_shape(hf_config) -> ModelShape:
     """The ModelShape of an HF config object (transformers 4 or 5); UnsupportedConfig (a ValueError) names the field
     when the config asks for math that is not implemented."""
-    family = _family(hf_config)
+    family = FAMILIES[_family(hf_config)]
     fields = hf_config.to_dict()
     try:
         class_defaults = type(hf_config)().to_dict()
@@ -274,9 +274,9 @@ def model_shape(hf_config) -> ModelShape:
     _check_fields(fields, family, class_defaults)
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    qkv_bias = True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False))
+    qkv_bias = True if family.qkv_bias else bool(getattr(hf_config, "attention_bias", False))
     return ModelShape(
-        family=family,
+        family=family.name,
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -289,20 +289,19 @@ def model_shape(hf_config) -> ModelShape:
         qkv_bias=qkv_bias,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         init_std=getattr(hf_config, "initializer_range", 0.02),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family.qk_norm,
         **_moe(hf_config, family),
         **_rope(fields),
     )
 
 
-def _moe(hf_config, family: str) -> dict:
-    if family not in MOE_FAMILIES:
+def _moe(hf_config, family: Family) -> dict:
+    if not family.moe:
         return {}
     experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
     return dict(num_experts=int(experts), moe_top_k=int(hf_config.num_experts_per_tok),
-                moe_ffn_hidden_size=int(hf_config.intermediate_size if family == "mixtral"
-                                        else hf_config.moe_intermediate_size),
-                moe_norm_topk_prob=family == "mixtral" or bool(hf_config.norm_topk_prob),
+                moe_ffn_hidden_size=int(getattr(hf_config, family.expert_size)),
+                moe_norm_topk_prob=family.always_renormalised or bool(hf_config.norm_topk_prob),
                 moe_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
 
 

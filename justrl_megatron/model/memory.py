@@ -439,7 +439,7 @@ def resolve_recompute(cfg, shape: ModelShape, world_size: int, *, device_bytes: 
     return plan
 
 
-# --- what a checkpoint save holds (issue 39) ---------------------------------------------------------------------------
+# --- what a checkpoint save holds -------------------------------------------------------------------------------------
 
 def checkpoint_save_bytes(shape: ModelShape, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                           dtype: torch.dtype = torch.bfloat16, distributed_optimizer: bool = True) -> int:

@@ -197,13 +197,13 @@ class Policy:
             **_pipeline_options(pp, vpp), **gpu_fusions(impl), **_context_parallel_options(cp, impl),
             **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
-        config.justrl_fast_paths = fast  # read by model/attention.SDPAttention
         config.justrl_exact = exact  # read by model/attention.SDPAttention
         if exact:
             exact_config(config)
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
                                      make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                     moe_grouped_gemm=moe_grouped_gemm, fp8=fp8)
+                                     moe_grouped_gemm=moe_grouped_gemm, fp8=fp8,
+                                     attention_backend=fast.attention_backend)
         modules = [m.to(device) for m in modules]
         if exact:
             install_exact(modules)
@@ -282,12 +282,10 @@ class Policy:
         if shape == self.shape:
             return self.config
         h, impl = self.hyper, self.transformer_impl
-        config = transformer_config(
+        return transformer_config(
             shape, tp=h["tp"], pp=h["pp"], vpp=h["vpp"], ep=h["ep"], sequence_parallel=h["sequence_parallel"],
             dtype=self.dtype, calculate_per_token_loss=True, **_pipeline_options(h["pp"], h["vpp"]),
             **gpu_fusions(impl), **_context_parallel_options(h["cp"], impl))
-        config.justrl_fast_paths = self.fast_paths
-        return config
 
     @property
     def modules(self) -> list:

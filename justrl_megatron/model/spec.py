@@ -135,10 +135,13 @@ def _moe_router_without_te() -> None:
 
 
 def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = None, *,
-               moe_grouped_gemm: bool = False, fp8: bool = False):
+               moe_grouped_gemm: bool = False, fp8: bool = False, attention_backend: str = "auto"):
     """The decoder block spec for this pipeline stage (and virtual stage). Local spec only: `moe_grouped_gemm`
     puts grouped experts in place of the sequential ones (grouped_experts.py), `fp8` FP8 linears in place of the
-    attention's and the dense MLP's (fp8.py); config validation refuses either with TE (`problems` of those)."""
+    attention's and the dense MLP's (fp8.py); config validation refuses either with TE (`problems` of those);
+    `attention_backend` (model.attention_backend, resolved: model/fast_paths) goes to SDPAttention through its
+    `ModuleSpec.params`."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     impl = resolve_impl(transformer_impl)
@@ -161,7 +164,8 @@ def block_spec(config, transformer_impl: str = "auto", vp_stage: int | None = No
                                                        normalization="RMSNorm"))
         layer.submodules.input_layernorm = RMSNorm
         layer.submodules.pre_mlp_layernorm = RMSNorm
-        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=SDPAttention, params={"backend": attention_backend})
         if config.qk_layernorm:  # Qwen3: RMSNorm over head_dim on q and k (megatron sums its grads over TP)
             layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
             layer.submodules.self_attention.submodules.k_layernorm = RMSNorm

@@ -187,18 +187,25 @@ def _hidden_dirs() -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def package_binds(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """(host path, path in the sandbox) of everything the distributions of the import packages ``packages``, and the
-    distributions they require (extras aside), install into site-packages: the package folders, their top-level
-    modules, bundled libraries (numpy.libs) and metadata, each at its place under SITE. PackageMissing names one
-    that is not installed here."""
+def _import_names() -> dict:
+    """{import package: [its distributions]} of this environment (a scan of every installed distribution: once)."""
+    from importlib import metadata
+
+    return metadata.packages_distributions()
+
+
+@functools.lru_cache(maxsize=None)
+def package_distributions(packages: tuple[str, ...]) -> dict[str, str]:
+    """{distribution name: what brought it (an import package of ``packages``, or the distribution that requires
+    it)} for the distributions of the import packages ``packages`` and those they require (extras aside), in the
+    order found. PackageMissing names one that is not installed here."""
     if not packages:
-        return ()
+        return {}
     from importlib import metadata
 
     from packaging.requirements import Requirement
 
-    by_import = metadata.packages_distributions()
+    by_import = _import_names()
     todo = []
     for name in packages:
         if not isinstance(name, str) or not name.isidentifier():
@@ -206,7 +213,7 @@ def package_binds(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         if name not in by_import:
             raise PackageMissing(f"{name} is not installed in this environment ({sys.prefix})")
         todo += [(dist, name) for dist in by_import[name]]
-    seen, binds = set(), {}
+    found = {}
     while todo:
         dist_name, wanted_by = todo.pop()
         try:
@@ -214,19 +221,33 @@ def package_binds(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         except metadata.PackageNotFoundError:
             raise PackageMissing(f"{dist_name} (which {wanted_by} requires) is not installed in this environment "
                                  f"({sys.prefix})") from None
-        if dist.metadata["Name"] in seen:
+        if dist.metadata["Name"] in found:
             continue
-        seen.add(dist.metadata["Name"])
+        found[dist.metadata["Name"]] = wanted_by
+        for line in dist.requires or ():
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append((req.name, dist.metadata["Name"]))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def package_binds(packages: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(host path, path in the sandbox) of everything the distributions of the import packages ``packages``, and the
+    distributions they require (extras aside), install into site-packages: the package folders, their top-level
+    modules, bundled libraries (numpy.libs) and metadata, each at its place under SITE. PackageMissing names one
+    that is not installed here."""
+    from importlib import metadata
+
+    binds = {}
+    for dist_name in package_distributions(packages):
+        dist = metadata.distribution(dist_name)
         if dist.files is None:
             raise PackageMissing(f"{dist_name} lists no files (no RECORD): which to mount cannot be told")
         for top in sorted({f.parts[0] for f in dist.files if f.parts and not f.is_absolute()} - {"..", "__pycache__"}):
             path = os.path.realpath(dist.locate_file(top))
             if os.path.exists(path):
                 binds.setdefault(f"{SITE}/{top}", path)
-        for line in dist.requires or ():
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append((req.name, dist.metadata["Name"]))
     return tuple((src, dst) for dst, src in sorted(binds.items()))
 
 

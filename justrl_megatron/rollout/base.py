@@ -163,10 +163,6 @@ class Rollouts:
             return list(self.token_versions[i])
         return [self.weight_version] * len(self.token_ids[i])
 
-    def oldest_version(self, i: int) -> int:
-        """The oldest weights that sampled a token of sample i (its staleness counts from there)."""
-        return min(self.versions_of(i), default=self.weight_version)
-
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)

@@ -1,5 +1,5 @@
-"""Multi-turn rollouts with tools (rollout.tools, rollout.max_turns): generate until the model closes a tool call, run
-it in a worker thread, append its output as context, generate on; up to `max_turns` calls and the response budget.
+"""Multi-turn rollouts with tools (rollout.tools, rollout.tool.max_turns): generate until the model closes a tool call,
+run it in a worker thread, append its output as context, generate on; up to `max_turns` calls and the response budget.
 
     tools = ToolRollout.from_config(cfg, model_dir)          # None when rollout.tools is empty
     loop = EngineLoop(engine, n, sampling, tools=tools)      # every placement drives tool turns in its engine loop
@@ -212,7 +212,7 @@ class ToolRollout:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_dir)
-        return cls(make_tools(ro), tokenizer, max_turns=ro.max_turns, workers=ro.tool_workers)
+        return cls(make_tools(ro), tokenizer, max_turns=ro.tool.max_turns, workers=ro.tool.workers)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -18,6 +18,10 @@ version it was admitted at, so the staleness bound still counts from its first t
 `rollout/resumed_tokens`). After a crash a checkpoint has the finished groups' samples and the prompts of the others,
 which are generated anew (`rollout/discarded_at_resume` counts the groups whose work was lost; 0 otherwise). Nothing
 is trained twice and no prompt is skipped.
+
+A resume may change the settings a kept group was sampled under: `restore` carries the group or generates it anew,
+per setting (the rule is written above `_ANEW`), and says what it did in one line. Settings that change the prompt or
+its tokens are pinned by the checkpoint and refused before any model loads (run_config.PINNED).
 """
 
 from __future__ import annotations
@@ -37,6 +41,41 @@ from .base import RolloutInterrupted, Rollouts, SamplingConfig, check_staleness
 from .engines import engine_figures
 from .scoring import score
 from .source import ScoredStep
+
+
+# The rule for a kept group (a stop's or a checkpoint's) when a resume changes a setting it was sampled under: the
+# settings are saved with the groups (`drawn_with`, as config keys) and compared in `restore`. A group that cannot go
+# on as this run would have sampled it is generated anew from its prompt, first, counted (rollout/discarded_at_resume)
+# and named in the resume's one line; nothing is refused here, as regenerating is always right. What the prompt is
+# (model.path, model.tokenizer, data.train, data.template, data.system_prompt, data.max_prompt_length, trainer.seed)
+# is pinned by the checkpoint (run_config.PINNED): a resume that changes it is refused in one line before any model
+# loads. Per setting (key -> why a changed value sends the kept groups to be generated anew):
+_ANEW = {
+    "rollout.n": "a group's advantages compare exactly n samples of one prompt",
+    "rollout.temperature": "its tokens were drawn from another distribution",
+    "rollout.top_p": "its tokens were drawn from another distribution",
+    "rollout.top_k": "its tokens were drawn from another distribution",
+    # and every tool setting that shapes a call's output (rollout/tools.environment: all of them but the number of
+    # calls run at once)
+    "rollout.tools": "its tool outputs came from another tool environment",
+}
+# rollout.max_response_length is carried: shorter, a group whose samples all fit goes on (its tokens are what the new
+# cap would have drawn), one with a longer sample is generated anew; longer, a sample the old cap cut goes on to the
+# new cap (a tool group with such a sample is generated anew: its turns cannot be reopened).
+KEPT_LENGTH = "rollout.max_response_length"
+
+
+def _why_anew(key: str) -> str:
+    if key in _ANEW:
+        return _ANEW[key]
+    return _ANEW["rollout.tools"] if key.startswith("rollout.tool") else "it was sampled otherwise"
+
+
+def drawn_with(n: int, sampling: SamplingConfig, tools: dict | None = None) -> dict:
+    """The settings a group's samples are drawn under, as config keys (the rule above `_ANEW`); `tools`: the tool
+    environment (rollout/tools.environment), None or {} without tools."""
+    return {"rollout.n": n, "rollout.temperature": sampling.temperature, "rollout.top_p": sampling.top_p,
+            "rollout.top_k": sampling.top_k, "rollout.max_response_length": sampling.max_tokens, **(tools or {})}
 
 
 @dataclass
@@ -81,11 +120,12 @@ class GroupSource:
 
     def __init__(self, engines, sampler, scorer, tokenizer, *, n: int, sampling: SamplingConfig, leader: bool,
                  seed: int = 0, max_staleness: int, num_groups: int, dynamic_sampling: bool = False,
-                 max_rounds: int = 1, last_step: int | None = None):
+                 max_rounds: int = 1, last_step: int | None = None, tools: dict | None = None):
         self.engines, self.sampler, self.scorer, self.tokenizer = engines, sampler, scorer, tokenizer
         self.n, self.sampling, self.seed, self.leader, self.eta = n, sampling, seed, leader, max_staleness
         self.num_groups, self.dynamic_sampling, self.max_rounds = num_groups, dynamic_sampling, max_rounds
         self.last_step = last_step
+        self.drawn_with = drawn_with(n, sampling, tools)  # what this run's groups are sampled under
         self._queue: deque[Prompt] = deque()  # drawn (or restored), not admitted yet
         self._admitted: dict[int, Admitted] = {}  # gid -> the group, until a step trains or drops it
         self._next_gid = 0
@@ -96,12 +136,14 @@ class GroupSource:
 
     @classmethod
     def from_config(cls, cfg, engines, sampler, scorer, tokenizer, *, leader: bool) -> "GroupSource":
-        """rollout.n, sampling and max_staleness; algo's dynamic sampling; trainer's seed and batch size."""
+        """rollout.n, sampling, max_staleness and tools; algo's dynamic sampling; trainer's seed and batch size."""
+        from .tools import environment
+
         ro, tr, algo = cfg.rollout, cfg.trainer, cfg.algo
         return cls(engines, sampler, scorer, tokenizer, n=ro.n, sampling=SamplingConfig.from_rollout_config(ro),
                    seed=tr.seed, leader=leader, max_staleness=ro.max_staleness, num_groups=tr.prompts_per_step,
                    dynamic_sampling=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
-                   last_step=tr.total_steps)
+                   last_step=tr.total_steps, tools=environment(ro))
 
     capacity: int  # the policy's: groups admitted and not yet taken, at most
 
@@ -239,7 +281,7 @@ class GroupSource:
 
         groups = [record(a, samples.get(gid), lost and gid not in samples) for gid, a in sorted(self._admitted.items())]
         return {"groups": groups + [record(a, r, False) for a, r in self._resumed],
-                "prompts": [dataclasses.asdict(p) for p in self._queue]}
+                "prompts": [dataclasses.asdict(p) for p in self._queue], "drawn_with": dict(self.drawn_with)}
 
     def _buffered(self) -> dict[int, Rollouts]:
         """Finished groups in the buffer, not taken (left in it)."""
@@ -276,30 +318,70 @@ class GroupSource:
 
     def restore(self, state: dict | None) -> None:
         """Take back what `state` or `stop_state` saved: groups with samples are continued first (under their
-        admission's version), the others generated anew before any newly drawn prompt."""
+        admission's version), the others generated anew before any newly drawn prompt. Groups sampled under other
+        settings than this run's are carried or generated anew as the rule above `_ANEW` says; one line (trainer
+        rank 0) says what was continued and what was not, and why."""
         if not state:
             return
-        fresh, unfit = [], 0
+        then = state.get("drawn_with")  # None: saved before the settings were kept (only n and lengths can be told)
+        now = self.drawn_with
+        changed = [] if then is None else [
+            f"{key} {then.get(key)} -> {now.get(key)}: {_why_anew(key)}" for key in sorted(then.keys() | now.keys())
+            if key != KEPT_LENGTH and then.get(key) != now.get(key)]
+        fresh, anew, lost, unstarted = [], {}, 0, 0
+        resumed_before = self._counts.resumed_groups
         for g in state.get("groups", []):
             kept = Admitted(Prompt(**g["prompt"]), int(g["version"]), g.get("step"), g.get("seed"))
             if g["samples"] is None:
                 fresh.append(kept.prompt)
-                self._counts.discarded_at_resume += bool(g.get("lost"))
+                lost += bool(g.get("lost"))
+                unstarted += not g.get("lost")
                 continue
             samples = Rollouts(**g["samples"])
-            if len(samples) != self.n or max(map(len, samples.token_ids), default=0) > self.sampling.max_tokens:
-                fresh.append(kept.prompt)  # sampled under another rollout.n or a longer cap: not this run's group
-                unfit += 1
+            why = "; ".join(changed) or self._unfit(samples, then)
+            if why:
+                fresh.append(kept.prompt)
+                anew[why] = anew.get(why, 0) + 1
                 continue
             self._resumed.append((kept, samples))
             self._counts.resumed_groups += 1
             self._counts.resumed_tokens += samples.num_tokens
-        if unfit:
-            self._counts.discarded_at_resume += unfit
-            if self.leader:
-                print(f"justrl-train: warning: {unfit} kept group(s) were sampled with another rollout.n or a longer "
-                      f"rollout.max_response_length than this run's ({self.n}, {self.sampling.max_tokens}): their "
-                      f"prompts are generated anew", flush=True)
         if "groups" not in state:  # saved by an older version of this source: its prompts are generated anew
-            self._counts.discarded_at_resume += int(state.get("outstanding", 0))
+            lost += int(state.get("outstanding", 0))
+        self._counts.discarded_at_resume += lost + sum(anew.values())
         self._queue.extendleft(reversed(fresh + [Prompt(**p) for p in state.get("prompts", [])]))
+        if self.leader:
+            line = _restore_line(self._counts.resumed_groups - resumed_before, unstarted, lost, anew)
+            if line:
+                print(f"justrl-train: {line}", flush=True)
+
+    def _unfit(self, samples: Rollouts, then: dict | None) -> str | None:
+        """Why a kept group sampled under `then` (its drawn_with; None: not saved) cannot go on in this run, or None;
+        a sample that the old, shorter rollout.max_response_length cut is reopened to go on to this run's."""
+        cap, old_cap = self.sampling.max_tokens, (then or {}).get(KEPT_LENGTH)
+        if len(samples) != self.n:
+            return f"rollout.n {len(samples)} -> {self.n}: {_why_anew('rollout.n')}"
+        longest = max(map(len, samples.token_ids), default=0)
+        if longest > cap:
+            return f"{KEPT_LENGTH} {old_cap or 'longer'} -> {cap}: a sample is longer ({longest} tokens)"
+        cut = [k for k, (reason, tokens) in enumerate(zip(samples.finish_reasons, samples.token_ids))
+               if reason == "length" and len(tokens) < cap]
+        if cut and old_cap is not None and old_cap < cap:
+            if samples.sampled_mask is not None:
+                return f"{KEPT_LENGTH} {old_cap} -> {cap}: the old cap cut a tool sample, whose turns cannot reopen"
+            for k in cut:  # its tokens are what the longer cap would have drawn so far: it goes on from there
+                samples.finish_reasons[k], samples.truncated[k] = "abort", False
+        return None
+
+
+def _restore_line(continued: int, fresh: int, lost: int, anew: dict[str, int]) -> str | None:
+    """The resume's one line about the saved work in flight (None: there was none)."""
+    parts = [f"{continued} kept group(s) continue where they stopped"] if continued else []
+    if anew:
+        whys = "; ".join(why + (f" ({count})" if len(anew) > 1 else "") for why, count in anew.items())
+        parts.append(f"{sum(anew.values())} kept group(s) are generated anew ({whys})")
+    if lost:
+        parts.append(f"{lost} group(s) whose samples were lost (the run ended without a stop) are generated anew")
+    if fresh:
+        parts.append(f"{fresh} admitted prompt(s) had sampled nothing yet and start now")
+    return ("work in flight: " + "; ".join(parts)) if parts else None

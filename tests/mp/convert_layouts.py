@@ -39,7 +39,6 @@ def original(hf_dir):
 def check_layout(hf_dir, shape, ref, ref_logits, tokens, tp, pp, vpp, out, family):
     from megatron.core import parallel_state as ps
 
-    init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234)
     torch.manual_seed(99)  # random init differs from the HF weights: the loader must overwrite everything
     chunks = build_model_chunks(shape, transformer_config(shape, tp=tp, pp=pp, vpp=vpp), transformer_impl="local")
     n_set = load_hf_weights(chunks, hf_dir, progress=False)
@@ -90,12 +89,17 @@ def main(out, models):
 
     rank, _ = init_distributed()
     verdicts = {}
+    inputs = {}
     for family, hf_dir in models.items():
         shape = model_shape(AutoConfig.from_pretrained(hf_dir))
-        ref = original(hf_dir)
         tokens = random_tokens(shape.vocab_size, batch=2, seq_len=24, seed=3)
-        ref_logits = hf_logits(hf_dir, tokens)
-        for name, (tp, pp, vpp) in LAYOUTS.items():
+        inputs[family] = (shape, original(hf_dir), hf_logits(hf_dir, tokens), tokens)
+    # layouts outermost: megatron's groups are built once per layout (each build creates every group anew, and 4
+    # gloo ranks on 2 cores pay for each), not once per family and layout
+    for name, (tp, pp, vpp) in LAYOUTS.items():
+        init_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234)
+        for family, hf_dir in models.items():
+            shape, ref, ref_logits, tokens = inputs[family]
             verdicts[f"{family}/{name}"] = check_layout(hf_dir, shape, ref, ref_logits, tokens, tp, pp, vpp, out,
                                                         family)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

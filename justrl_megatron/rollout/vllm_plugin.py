@@ -1,0 +1,35 @@
+"""A vLLM general plugin (the `vllm.general_plugins` entry point in setup.py): vLLM runs `register` in each of its own
+processes (the engine core, its workers) before they build their message queues, which our code cannot reach
+otherwise.
+
+What it changes, on CPU only: a reader of vLLM's shared-memory message queue (the engine core waiting for its worker's
+output, the worker waiting for the next step) spins with sched_yield for a second after every message before it sleeps
+on a socket. On a GPU host that buys latency with an idle core; on a CPU host the cores are the ones computing the
+model, and the engine core's spinning took as much CPU as half of its worker's (docs/testing.md). Readers there wait
+on the socket at once. Nothing else changes; on GPU, or a vLLM without that queue, the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+
+_DONE: list[bool] = []  # vLLM may load its plugins more than once in a process
+
+
+def register() -> None:
+    if _DONE:
+        return
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        from vllm.platforms import current_platform
+    except ImportError:
+        return
+    _DONE.append(True)
+    if not current_platform.is_cpu():
+        return
+    init = SpinCondition.__init__
+
+    def init_without_busy_loop(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.busy_loop_s = 0  # a reader waits on its socket right away (a writer's is 0 already)
+
+    SpinCondition.__init__ = init_without_busy_loop
