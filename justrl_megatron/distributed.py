@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compat
-from .ports import free_port  # noqa: F401  (the callers' import path)
+from .ports import free_port
 
 
 def backend() -> str:
@@ -95,6 +95,43 @@ def init_split(num_rollout_ranks: int, timeout_minutes: int = 30) -> SplitRoles:
         control = ObjectChannel(dist.PrefixStore("justrl-control", store), 0 if trainer else rank - train_world + 1,
                                 num_rollout_ranks + 1, timeout)
     return SplitRoles(rank, world, train_world, control, store, timeout)
+
+
+# how long a group's members wait for each other to join (an engine or a policy takes minutes to start)
+JOIN_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def listening_store():
+    """A TCPStore server on a port the kernel picks as it binds (`.port`): the port is the store's from the moment
+    its number is known, so it can be announced to other processes with nothing able to take it first."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, JOIN_TIMEOUT, wait_for_workers=False)
+
+
+def store_client(prefix: str, timeout: datetime.timedelta):
+    """A connection of its own to the job's rendezvous store (MASTER_ADDR:MASTER_PORT), under `prefix`: for a thread
+    whose store operations must neither wait behind the main thread's nor hold them up."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), None, False,
+                          timeout, wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+def transfer_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float = 600.0, *,
+                   store=None):
+    """A gloo group of its own on a TCPStore rendezvous (rank 0 hosts it: `store`, from `listening_store`, whose
+    port the others were given), independent of torch.distributed's WORLD, so that processes outside the job's groups
+    (vLLM's workers) can join it. Joining waits for every member up to JOIN_TIMEOUT; then `timeout_s` bounds each
+    operation (a member that stops answering ends the operation with an error instead of a hang)."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    if store is None:
+        store = TCPStore(master_address, master_port, world_size, is_master=False, timeout=JOIN_TIMEOUT)
+    group = ProcessGroupGloo(PrefixStore("justrl-weight-sync", store), rank, world_size, JOIN_TIMEOUT)
+    group.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return group
 
 
 class ObjectChannel:
@@ -193,9 +230,6 @@ def _destroy(groups: list) -> None:
         if group in live and group is not dist.GroupMember.WORLD:
             dist.destroy_process_group(group)
     groups.clear()
-
-
-_free_port = free_port  # its first name, still used by tests/mp
 
 
 def trainer_broadcast(obj):

@@ -349,7 +349,8 @@ def _hydra_main(cfg) -> None:
     if _is_rank0():
         keep_hydra_record(launched)
     quiet_console(verbose=cfg.logging.verbose)  # the composed config decides (a recipe may set it)
-    from .checkpoint import CheckpointError, CheckpointWriteError
+    from .checkpoint import CheckpointError, CheckpointWriteError, commit_pending
+    from .liveness import PeerLost
     from .train.loop import run
 
     try:
@@ -358,6 +359,16 @@ def _hydra_main(cfg) -> None:
         # (every rank raises it; the checkpoints already there are kept)
         if _is_rank0():
             print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except PeerLost as exc:  # a rollout rank stopped answering (every trainer rank raises it at the same point)
+        commit_pending()  # the save being written when it happened is kept
+        if _is_rank0():
+            from .checkpoint import latest_step
+
+            latest = latest_step(cfg.trainer.run_dir)
+            kept = f"latest checkpoint: step {latest}" if latest is not None else "no checkpoint yet"
+            print(f"justrl-train: error: {exc}; the run ends as for a dead rank ({kept})", file=sys.stderr,
+                  flush=True)
         sys.exit(1)
 
 

@@ -47,12 +47,12 @@ def tiny_llama(request, tmp_path_factory):
 # prints them). Only the order matters: the 2 xdist workers take whole modules slowest first (longest-processing-
 # time-first), so that no long module starts last and runs alone at the end. A module missing here runs after them.
 MODULE_SECONDS = {
-    "test_split": 880, "test_train": 626, "test_convert": 401, "test_modes": 294, "test_slurm": 256,
-    "test_step": 234, "test_bench": 202, "test_rollout": 200, "test_moe": 183, "test_algo_extras": 177,
-    "test_lora": 137, "test_context_parallel": 134, "test_model_families": 129, "test_validation": 102,
-    "test_checkpoint": 87, "test_loop": 84, "test_distill": 80, "test_tools": 58, "test_run_safety": 55,
-    "test_compat": 51, "test_shared_prompt": 41, "test_eval": 37, "test_gpu_check": 37, "test_config": 32,
-    "test_sandbox": 30, "test_launch": 27, "test_streaming": 26, "test_model": 18, "test_upcycle": 14,
+    "test_split": 880, "test_train": 626, "test_convert": 401, "test_modes": 294, "test_slurm": 256, "test_step": 234,
+    "test_bench": 202, "test_rollout": 200, "test_moe": 183, "test_algo_extras": 177, "test_lora": 137,
+    "test_context_parallel": 134, "test_model_families": 129, "test_validation": 102, "test_checkpoint": 87,
+    "test_loop": 84, "test_distill": 80, "test_tools": 58, "test_run_safety": 55, "test_compat": 51,
+    "test_shared_prompt": 41, "test_eval": 37, "test_gpu_check": 37, "test_config": 32, "test_sandbox": 30,
+    "test_launch": 27, "test_streaming": 26, "test_model": 18, "test_liveness": 15, "test_upcycle": 14,
     "test_preflight": 12, "test_rewards": 11, "test_dockerfile": 10, "test_install": 9, "test_memory": 9,
     "test_console": 9, "test_writers": 9, "test_plan": 9, "test_data": 9, "test_vllm_api": 6, "test_assets": 6,
     "test_update_ab": 5, "test_attention": 5, "test_exact": 4, "test_grpo": 3, "test_loss_family": 2, "test_fp8": 2,

@@ -289,25 +289,68 @@ def test_sigterm_to_the_whole_group_one_step_off_saves_and_exits_0(one_step_off_
     assert not left  # no rank, engine or worker outlives the stop
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_streaming_trains_an_moe_policy_with_routing_replay_old(tmp_path):
-    """Issue 47: streaming x MoE with algo.routing_replay=old (the old-logprob pass records every token's experts,
-    the two mini-batch updates replay them) on a tiny Mixtral: 2 steps within the bound, the router's statistics
-    logged, every step a gradient. (Its trainer/vLLM logprob gap in bf16 is the MoE gap of every placement, not
-    streaming's: split sync shows the same at step 1.)"""
+# 1 s beats, lost after 5 silent: the stopped rank is named ~5 s after the stop; a weight transfer that can only stall
+# is given 5 s (plus its bytes at 1 GB/s) before its broadcast fails
+LIVENESS = ["rollout.liveness.heartbeat_s=1", "rollout.liveness.missed_beats=5", "rollout.liveness.transfer_s=5",
+            "rollout.liveness.transfer_mb_per_s=1000"]
+
+
+@pytest.fixture(scope="module")
+def moe_stream_stopped(tmp_path_factory):
+    """Streaming x MoE with algo.routing_replay=old (issue 47: the old-logprob pass records every token's experts,
+    the two mini-batch updates replay them) on a tiny Mixtral, 1 trainer + 1 rollout rank with short deadlines
+    (LIVENESS), whose rollout rank is SIGSTOPped once step 2 is logged (what a hung GPU, a stalled NFS read or a
+    wedged driver look like) with steps left for the trainer to wait on it. Returns (run dir, the launch's output,
+    its exit code, the processes left, the seconds from the stop to the launch's end)."""
+    import signal
+
     from justrl_megatron import assets
 
-    model = assets.tiny_model(tmp_path / "tiny_mixtral", "mixtral", tokenizer=assets.smollm2_135m_instruct(),
+    tmp = tmp_path_factory.mktemp("moe_stream")
+    model = assets.tiny_model(tmp / "tiny_mixtral", "mixtral", tokenizer=assets.smollm2_135m_instruct(),
                               num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=96)
-    run_dir = tmp_path / "run"
-    train(run_dir, model, "rollout.streaming=true", "rollout.max_staleness=1", "algo.routing_replay=old",
-          "trainer.total_steps=2", "trainer.mini_batch_size=1", "rollout.max_response_length=32", *LEARN)
-    records = metrics(run_dir)
+    return _signal_the_group(tmp, model, signal.SIGSTOP, "rollout.streaming=true", "rollout.max_staleness=1",
+                             "algo.routing_replay=old", "trainer.total_steps=4", "trainer.mini_batch_size=1",
+                             "rollout.max_response_length=32", *LEARN, *LIVENESS, after=2, rank=1)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_streaming_trains_an_moe_policy_with_routing_replay_old(moe_stream_stopped):
+    """Issue 47: streaming x MoE with algo.routing_replay=old on a tiny Mixtral: its first 2 steps within the bound,
+    the router's statistics logged, every step a gradient. (Its trainer/vLLM logprob gap in bf16 is the MoE gap of
+    every placement, not streaming's: split sync shows the same at step 1.)"""
+    records = metrics(moe_stream_stopped[0])[:2]  # (steps 1-2 precede the stop)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rollout/staleness_max"] <= 1 for r in records) and records[1]["rollout/staleness_max"] == 1
     assert all(r["actor/grad_norm"] > 0 and r["actor/moe_aux_loss"] > 0 for r in records)
     assert all(r["actor/num_optimizer_steps"] == 2 for r in records)  # replayed across two updates per step
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_stopped_rollout_rank_ends_the_run_in_one_line_and_its_checkpoint_is_committed(moe_stream_stopped):
+    """The rollout rank SIGSTOPped after step 2 (the MoE stream's launch): the trainer, waiting on it in the next
+    step (a send, the step's groups or the weight sync: a gloo send waits for its receiver), names it in one line
+    once it has missed 5 beats of 1 s, keeps the last logged step's checkpoint committed (its async write, still
+    pending then, is committed first), and the launch ends as for a dead rank: exit 1, every process gone.
+    Before, the trainer waited silently until killed, and a pending save was never committed."""
+    import re
+
+    from justrl_megatron.checkpoint import checkpoint_problem, latest_step, step_dir
+
+    run_dir, out, code, left, seconds = moe_stream_stopped
+    assert code == 1, (code, out[-3000:])
+    # the step the trainer was on when the stop came never logs: step 2 (a later one only if the stop came late)
+    logged = len(metrics(run_dir))
+    named = [line for line in out.splitlines() if "rollout rank 1" in line]
+    assert len(named) == 1 and re.fullmatch(
+        r"justrl-train: error: rollout rank 1 \(pid \d+, node \S+\) has not answered for \d+ s; the run ends as "
+        rf"for a dead rank \(latest checkpoint: step {logged}\)", named[0]), out[-3000:]
+    assert "Traceback" not in out, out[-5000:]
+    assert not left  # the stopped rank and its engine's processes too
+    assert latest_step(run_dir) == logged and checkpoint_problem(step_dir(run_dir, logged)) is None
+    print(f"ended {seconds:.1f} s after the stop")
 
 
 # --- groups and channel (no vLLM, no megatron) --------------------------------------------------------------------
@@ -324,6 +367,56 @@ def test_split_groups_channel_and_an_incomplete_sync(tmp_path):
     assert r0["received"]["part"] == [[1, 2], [3]] and r0["received"]["big"] == list(range(5000))
     assert "missed 1 of the model's 1 tensors" in r0["sender_error"]
     assert r2["abort"][0] == "abort" and r2["abort"][1] == r0["sender_error"]
+
+
+_TAKE_PORT = """
+import socket, sys
+for host in ("", "127.0.0.1"):
+    try:
+        socket.socket().bind((host, int(sys.argv[1])))
+    except OSError as exc:
+        print(exc.errno)
+        sys.exit()
+print("taken")
+"""
+
+
+def test_a_weight_transfer_port_cannot_be_taken_between_its_announcement_and_its_use():
+    """Split placement announces the weight-transfer group's port to the rollout ranks before the group's rendezvous.
+    The gloo group's store holds that port from the moment its number is known, and the nccl sender holds it in a
+    socket until vLLM binds it: another process that tries to take it in between is refused (free_port() closed its
+    socket first, and a process on a shared machine took the port: EADDRINUSE after the model had loaded), and the
+    group still opens and broadcasts."""
+    import errno
+    import threading
+
+    import torch
+    from torch.distributed import BroadcastOptions
+
+    from justrl_megatron.distributed import listening_store, transfer_group
+    from justrl_megatron.ports import held_port
+
+    def take(port):  # from another process, as a stranger on the node would
+        out = subprocess.run([sys.executable, "-c", _TAKE_PORT, str(port)], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip()
+
+    def broadcast(group, tensor):
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([tensor], opts).wait()
+
+    held = held_port()  # the nccl sender's, until vLLM binds the port
+    assert take(held.getsockname()[1]) == str(errno.EADDRINUSE)
+    held.close()
+
+    store = listening_store()  # the gloo sender's; its port is what the receivers are told
+    assert take(store.port) == str(errno.EADDRINUSE)
+    got = torch.zeros(4)
+    receiver = threading.Thread(target=lambda: broadcast(transfer_group("127.0.0.1", store.port, 1, 2, 60), got))
+    receiver.start()
+    broadcast(transfer_group("127.0.0.1", store.port, 0, 2, 60, store=store), torch.arange(4.0))
+    receiver.join(60)
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_engine_parts_merge_in_prompt_order():
@@ -356,9 +449,14 @@ def test_a_rollout_rank_that_aborted_its_side_batch_stops_the_trainer_and_later_
         return Rollouts(prompt_index=[0], token_ids=[tokens], logprobs=[[-1.0] * len(tokens)],
                         finish_reasons=["stop"], weight_version=0)
 
+    import torch.distributed as dist
+
+    from justrl_megatron.liveness import Deadlines, Liveness
+
     monkeypatch.setattr(split, "trainer_broadcast", lambda obj: obj)  # one trainer rank
     engines = object.__new__(split.RemoteEngines)
     engines.leader, engines.count, engines.lock = True, 2, threading.Lock()
+    engines.liveness = Liveness(dist.HashStore(), 0, {}, Deadlines(), on_lost=print)  # no peer to lose here
     engines.roles = SimpleNamespace(control=SimpleNamespace(broadcast_object=lambda message, src: None))
     engines.buffer = GroupBuffer(capacity=0, producers=2)
     for answer in [([0], part([1])), ([1], None), ([0], part([3])), ([1], part([4]))]:

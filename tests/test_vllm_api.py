@@ -90,10 +90,11 @@ def test_the_nccl_sender_opens_its_group_with_the_installed_signature(monkeypatc
 
     monkeypatch.setattr(nccl_common, "stateless_init_process_group", record)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    sender = BroadcastSender("nccl", "127.0.0.1", 29517, world_size=3)
+    sender = BroadcastSender("nccl", "127.0.0.1", world_size=3)
+    port = sender.master_port  # held until open() hands it to vLLM
     sender.open()
     assert sender.group == "group"
-    assert calls == [{"master_address": "127.0.0.1", "master_port": 29517, "rank": 0, "world_size": 3,
+    assert calls == [{"master_address": "127.0.0.1", "master_port": port, "rank": 0, "world_size": 3,
                       "device": 3}]
     sender.group = None  # nothing to destroy
 

@@ -16,8 +16,8 @@ from .folders import (CRC_MAX_BYTES, LATEST, MANIFEST, STEP_PREFIX, STOP_STATE, 
                       CheckpointError, CheckpointWriteError, checkpoint_problem, checkpoint_root, find_checkpoint,
                       fsync_path, latest_step, newest_intact_step, resume_candidates, step_dir, write_manifest)
 from .load import load_latest_checkpoint
-from .save import (FULL_BYTES, MARGIN, Checkpointer, disk_full_message, remove_stale_staging, save_checkpoint,
-                   save_stop_state)
+from .save import (FULL_BYTES, MARGIN, Checkpointer, commit_pending, disk_full_message, remove_stale_staging,
+                   save_checkpoint, save_stop_state)
 from .state import DISTOPT_METADATA, OPTIM_METADATA, layout_refusal, rng_state, set_rng_state
 from .weights import (HF_SUBDIR, META_FILE, is_dist_checkpoint, layout_meta, load_model, load_model_state,
                       model_sharded_state_dict, read_meta, save_model, write_meta)

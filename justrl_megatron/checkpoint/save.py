@@ -516,6 +516,18 @@ def full_disk_error(exc: BaseException, target: Path, what: str, *,
     return CheckpointWriteError(message)
 
 
+def commit_pending() -> list[int]:
+    """Every trainer rank, when a run ends on an error that leaves the ranks in step (a rollout rank that stopped
+    answering: every rank learns it at the same point): the save each Checkpointer of this process has in progress
+    is written to the end and committed, so the run keeps every checkpoint it wrote. Returns the steps committed."""
+    committed = []
+    for saver in list(_CHECKPOINTERS):
+        step = saver.pending_step
+        if step is not None and saver.wait(rewrite_skipped=True) is not None:
+            committed.append(step)
+    return committed
+
+
 def _size(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if nbytes < 1024 or unit == "TiB":

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import MISSING, OmegaConf
 
 from ..algo.loss_config import DISTILL, LossConfig
+from ..liveness import Deadlines
 
 # algo.rollout_correction's default follows rollout.max_staleness (see AlgoConfig)
 OmegaConf.register_new_resolver("justrl_default_correction",
@@ -148,6 +149,19 @@ class ToolConfig:
 
 
 @dataclass
+class LivenessConfig:
+    """How long the trainer and the rollout ranks of a split job wait on each other (liveness.Deadlines says what each
+    value bounds, and holds the defaults). A rank silent for missed_beats x heartbeat_s is named in one line and the
+    run ends as for a dead rank. The defaults leave minutes to what a 16K-token step on a GPU does in seconds."""
+
+    heartbeat_s: float = Deadlines.heartbeat_s
+    missed_beats: int = Deadlines.missed_beats
+    engine_step_s: float = Deadlines.engine_step_s
+    transfer_s: float = Deadlines.transfer_s
+    transfer_mb_per_s: float = Deadlines.transfer_mb_per_s
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8  # rollouts per prompt (the GRPO group size)
     max_response_length: int = 15360
@@ -173,6 +187,7 @@ class RolloutConfig:
     # up to tool.max_turns calls per response, tool outputs count against max_response_length and are never trained on
     tools: list[str] = field(default_factory=list)
     tool: ToolConfig = field(default_factory=ToolConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # split: deadlines of the waits between ranks
 
 
 def _loss_keys(distill: bool) -> list[tuple]:

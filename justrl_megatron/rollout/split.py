@@ -25,17 +25,30 @@ update with min_version None ("nothing generates across it": synchronous and one
 admitted group has come back, so a round is sampled by one version, as a one-call batch would be.
 
 The other trainer ranks take part in the weight export only (its gathers are collectives).
+
+Trainer rank 0 and every rollout rank watch each other (`watch_each_other`, liveness.py, rollout.liveness): each
+beats from a thread of its own, and a rollout rank stops beating while an engine step or a weight sync is past its
+deadline (engine_step_s; transfer_s + the sync's bytes at transfer_mb_per_s). A rollout rank silent for missed_beats
+beats ends every wait of the trainer on it: the buffer's waits fail, the sends (made on a thread of their own,
+`Liveness.call`: a gloo send waits for its receiver) give up, a publish lets the export run out on every trainer rank;
+every trainer rank raises PeerLost at the same point, the save in progress is committed and the run ends in one line
+naming the rank (train_entry). A stop signal meanwhile still saves as a stop does: the harvest of the engines' work
+gives up on the lost rank, the save is committed, then the run ends in that line. A silent trainer rank 0 ends each
+rollout rank at once, in one line (it has nothing to save). The weight-transfer group's port is held from the moment
+it is announced (weight_transfer.BroadcastSender).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 import threading
 import time
 
-from ..distributed import backend, free_port, init_split, trainer_broadcast
+from ..distributed import backend, init_split, store_client, trainer_broadcast
+from ..liveness import Deadlines, Liveness, PeerLost, exit_process
 from ..slurm import stop_requested
 from .base import RolloutInterrupted, Rollouts, SamplingConfig, weight_sync_backend
 from .cpu_cores import bind_split_rank
@@ -53,7 +66,7 @@ class SplitPlacement:
                              "stand in only for a colocated one")
         self.cfg, self.model_dir = cfg, model_dir
         self._bucket_bytes = int(cfg.rollout.weight_sync_bucket_mb) << 20
-        self.roles = self.sender = self.engines = None
+        self.roles = self.sender = self.engines = self.liveness = None
 
     @staticmethod
     def problems(cfg, world_size: int) -> list[str]:
@@ -78,8 +91,10 @@ class SplitPlacement:
     def join(self) -> bool:
         self.roles = init_split(self.cfg.rollout.num_rollout_ranks)
         bind_split_rank(self.roles.global_rank, self.roles.train_world)  # no GPU: this rank's share of the cores
+        self.liveness = watch_each_other(self.cfg, self.roles)
         if not self.roles.is_trainer:
-            serve(self.cfg, self.model_dir, self.roles)  # generate and take weights until the trainer says stop
+            # generate and take weights until the trainer says stop
+            serve(self.cfg, self.model_dir, self.roles, self.liveness)
             return False
         return True
 
@@ -89,15 +104,20 @@ class SplitPlacement:
         self.leader = self.roles.control is not None
         self._export_weights = export_weights
         self._tied = tied_embeddings(self.model_dir)
-        self._expected = set(checkpoint_tensors(self.model_dir))  # a sync must cover all of them
+        numels = checkpoint_tensors(self.model_dir)
+        self._expected = set(numels)  # a sync must cover all of them
         if self.leader:
+            # each broadcast carries a bucket, or one tensor larger than a bucket (4 bytes a parameter at most)
+            bucket_s = self.liveness.deadlines.transfer(max(self._bucket_bytes, 4 * max(numels.values())))
             # the weight-transfer group's store lives on this rank's host: MASTER_ADDR under torchrun and the Slurm
             # scripts (rank 0 runs on the rendezvous node)
-            self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port(),
-                                          world_size=1 + self.roles.num_rollout_ranks, bucket_bytes=self._bucket_bytes)
-            self.roles.control.broadcast_object(("init", self.sender.receiver_init_info(rank_offset=1)), 0)
-            self.sender.open()  # rendezvous with every engine's worker
-        self.engines = RemoteEngines(self.cfg, self.roles, self.leader)
+            self.sender = BroadcastSender(backend(), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                          world_size=1 + self.roles.num_rollout_ranks, bucket_bytes=self._bucket_bytes,
+                                          timeout_s=bucket_s)
+            self.liveness.call(self.roles.control.broadcast_object,
+                               ("init", self.sender.receiver_init_info(rank_offset=1)), 0)
+            self.liveness.call(self.sender.open)  # rendezvous with every engine's worker
+        self.engines = RemoteEngines(self.cfg, self.roles, self.leader, self.liveness)
         return self.engines
 
     @contextlib.contextmanager
@@ -108,23 +128,64 @@ class SplitPlacement:
     def publish(self, version: int, min_version: int | None = None) -> dict:
         """Stream the policy's weights to every engine as `version` (every trainer rank iterates the export). The
         engines take them mid-generation and drop the groups admitted before `min_version`; with min_version None
-        the admitted groups finish first (a round is sampled by one version)."""
+        the admitted groups finish first (a round is sampled by one version). A rollout rank lost meanwhile raises
+        PeerLost on every trainer rank, after the export has run to its end on all of them (its gathers are
+        collectives)."""
         from ..rollout.weight_transfer import send_weights
 
+        stream = self._export_weights(self._bucket_bytes)
+        figures, lost = None, None
         if self.leader:
-            if min_version is None:
-                self.engines.wait_idle()
-            with self.engines.lock:
-                self.roles.control.broadcast_object(("weights", min_version), 0)
-                return send_weights(self.sender, self._export_weights(self._bucket_bytes), version, self.roles.control,
-                                    tied=self._tied, bucket_bytes=self._bucket_bytes, expected_names=self._expected)
-        return send_weights(None, self._export_weights(self._bucket_bytes), version, None, tied=self._tied,
-                            bucket_bytes=self._bucket_bytes, is_sender=False)
+            try:
+                if min_version is None:
+                    self.engines.wait_idle()
+                with self.engines.lock:
+                    self.liveness.call(self.roles.control.broadcast_object, ("weights", min_version), 0)
+                    figures = send_weights(self.sender, stream, version, self.roles.control, tied=self._tied,
+                                           bucket_bytes=self._bucket_bytes, expected_names=self._expected,
+                                           call=self.liveness.call)
+            except PeerLost as exc:
+                lost = str(exc)
+            except RuntimeError as exc:  # a broadcast past its deadline (the transfer group's timeout)
+                if self.liveness.lost is None and "Timed out" not in str(exc):
+                    raise
+                lost = self.liveness.lost or f"the weight transfer to the rollout ranks stalled ({exc})"
+            if lost is not None:
+                for _ in stream:  # the other trainer ranks' export goes on: its collectives need this rank
+                    pass
+        else:
+            figures = send_weights(None, stream, version, None, tied=self._tied, bucket_bytes=self._bucket_bytes,
+                                   is_sender=False)
+        lost = trainer_broadcast(lost)
+        if lost is not None:
+            raise PeerLost(lost)
+        return figures
 
     def shutdown(self) -> None:
+        """The engines stop (trainer rank 0 tells them). A rollout rank found lost is said here, after the rest is
+        closed: PeerLost."""
         if self.leader:
-            self.engines.stop()
+            if self.liveness.lost is None:
+                self.engines.stop()
+            self.liveness.stop()
             self.sender.close()
+            self.liveness.check()
+
+
+def watch_each_other(cfg, roles) -> Liveness | None:
+    """Trainer rank 0 and every rollout rank beat and watch each other (liveness.py, rollout.liveness); the other
+    trainer ranks wait on trainer rank 0 only (None there). A lost rollout rank reaches the trainer through its
+    engines' client (`RemoteEngines`); a lost trainer rank 0 ends a rollout rank at once (it has nothing to save)."""
+    if roles.control is None:
+        return None
+    deadlines = Deadlines.from_config(cfg.rollout.liveness)
+    store = store_client("justrl-liveness", datetime.timedelta(seconds=deadlines.silence_s))
+    if roles.is_trainer:
+        peers = {r: f"rollout rank {r}" for r in range(roles.train_world, roles.world)}
+        return Liveness(store, 0, peers, deadlines, on_lost=lambda line: None).start()
+    me = roles.global_rank
+    return Liveness(store, me, {0: "trainer rank 0"}, deadlines,
+                    on_lost=lambda line: exit_process(f"{line}; rollout rank {me} stops")).start()
 
 
 class RemoteEngines:
@@ -133,15 +194,19 @@ class RemoteEngines:
 
     overlaps = True
 
-    def __init__(self, cfg, roles, leader: bool):
+    def __init__(self, cfg, roles, leader: bool, liveness: Liveness | None = None):
         ro = cfg.rollout
-        self.roles, self.leader, self.count = roles, leader, roles.num_rollout_ranks
+        self.roles, self.leader, self.count, self.liveness = roles, leader, roles.num_rollout_ranks, liveness
         self.lock = threading.Lock()  # the channel carries one conversation at a time
         self.loads = EngineLoads(self.count, ro.n, ro.max_response_length / 2)
         self.buffer: GroupBuffer | None = None
         self._receivers: list[threading.Thread] = []
         if leader:
             self.buffer = GroupBuffer(capacity=0, producers=self.count)
+            # a rollout rank that stops answering ends every wait on the buffer (groups, side batches, a harvest)
+            liveness.on_lost = lambda line: self.buffer.fail(PeerLost(line))
+            if liveness.lost is not None:
+                self.buffer.fail(PeerLost(liveness.lost))
             for e in range(self.count):
                 thread = threading.Thread(target=_receive_groups, args=(result_channel(roles, e), self.buffer,
                                                                          self.loads, e),
@@ -151,7 +216,7 @@ class RemoteEngines:
 
     def _send(self, message) -> None:
         with self.lock:
-            self.roles.control.broadcast_object(message, 0)
+            self.liveness.call(self.roles.control.broadcast_object, message, 0)
 
     def open(self, n: int, sampling: SamplingConfig, capacity: int) -> GroupBuffer | None:
         if not self.leader:
@@ -191,10 +256,15 @@ class RemoteEngines:
         every trainer rank. A stop on a rollout rank aborts its part: RolloutInterrupted on every trainer rank."""
         got = None
         if self.leader:
-            self._send(("generate", ([list(map(int, p)) for p in prompt_ids], n, sampling, seed)))
-            parts = [self.buffer.take_batch() for _ in range(self.count)]
-            got = "interrupted" if any(r is None for _, r in parts) else merge_parts(parts, len(prompt_ids))
-        got = trainer_broadcast(got)
+            try:
+                self._send(("generate", ([list(map(int, p)) for p in prompt_ids], n, sampling, seed)))
+                parts = [self.buffer.take_batch() for _ in range(self.count)]
+                got = "interrupted" if any(r is None for _, r in parts) else merge_parts(parts, len(prompt_ids))
+            except PeerLost as exc:
+                got = exc
+        got = trainer_broadcast(got)  # (every trainer rank waits for it)
+        if isinstance(got, PeerLost):
+            raise got
         if isinstance(got, str):
             raise RolloutInterrupted("a rollout rank aborted the batch (a stop signal reached it)")
         return got
@@ -213,8 +283,9 @@ class RemoteEngines:
 
     def stop(self) -> None:
         self._send(("stop", None))
-        for thread in self._receivers:  # each ends with its engine's ("end", ...)
-            thread.join(timeout=60)
+        for thread in self._receivers:  # each ends with its engine's ("end", ...), or its engine is lost
+            while thread.is_alive() and self.liveness.lost is None:
+                thread.join(timeout=1.0)
 
 
 def result_channel(roles, engine: int):
@@ -253,15 +324,17 @@ def _receive_groups(channel, buffer, loads, engine: int) -> None:
 HARVEST_TIMEOUT_S = 300.0  # at a stop, an engine's samples so far: an abort and one message (seconds, not minutes)
 
 
-def serve(cfg, model_dir, roles) -> None:
+def serve(cfg, model_dir, roles, liveness: Liveness) -> None:
     """A rollout rank's whole life: build the engine, then step its loop and answer the trainer until it says stop
-    (see the module doc)."""
+    (see the module doc). Each engine step and each weight sync runs under its deadline (`liveness.doing`): past it,
+    this rank falls silent and the trainer names it."""
     import queue
 
     from ..interrupt import Interruptible
     from .engine_loop import EngineLoop
     from .multi_turn import ToolRollout
     from .vllm_engine import make_engine
+    from .weight_transfer import checkpoint_tensors, sync_bytes_bound, tied_embeddings
 
     # SIGUSR1 / SIGTERM / a first Ctrl-C: the trainer checkpoints and sends stop; this rank must not die first (a
     # second Ctrl-C aborts it with the rest, as it does the trainer)
@@ -277,6 +350,8 @@ def serve(cfg, model_dir, roles) -> None:
     engine.init_receiver({**payload, "rank_offset": payload["rank_offset"] + e})
     results = result_channel(roles, e)  # then the result channel (the trainer builds its end next)
     loop = EngineLoop(engine, cfg.rollout.n, SamplingConfig.from_rollout_config(cfg.rollout), tools=tools)
+    step_s = liveness.deadlines.engine_step_s
+    sync_s = liveness.deadlines.transfer(sync_bytes_bound(checkpoint_tensors(model_dir), tied_embeddings(model_dir)))
     batches: list[tuple[int, list[int]]] = []  # side batches in progress: (batch id, prompt indices)
     inbox: queue.Queue = queue.Queue()
     channel_free = threading.Event()  # the main thread reads on the channel itself (a sync's metadata, init)
@@ -317,10 +392,14 @@ def serve(cfg, model_dir, roles) -> None:
                 elif kind == "resume":
                     loop.resume([(g, ids, r, v) for g, ids, r, v, engine_ in payload if engine_ == e])
                 elif kind == "harvest":
-                    results.send_object(("harvest", loop.harvest()), dst=0)
+                    with liveness.doing("an engine step", step_s):
+                        kept = loop.harvest()
+                    results.send_object(("harvest", kept), dst=0)
                 elif kind == "weights":
                     try:
-                        dropped = loop.update(lambda: engine.receive_weights(channel), min_version=payload)["dropped"]
+                        with liveness.doing("a weight sync", sync_s):
+                            dropped = loop.update(lambda: engine.receive_weights(channel),
+                                                  min_version=payload)["dropped"]
                     finally:
                         channel_free.set()
                     if dropped:  # the trainer counts them and admits fresh prompts in their place
@@ -334,6 +413,7 @@ def serve(cfg, model_dir, roles) -> None:
                     batches.append((loop.add_batch([prompts[i] for i in mine], bn, bsampling, request_indices=mine),
                                     mine))
                 elif kind == "stop":
+                    liveness.stop()  # the trainer ends too: its silence from now on is no news
                     results.send_object(("end", loop.abort_all()), dst=0)
                     return
                 elif kind == "failed":
@@ -346,7 +426,8 @@ def serve(cfg, model_dir, roles) -> None:
                     results.send_object(("batch", (mine, None)), dst=0)
                 batches.clear()
                 loop.abort_side()
-            groups = loop.step()
+            with liveness.doing("an engine step", step_s):
+                groups = loop.step()
             if groups:  # with the running groups' progress: the trainer's load-fed assignment
                 results.send_object(("groups", ([(g.gid, g.rollouts, g.admitted_version) for g in groups],
                                                 loop.take_stats().sums(), loop.progress())), dst=0)

@@ -36,6 +36,7 @@ import torch
 from ..algo.dynamic_sampling import ScoredBatch
 from ..data.sampler import Prompt
 from ..distributed import trainer_broadcast
+from ..liveness import PeerLost
 from .base import RolloutInterrupted, Rollouts, SamplingConfig, check_staleness
 from .engines import engine_figures
 from .scoring import score
@@ -154,13 +155,16 @@ class GroupSource:
     def next_batch(self, step: int, version: int, timer):
         """The step's groups (a ScoredStep, rollout/source.py; its batch on trainer rank 0 only). None: a stop
         (SIGTERM / SIGUSR1 / Ctrl-C) came while the step waited for them: every trainer rank returns None, and what
-        the step had taken goes back among the admitted groups."""
+        the step had taken goes back among the admitted groups. A rollout rank that stopped answering raises
+        PeerLost on every trainer rank."""
         full = None
         if self.leader:
             try:
                 full = self._leader_step(step, version)
             except RolloutInterrupted:
                 full = "interrupted"
+            except PeerLost as exc:
+                full = exc
             finally:
                 self.engines.release()
         else:
@@ -168,6 +172,8 @@ class GroupSource:
         # the other trainer ranks get what every rank needs, not the batch: rank 0 sends each its samples
         # (train/shard.py)
         light = trainer_broadcast(full[1:] if isinstance(full, tuple) else full)
+        if isinstance(light, PeerLost):
+            raise light
         if light == "interrupted":
             return None
         stats, seconds, sampler_state = light[1:]
@@ -301,6 +307,8 @@ class GroupSource:
         samples = dict(self._finished)
         try:
             samples.update(self.engines.harvest())  # each engine's finished groups arrive before its answer
+        except PeerLost:  # a rollout rank stopped answering: the run ends naming it (placement.shutdown)
+            return None
         except Exception as exc:  # noqa: BLE001 - an engine gone: the checkpoint's prompts still resume the run
             print(f"justrl-train: warning: the rollout ranks did not hand back their groups at the stop ({exc}); "
                   f"the resumed run generates them anew", flush=True)

@@ -28,7 +28,6 @@ import it too.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import time
@@ -40,7 +39,9 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
+from ..distributed import listening_store, transfer_group
 from ..lifeline import exit_with_trainer
+from ..ports import held_port
 from .base import NamedTensor, WeightStream
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -139,6 +140,12 @@ def checkpoint_tensors(model_dir) -> dict[str, int]:
     return numels
 
 
+def sync_bytes_bound(numels: dict[str, int], tied: bool) -> int:
+    """At most how many bytes a full weight stream of a model with these tensors (`checkpoint_tensors`) sends: 4 per
+    parameter (fp32, the widest dtype a policy streams), and the LM head's copy of a tied embedding."""
+    return 4 * (sum(numels.values()) + (numels.get(TIED_EMBEDDING, 0) if tied else 0))
+
+
 def bucket_nbytes(bucket: list[NamedTensor]) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
@@ -229,16 +236,6 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list = field(default_factory=list)
     dtype_names: list = field(default_factory=list)
     shapes: list = field(default_factory=list)
-
-
-def transfer_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float = 600.0):
-    """A gloo group of its own (TCPStore rendezvous; rank 0 hosts the store), independent of torch.distributed's
-    WORLD, so that trainer rank 0 and engine workers in other processes can join it."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    return ProcessGroupGloo(PrefixStore("justrl-weight-sync", store), rank, world_size, timeout)
 
 
 def _broadcast(group, tensor: torch.Tensor, src: int = 0) -> None:
@@ -343,15 +340,30 @@ class BroadcastSender:
     `packed_nccl_broadcast_producer`, with one packed buffer per bucket (`packed_buffer_size_bytes` = bucket size,
     so that both ends cut the same chunks). Opening the group is a rendezvous: call `open()` while the receivers
     call `init_weight_transfer_engine` with `receiver_init_info(...)`.
+
+    The rendezvous port is this sender's from its construction on, so a port announced to the receivers is never
+    found taken by another process when the group opens: gloo's store is bound on it at once
+    (distributed.listening_store); for nccl, vLLM's group binds the port itself, so a socket holds it until `open()`
+    hands it over, the instant before vLLM binds it. `timeout_s` bounds each broadcast (gloo: the group's operations;
+    the receivers get the same bound).
     """
 
-    def __init__(self, backend: str, master_address: str, master_port: int, world_size: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0):
+    def __init__(self, backend: str, master_address: str, world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float = 600.0):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"broadcast weight transfer backend must be gloo (CPU) or nccl (GPU), got {backend!r}")
-        self.backend, self.master_address, self.master_port = backend, master_address, master_port
+        self.backend, self.master_address = backend, master_address
         self.world_size, self.bucket_bytes, self.timeout_s = world_size, bucket_bytes, timeout_s
-        self.group = None
+        self.group = self._store = self._held = None
+        if backend == "gloo":
+            self._store = listening_store()
+            self.master_port = self._store.port
+        else:
+            self._held = held_port()
+            self.master_port = self._held.getsockname()[1]
+            # this rank's device, read here: `open` and the sends may run on threads of their own (Liveness.call),
+            # whose current device is the first
+            self._device = torch.cuda.current_device()
 
     def receiver_init_info(self, rank_offset: int) -> dict[str, Any]:
         """The init_info an engine whose first worker is transfer-group rank `rank_offset` must pass to vLLM."""
@@ -368,15 +380,17 @@ class BroadcastSender:
 
     def open(self) -> None:
         if self.backend == "gloo":
-            self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s)
+            self.group = transfer_group(self.master_address, self.master_port, 0, self.world_size, self.timeout_s,
+                                        store=self._store)
         else:
-            # the group nccl_common.trainer_init opens (this rank 0 of the transfer group, on the current CUDA
-            # device), built from stateless_init_process_group, whose signature is the same in 0.32 and 0.33
+            # the group nccl_common.trainer_init opens (this rank 0 of the transfer group, on this rank's device),
+            # built from stateless_init_process_group, whose signature is the same in 0.32 and 0.33
             # (tools/vllm_api/: both snapshots)
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
+            self._held.close()  # vLLM's own store binds the port next
             self.group = stateless_init_process_group(self.master_address, self.master_port, 0, self.world_size,
-                                                      torch.cuda.current_device())
+                                                      self._device)
 
     def send_bucket(self, bucket: list[NamedTensor]) -> None:
         """Broadcast one bucket; the receivers are inside `update_weights(bucket_metadata(bucket))` meanwhile."""
@@ -388,15 +402,19 @@ class BroadcastSender:
         from vllm.distributed.weight_transfer.packed_tensor import (
             DEFAULT_PACKED_NUM_BUFFERS, packed_nccl_broadcast_producer)
 
-        # both ends cut a bucket into packed chunks by the same rule and buffer size, so they agree
-        packed_nccl_broadcast_producer(iter(bucket), self.group, src=0, post_iter_func=lambda item: item[1],
-                                       buffer_size_bytes=self.bucket_bytes, num_buffers=DEFAULT_PACKED_NUM_BUFFERS)
-        torch.cuda.current_stream().synchronize()
+        with torch.cuda.device(self._device):
+            # both ends cut a bucket into packed chunks by the same rule and buffer size, so they agree
+            packed_nccl_broadcast_producer(iter(bucket), self.group, src=0, post_iter_func=lambda item: item[1],
+                                           buffer_size_bytes=self.bucket_bytes,
+                                           num_buffers=DEFAULT_PACKED_NUM_BUFFERS)
+            torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:
         if self.group is not None and self.backend == "nccl":
             self.group.destroy()
-        self.group = None
+        if self._held is not None:
+            self._held.close()
+        self.group = self._store = None
 
 
 def tied_embeddings(model_dir) -> bool:
@@ -409,15 +427,18 @@ def tied_embeddings(model_dir) -> bool:
 
 def send_weights(sender, stream: WeightStream, version: int, control_group, *, tied: bool,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, is_sender: bool = True,
-                 expected_names: set[str] | None = None) -> dict:
+                 expected_names: set[str] | None = None, call=None) -> dict:
     """Split placement, on the trainer: drive one sync into every rollout rank's `receive_weights`.
 
     Every trainer rank iterates the stream (the export's gathers are collectives); only the sender (trainer rank 0,
     holding an opened `weight_transfer.BroadcastSender`) sends metadata and tensors. With `expected_names` (the HF
     checkpoint's tensors) a stream that missed some is refused on both ends instead of leaving mixed weights.
+    `call(fn, *args)` makes each send (split placement: `Liveness.call`, which gives up on a receiver that stopped
+    answering); the stream is iterated here, where the export's collectives run.
     """
     import torch.distributed as dist
 
+    call = call or (lambda fn, *args: fn(*args))
     src = 0 if hasattr(control_group, "broadcast_object") else dist.get_rank()
     start = time.perf_counter()
     nbytes = nbuckets = 0
@@ -425,8 +446,8 @@ def send_weights(sender, stream: WeightStream, version: int, control_group, *, t
     for bucket in tie_lm_head(iter_buckets(stream, bucket_bytes), tied):
         if not is_sender:
             continue
-        broadcast_object(("bucket", bucket_metadata(bucket)), src, control_group)
-        sender.send_bucket(bucket)
+        call(broadcast_object, ("bucket", bucket_metadata(bucket)), src, control_group)
+        call(sender.send_bucket, bucket)
         sent.update(n for n, _ in bucket)
         nbytes += bucket_nbytes(bucket)
         nbuckets += 1
@@ -435,10 +456,10 @@ def send_weights(sender, stream: WeightStream, version: int, control_group, *, t
         message = (f"weight sync of version {version} missed {len(missing)} of the model's {len(expected_names)} "
                    f"tensors, e.g. {missing[:4]}: the trainer's export does not cover the rollout model (a "
                    f"different model.path, or a converter mapping gap)")
-        broadcast_object(("abort", message), src, control_group)
+        call(broadcast_object, ("abort", message), src, control_group)
         raise RuntimeError(message)
     if is_sender:
-        broadcast_object(("done", int(version)), src, control_group)
+        call(broadcast_object, ("done", int(version)), src, control_group)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "bytes": nbytes, "buckets": nbuckets,
             "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else float("inf")}

@@ -32,7 +32,7 @@ def share(obj, src, group):
 
 
 def main(hf_dir, out):
-    from justrl_megatron.distributed import _free_port, init_distributed
+    from justrl_megatron.distributed import init_distributed
     from justrl_megatron.rollout import SamplingConfig, logprob_gap
     from justrl_megatron.rollout.vllm_engine import VLLMEngine, send_weights
     from justrl_megatron.rollout.weight_transfer import BroadcastSender
@@ -48,7 +48,7 @@ def main(hf_dir, out):
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        sender = BroadcastSender("gloo", "127.0.0.1", _free_port(), world_size=2, bucket_bytes=256 << 10)
+        sender = BroadcastSender("gloo", "127.0.0.1", world_size=2, bucket_bytes=256 << 10)
         share(sender.receiver_init_info(rank_offset=1), 0, control)
         sender.open()  # rendezvous with the engine worker, which joins from its own process
         verdict = {"syncs": []}
