@@ -13,12 +13,20 @@ The five redirections (see ../shared/FACTS.md):
 A sixth, for MoE models only (`moe_dispatch_on_cpu`, called when an MoE layer spec is built, so that dense runs never
 import megatron's MoE modules): the alltoall dispatcher's split sizes become numpy arrays only when they are CUDA
 tensors, and gloo's `all_to_all_single` takes no tensors for them.
+A seventh, for start-up: megatron's `jit_fuser` decorator is `torch.compile`, applied at import to about thirty
+functions, which imports torch's compiler stack (~2 s of every process' start). On the CPU no fusion runs (the model's
+fusion switches are off, model/hf_config.py) and the few decorated functions our models can reach (e.g. GroupedMLP's
+activation) would compile C++ kernels with inductor on first call, so the fuser is megatron's own no-op there
+(`megatron.core.jit.disable_jit_fuser`, called as that module loads, before anything is decorated).
 Works on megatron-core 0.16.1 and 0.19.x: it patches torch and one megatron module (the RNG tracker), not call sites.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
 import threading
 import warnings
 
@@ -193,6 +201,37 @@ def _patch_torch_cuda():
     cuda.empty_cache = lambda *a, **k: None
 
 
+# --- 7: megatron's fusers (torch.compile) off on the CPU ---------------------------------------------------------------
+
+_JIT = "megatron.core.jit"
+
+
+class _FusersOffAtImport(importlib.abc.MetaPathFinder):
+    """Finds megatron.core.jit as the path finder would, and turns its fuser off right after the module runs."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _JIT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_disable(module):
+            exec_module(module)
+            module.disable_jit_fuser()
+
+        spec.loader.exec_module = exec_then_disable
+        return spec
+
+
+def _megatron_fusers_off():
+    if _JIT in sys.modules:  # imported before this module: functions decorated from now on stay uncompiled
+        sys.modules[_JIT].disable_jit_fuser()
+    elif not any(isinstance(f, _FusersOffAtImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FusersOffAtImport())
+
+
 # --- 6: MoE token dispatch ------------------------------------------------------------------------------------------
 
 def moe_dispatch_on_cpu() -> None:
@@ -232,6 +271,7 @@ def apply() -> bool:
         # megatron warns at every import that TE/apex are missing; on a CPU machine they never exist
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
         _patch_torch_cuda()
+        _megatron_fusers_off()
         _patch_rng_tracker()
         _mode = CudaToCpuMode()
         _mode.__enter__()  # the process' main thread only: TorchFunctionMode stacks are per thread

@@ -67,11 +67,32 @@ def test_noop_when_cuda_is_present():
         "assert torch.cuda.current_device is orig\n"
         "assert r.CudaRNGStatesTracker.add is not c._cpu_tracker_add\n"
         "assert torch.overrides._get_current_function_mode_stack() == []\n"
+        "import megatron.core.jit as j\n"
+        "assert j.jit_fuser is torch.compile\n"  # megatron's fusers stay on with CUDA
         "print('untouched')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "untouched" in out.stdout
+
+
+def test_megatron_fusers_are_off_on_the_cpu_and_the_compiler_is_not_imported():
+    """Redirection 7: megatron's torch.compile fusers are its own no-op on the CPU, set before any function is
+    decorated, so a process that imports megatron never imports torch's compiler stack."""
+    code = (
+        "import sys, torch\n"
+        "import justrl_megatron.compat\n"
+        "import megatron.core.jit as j\n"
+        "from megatron.core.transformer.utils import gelu_impl\n"
+        "from megatron.core.models.gpt import GPTModel\n"
+        "assert j.jit_fuser is j.noop_decorator\n"
+        "assert type(gelu_impl).__name__ == 'function', type(gelu_impl)\n"  # not a compiled wrapper
+        "assert 'torch._dynamo' not in sys.modules and 'torch._inductor' not in sys.modules\n"
+        "print('off')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "off" in out.stdout
 
 
 @pytest.fixture(scope="module")
