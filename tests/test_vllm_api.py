@@ -242,12 +242,15 @@ def test_a_stale_hint_is_reported():
 
 def test_on_cpu_vllm_queue_readers_wait_on_their_socket_without_spinning(tmp_path):
     """rollout/vllm_plugin.py is registered as a vLLM general plugin (vLLM runs it in its engine core and workers),
-    and once run a reader of vLLM's shared-memory queue sleeps at once instead of spinning for a second."""
+    and once run a reader of vLLM's shared-memory queue sleeps at once instead of spinning for a second, and looks at
+    the queue every 20 ms while it sleeps (a lost notification cost it 5 s before)."""
     from importlib.metadata import entry_points
 
     import zmq
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
     from vllm.plugins import load_general_plugins
+
+    from justrl_megatron.rollout.vllm_plugin import RECHECK_MS
 
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert plugins.get("justrl_cpu_queues") == "justrl_megatron.rollout.vllm_plugin:register", plugins
@@ -258,5 +261,7 @@ def test_on_cpu_vllm_queue_readers_wait_on_their_socket_without_spinning(tmp_pat
         writer = SpinCondition(is_reader=False, context=context, notify_address=address)
         reader = SpinCondition(is_reader=True, context=context, notify_address=address)
         assert reader.busy_loop_s == 0 and writer.busy_loop_s == 0
+        # the bound on a sleeping reader's wait for a message it was not told about (no deadline, no warnings)
+        assert MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False).timeout_ms() == RECHECK_MS == 20
     finally:
         context.destroy(linger=0)

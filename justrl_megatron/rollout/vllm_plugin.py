@@ -6,12 +6,18 @@ What it changes, on CPU only: a reader of vLLM's shared-memory message queue (th
 output, the worker waiting for the next step) spins with sched_yield for a second after every message before it sleeps
 on a socket. On a GPU host that buys latency with an idle core; on a CPU host the cores are the ones computing the
 model, and the engine core's spinning took as much CPU as half of its worker's (docs/testing.md). Readers there wait
-on the socket at once. Nothing else changes; on GPU, or a vLLM without that queue, the plugin does nothing.
+on the socket at once. A waiting reader depends on the writer's notification, and vLLM's notifications can be lost (a
+PUB socket with a send high-water mark of 1 drops one when the loaded machine has not yet moved the previous one
+along); vLLM then finds the message only at its periodic re-check of the queue, every 5 s. Spinning hid that; without
+it an engine in a child process started 10 s late (two start-up messages found by the re-check). So readers here
+re-check every 20 ms: a lost notification costs at most that, and an idle reader's 50 flag checks a second cost
+nothing measurable. Nothing else changes; on GPU, or a vLLM without that queue, the plugin does nothing.
 """
 
 from __future__ import annotations
 
 
+RECHECK_MS = 20  # how often a waiting reader looks at the queue without a notification (vLLM: 5,000)
 _DONE: list[bool] = []  # vLLM may load its plugins more than once in a process
 
 
@@ -19,6 +25,7 @@ def register() -> None:
     if _DONE:
         return
     try:
+        from vllm.distributed.device_communicators import shm_broadcast
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
         from vllm.platforms import current_platform
     except ImportError:
@@ -33,3 +40,4 @@ def register() -> None:
         self.busy_loop_s = 0  # a reader waits on its socket right away (a writer's is 0 already)
 
     SpinCondition.__init__ = init_without_busy_loop
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
