@@ -111,7 +111,7 @@ def test_a_stop_mid_round_keeps_every_group_and_the_resume_continues_the_round(m
     monkeypatch.setattr(admission, "stop_requested", lambda: False)
     resumed_engines = SeededEngines({}, 0)
     resumed = _rounds(resumed_engines)
-    resumed.restore(state)
+    resumed.restore(state, 0)
     resumed_engines.publish(0)
     again = resumed.next_batch(1, 0, Timer())
     assert [p.id for p in again.batch.prompts] == ["0", "1"] and [g for g, *_ in resumed_engines.resumed] == [0, 1]
@@ -130,7 +130,7 @@ def test_kept_groups_of_another_group_size_are_generated_anew_with_one_line(caps
                          "step": 1, "seed": None, "lost": False,
                          "samples": {"prompt_index": [0] * 3, "token_ids": [[5]] * 3, "logprobs": [[-1.0]] * 3,
                                      "finish_reasons": ["abort"] * 3, "weight_version": 0}}], "prompts": []}
-    source.restore(state)
+    source.restore(state, 0)
     scored = source.next_batch(1, 0, Timer())
     assert [p.id for p in scored.batch.prompts][0] == "0" and not engines.resumed  # admitted anew, not continued
     assert scored.sampling_stats.metrics()["rollout/discarded_at_resume"] == 1
@@ -166,11 +166,12 @@ def _kept_state(settings, lengths=(1, 1), reasons=None, mask=None):
     return json.loads(json.dumps(state))  # as the checkpoint stores it
 
 
-def _resume(state, settings, capsys):
-    """(a source of a run under `settings` that restored `state`, the one line it said)."""
+def _resume(state, settings, capsys, eta=0, version=0):
+    """(a source of a run under `settings` with staleness bound `eta` that restored `state` at weights `version`, the
+    one line it said)."""
     n, sampling, tools = settings
-    source = _rounds(SeededEngines({}, 0), n=n, sampling=sampling, tools=tools)
-    source.restore(state)
+    source = _rounds(SeededEngines({}, eta), eta=eta, n=n, sampling=sampling, tools=tools)
+    source.restore(state, version)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1, lines
     return source, lines[0]
@@ -198,7 +199,26 @@ def test_a_kept_group_sampled_otherwise_is_generated_anew_counted_in_one_line(ke
     source, line = _resume(_kept_state(run(then)), run(now), capsys)
     assert not source._resumed and [p.id for p in source._queue] == ["0"]  # its prompt, before any new one
     assert source._counts.discarded_at_resume == 1 and source._counts.resumed_groups == 0
-    assert line.startswith("justrl-train: work in flight: 1 kept group(s) are generated anew (") and key in line, line
+    assert line.startswith("justrl-train: work in flight: 1 kept group(s) are generated anew, their 2 sampled "
+                           "token(s) dropped (") and key in line, line
+
+
+def test_a_smaller_staleness_bound_regenerates_the_kept_groups_it_makes_too_old_and_says_so(capsys):
+    """Kept groups admitted at weights 0 and 1, resumed at weights 1: with rollout.max_staleness=0 the older one
+    cannot be trained any more and is generated anew, named in the line (it used to say "2 kept group(s) continue"
+    and then drop one at admission); with max_staleness=1 both go on."""
+    state = _kept_state(_settings())
+    later = json.loads(json.dumps(state["groups"][0]))
+    later["version"], later["prompt"]["id"] = 1, "1"
+    state["groups"].append(later)
+    source, line = _resume(json.loads(json.dumps(state)), _settings(), capsys, eta=0, version=1)
+    assert [kept.prompt.id for kept, _ in source._resumed] == ["1"] and [p.id for p in source._queue] == ["0"]
+    assert source._counts.discarded_at_resume == 1 and source._counts.resumed_groups == 1
+    assert line == ("justrl-train: work in flight: 1 kept group(s) continue where they stopped; 1 kept group(s) are "
+                    "generated anew, their 2 sampled token(s) dropped (rollout.max_staleness=0: admitted more than 0 "
+                    "update(s) before the resumed weights 1)")
+    source, line = _resume(json.loads(json.dumps(state)), _settings(), capsys, eta=1, version=1)
+    assert len(source._resumed) == 2 and source._counts.discarded_at_resume == 0
 
 
 def test_a_kept_group_goes_on_where_only_the_number_of_tool_workers_changed(capsys):
@@ -257,7 +277,52 @@ def test_a_colocated_resume_of_a_streaming_stop_says_how_many_kept_groups_go_on(
     assert len(state["groups"]) == 4
     capsys.readouterr()
     rounds = _rounds(SeededEngines({}, 0))
-    rounds.restore(state)
+    rounds.restore(state, 0)
     assert capsys.readouterr().out.splitlines() == [
         "justrl-train: work in flight: 4 kept group(s) continue where they stopped"]
     assert rounds._counts.resumed_groups == 4 and rounds._counts.discarded_at_resume == 0
+
+
+def _mode(mode, engines, n):
+    """A source of `mode` (synchronous and one-step-off rounds, streaming) over `engines`, with groups of n."""
+    from justrl_megatron.rollout.admission import StreamSource
+
+    if mode == "streaming":
+        return StreamSource(engines, _sampler(), Scorer(), Tokenizer(), n=n, sampling=SamplingConfig(max_tokens=4),
+                            leader=True, max_staleness=1, num_groups=2)
+    return _rounds(engines, eta={"synchronous": 0, "one_step_off": 1}[mode], n=n)
+
+
+@pytest.mark.parametrize("mode", ["synchronous", "one_step_off", "streaming"])
+def test_every_mode_regenerates_what_a_stop_kept_when_the_resume_changes_the_group_size(mode, monkeypatch, capsys):
+    """The probe's case through a real stop and the resumed run's first step, in every mode that keeps in-flight
+    work: groups of 2 kept at a stop and resumed with rollout.n=3 reach no engine as continuations; their prompts are
+    sampled anew first, the step trains groups of 3 only, and the one line counts the groups and tokens dropped."""
+    import justrl_megatron.rollout.admission as admission
+
+    eta = 0 if mode == "synchronous" else 1
+    engines = SeededEngines({1: 3, 2: 3, 3: 3}, eta)  # group 0 finishes at once, the others are cut short
+    engines.frozen = True
+    stopped = _mode(mode, engines, n=2)
+    engines.publish(0)
+    monkeypatch.setattr(admission, "stop_requested", lambda: True)
+    assert stopped.next_batch(1, 0, Timer()) is None
+    state = json.loads(json.dumps(stopped.stop_state()))  # as at_stop.pt keeps it
+    kept = [g for g in state["groups"] if g["samples"] is not None]
+    tokens = sum(len(t) for g in kept for t in g["samples"]["token_ids"])
+    assert len(kept) == len(state["groups"]) >= 2 and state["drawn_with"]["rollout.n"] == 2
+    monkeypatch.setattr(admission, "stop_requested", lambda: False)
+    capsys.readouterr()
+    engines = SeededEngines({}, eta)
+    resumed = _mode(mode, engines, n=3)
+    resumed.restore(state, 0)
+    assert capsys.readouterr().out.splitlines() == [
+        f"justrl-train: work in flight: {len(kept)} kept group(s) are generated anew, their {tokens} sampled token(s) "
+        f"dropped (rollout.n 2 -> 3: a group's advantages compare exactly n samples of one prompt)"]
+    engines.publish(0)
+    scored = resumed.next_batch(1, 0, Timer())
+    assert not engines.resumed and engines.admitted[:len(kept)] == list(range(len(kept)))  # anew, first
+    assert [p.id for p in scored.batch.prompts] == [g["prompt"]["id"] for g in kept[:2]]
+    assert len(scored.batch.rollouts) == 2 * 3  # every trained group has this run's 3 samples
+    figures = scored.sampling_stats.metrics()
+    assert figures["rollout/discarded_at_resume"] == len(kept) and figures["rollout/resumed_groups"] == 0

@@ -2,7 +2,7 @@
 mode is this source with an admission policy (rollout/admission.py: what is admitted when, which groups a step
 takes, how stale they may be); the engines are driven one way in all of them (rollout/engines.py, engine_loop.py).
 
-    source.restore(saved)                        # groups a checkpoint or a stop kept: continued first
+    source.restore(saved, version)               # groups a checkpoint or a stop kept: continued first
     scored = source.next_batch(step, version, timer)   # the step's groups; None: a stop cut the step short
     source.state()                               # the checkpoint's: every admitted group, with its samples if done
     source.stop_state()                          # at a stop: every admitted group with its samples so far
@@ -20,8 +20,9 @@ which are generated anew (`rollout/discarded_at_resume` counts the groups whose 
 is trained twice and no prompt is skipped.
 
 A resume may change the settings a kept group was sampled under: `restore` carries the group or generates it anew,
-per setting (the rule is written above `_ANEW`), and says what it did in one line. Settings that change the prompt or
-its tokens are pinned by the checkpoint and refused before any model loads (run_config.PINNED).
+per setting (the rule is written above `_ANEW`), and says what it did in one line, with the groups and sampled
+tokens it threw away. Settings that change the prompt or its tokens are pinned by the checkpoint and refused before
+any model loads (run_config.PINNED).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ _ANEW = {
 # cap would have drawn), one with a longer sample is generated anew; longer, a sample the old cap cut goes on to the
 # new cap (a tool group with such a sample is generated anew: its turns cannot be reopened).
 KEPT_LENGTH = "rollout.max_response_length"
+# rollout.max_staleness is not a sampling setting but bounds how old a kept group may be when it is trained: a smaller
+# one at the resume makes the groups admitted more than eta updates before the resumed weights too old to train, so
+# they are generated anew like the above, in the same line (a larger one keeps them all).
+_TOO_OLD = "rollout.max_staleness={eta}: admitted more than {eta} update(s) before the resumed weights {version}"
 
 
 def _why_anew(key: str) -> str:
@@ -232,9 +237,10 @@ class GroupSource:
         return self._queue.popleft()
 
     def _admit(self, count: int, version: int, *, step: int | None = None, seed: int | None = None) -> list[int]:
-        """`count` groups: the kept ones first (continued under their own admission's version, unless a smaller
-        bound now makes them too old: then generated anew and counted), then drawn prompts. `seed`: the round's
-        (each group's request seed: seed + its place in the round x n). Returns their gids."""
+        """`count` groups: the kept ones first (continued under their own admission's version, unless one waited
+        for admission room past the bound, as more kept groups than the policy admits at once may: then generated
+        anew and counted; `restore` decided the others), then drawn prompts. `seed`: the round's (each group's
+        request seed: seed + its place in the round x n). Returns their gids."""
         resumed, fresh, gids = [], [], []
         for i in range(count):
             gid = self._next_gid
@@ -316,11 +322,12 @@ class GroupSource:
         samples.update(self._buffered())
         return self._saved(samples, lost=False)
 
-    def restore(self, state: dict | None) -> None:
-        """Take back what `state` or `stop_state` saved: groups with samples are continued first (under their
-        admission's version), the others generated anew before any newly drawn prompt. Groups sampled under other
-        settings than this run's are carried or generated anew as the rule above `_ANEW` says; one line (trainer
-        rank 0) says what was continued and what was not, and why."""
+    def restore(self, state: dict | None, version: int) -> None:
+        """Take back what `state` or `stop_state` saved, for a run that resumes with weights `version`: groups with
+        samples are continued first (under their admission's version), the others generated anew before any newly
+        drawn prompt. Groups sampled under other settings than this run's, or too old for its staleness bound, are
+        carried or generated anew as the rule above `_ANEW` says; one line (trainer rank 0) says what was continued
+        and what was not, why, and how many sampled tokens that threw away."""
         if not state:
             return
         then = state.get("drawn_with")  # None: saved before the settings were kept (only n and lengths can be told)
@@ -338,17 +345,20 @@ class GroupSource:
                 unstarted += not g.get("lost")
                 continue
             samples = Rollouts(**g["samples"])
-            why = "; ".join(changed) or self._unfit(samples, then)
+            too_old = kept.version < version - self.eta
+            why = "; ".join(changed) or self._unfit(samples, then) or (
+                _TOO_OLD.format(eta=self.eta, version=version) if too_old else None)
             if why:
                 fresh.append(kept.prompt)
-                anew[why] = anew.get(why, 0) + 1
+                groups, tokens = anew.get(why, (0, 0))
+                anew[why] = (groups + 1, tokens + samples.num_tokens)
                 continue
             self._resumed.append((kept, samples))
             self._counts.resumed_groups += 1
             self._counts.resumed_tokens += samples.num_tokens
         if "groups" not in state:  # saved by an older version of this source: its prompts are generated anew
             lost += int(state.get("outstanding", 0))
-        self._counts.discarded_at_resume += lost + sum(anew.values())
+        self._counts.discarded_at_resume += lost + sum(groups for groups, _ in anew.values())
         self._queue.extendleft(reversed(fresh + [Prompt(**p) for p in state.get("prompts", [])]))
         if self.leader:
             line = _restore_line(self._counts.resumed_groups - resumed_before, unstarted, lost, anew)
@@ -374,12 +384,14 @@ class GroupSource:
         return None
 
 
-def _restore_line(continued: int, fresh: int, lost: int, anew: dict[str, int]) -> str | None:
-    """The resume's one line about the saved work in flight (None: there was none)."""
+def _restore_line(continued: int, fresh: int, lost: int, anew: dict[str, tuple[int, int]]) -> str | None:
+    """The resume's one line about the saved work in flight (None: there was none); `anew`: why -> (kept groups,
+    their sampled tokens) generated anew for that reason."""
     parts = [f"{continued} kept group(s) continue where they stopped"] if continued else []
     if anew:
-        whys = "; ".join(why + (f" ({count})" if len(anew) > 1 else "") for why, count in anew.items())
-        parts.append(f"{sum(anew.values())} kept group(s) are generated anew ({whys})")
+        groups, tokens = (sum(counts) for counts in zip(*anew.values()))
+        whys = "; ".join(why + (f" ({count})" if len(anew) > 1 else "") for why, (count, _) in anew.items())
+        parts.append(f"{groups} kept group(s) are generated anew, their {tokens} sampled token(s) dropped ({whys})")
     if lost:
         parts.append(f"{lost} group(s) whose samples were lost (the run ended without a stop) are generated anew")
     if fresh:
