@@ -358,7 +358,7 @@ def test_a_checkpoint_saves_the_untrained_prompts_and_a_resume_admits_them_first
     assert sum(g["lost"] for g in state["groups"]) == 2 and not trained & set(saved)  # nothing trained is saved again
     resumed_engines = ScriptedEngines({}, 1)
     resumed = _pipeline(resumed_engines, _sampler(), 1)
-    resumed.restore(json.loads(json.dumps(state)))  # as the checkpoint stores it
+    resumed.restore(json.loads(json.dumps(state)), 1)  # as the checkpoint stores it
     resumed_engines.publish(1)
     again = resumed.next_batch(2, 1, Timer())
     assert resumed_engines.admitted[:len(saved)] == list(range(len(saved)))
@@ -389,7 +389,7 @@ def test_a_stop_saves_every_group_with_its_samples_and_the_resume_continues_them
     resumed_engines = ScriptedEngines({}, 1)
     resumed = _pipeline(resumed_engines, _sampler(), 1)
     resumed.sampler.load_state_dict(pipeline.sampler.state_dict())
-    resumed.restore(state)
+    resumed.restore(state, 0)
     resumed_engines.publish(0)  # the stop cut step 1 short: the run resumes from step 0's checkpoint
     first = resumed.next_batch(1, 0, Timer())
     assert [(g, v) for g, _, v in resumed_engines.resumed] == [(0, 0), (1, 0), (2, 0), (3, 0)]  # their versions

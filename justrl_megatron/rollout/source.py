@@ -4,7 +4,7 @@ The loop asks a source for each step's scored groups and knows nothing of how th
 
     engines = placement.start(export_weights)   # the engines' client (rollout/engines.py)
     source = make_source(cfg, engines, sampler, scorer, tokenizer, leader=rank == 0)
-    source.restore(checkpointed_state)          # work that was in flight at the checkpoint
+    source.restore(checkpointed_state, version)  # work that was in flight at the checkpoint
     scored = source.next_batch(step, version, timer)   # a ScoredStep (its batch: on trainer rank 0); None: a stop
     placement.publish(version, source.min_version(version))  # the staleness bound: the source's, computed once
     checkpoint {..., "inflight": source.state()}
@@ -75,8 +75,9 @@ class BatchSource(Protocol):
         that a resume should continue rather than redo (kept beside that checkpoint and handed to `restore` instead
         of `state`'s), or None: `state` said it all. The run generates nothing more after it."""
 
-    def restore(self, state: dict | None) -> None:
-        """Take back what `state` (or `stop_state`) saved."""
+    def restore(self, state: dict | None, version: int) -> None:
+        """Take back what `state` (or `stop_state`) saved; the resumed run starts with weights `version` (the
+        checkpoint's step)."""
 
 
 def source_name(cfg) -> str:

@@ -2,7 +2,7 @@
 mode is this source with an admission policy (rollout/admission.py: what is admitted when, which groups a step
 takes, how stale they may be); the engines are driven one way in all of them (rollout/engines.py, engine_loop.py).
 
-    source.restore(saved)                        # groups a checkpoint or a stop kept: continued first
+    source.restore(saved, version)               # groups a checkpoint or a stop kept: continued first
     scored = source.next_batch(step, version, timer)   # the step's groups; None: a stop cut the step short
     source.state()                               # the checkpoint's: every admitted group, with its samples if done
     source.stop_state()                          # at a stop: every admitted group with its samples so far
@@ -316,11 +316,13 @@ class GroupSource:
         samples.update(self._buffered())
         return self._saved(samples, lost=False)
 
-    def restore(self, state: dict | None) -> None:
-        """Take back what `state` or `stop_state` saved: groups with samples are continued first (under their
-        admission's version), the others generated anew before any newly drawn prompt. Groups sampled under other
-        settings than this run's are carried or generated anew as the rule above `_ANEW` says; one line (trainer
-        rank 0) says what was continued and what was not, and why."""
+    def restore(self, state: dict | None, version: int) -> None:
+        """Take back what `state` or `stop_state` saved, in a run that resumes with weights `version`: groups with
+        samples are continued first (under their admission's version), the others generated anew before any newly
+        drawn prompt. Groups sampled under other settings than this run's are carried or generated anew as the rule
+        above `_ANEW` says; so are groups older than this run's staleness bound allows at `version`, and those beyond
+        what its policy admits at once (`capacity`: synchronous rounds after a streaming run), which would wait
+        and age. One line (trainer rank 0) says what was continued and what was not, and why."""
         if not state:
             return
         then = state.get("drawn_with")  # None: saved before the settings were kept (only n and lengths can be told)
@@ -339,6 +341,11 @@ class GroupSource:
                 continue
             samples = Rollouts(**g["samples"])
             why = "; ".join(changed) or self._unfit(samples, then)
+            if not why and kept.version < version - self.eta:
+                why = (f"admitted more than rollout.max_staleness={self.eta} update(s) before the resumed weights "
+                       f"{version}")
+            if not why and self._counts.resumed_groups - resumed_before >= self.capacity:
+                why = f"more than the {self.capacity} group(s) this run admits at once"
             if why:
                 fresh.append(kept.prompt)
                 anew[why] = anew.get(why, 0) + 1

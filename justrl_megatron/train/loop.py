@@ -86,7 +86,7 @@ def run(cfg, model_dir: Path, shape, *, engine: RolloutEngine | None = None) -> 
     scorer = make_scorer(algo, enabled=is_leader)
     loss = LossConfig.from_algo(algo)
     source = make_source(cfg, engines, sampler, scorer, tokenizer, leader=is_leader)
-    source.restore(inflight_state)  # the work that was in flight at the checkpoint
+    source.restore(inflight_state, start_step)  # the work in flight at the checkpoint; weights: its step
     logger = MetricsLogger(run_dir, cfg.logging, config=_plain_config(cfg), total_steps=tr.total_steps,
                            start_step=start_step, enabled=is_leader)
     _announce(logger, cfg, run_dir, start_step, too_long, validation)

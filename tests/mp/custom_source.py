@@ -45,7 +45,7 @@ class AlternatingSource:
     def stop_state(self):
         return None
 
-    def restore(self, state):
+    def restore(self, state, version):
         self.steps = list((state or {}).get("alternating_steps", []))
 
 
