@@ -261,26 +261,69 @@ def test_a_longer_cap_reopens_the_samples_the_old_cap_cut(capsys):
     assert "the old cap cut a tool sample" in line, line
 
 
-def test_a_colocated_resume_of_a_streaming_stop_says_how_many_kept_groups_go_on(monkeypatch, capsys):
-    """A streaming run's stop kept its groups; the resume with rounds (colocated) said "0 prompts ... skipped" while
-    kept groups were there. The line counts what the restore did."""
+def _streaming_stop(monkeypatch, steps_before):
+    """What a streaming run (eta 1, 2 groups a step) keeps at a stop in step `steps_before` + 1, after training
+    `steps_before` steps: its 4 admitted groups, each with its samples so far."""
     import justrl_megatron.rollout.admission as admission
     from test_streaming import ScriptedEngines, _pipeline
 
-    engines = ScriptedEngines({1: 3, 2: 3, 3: 3}, 1)  # group 0 finishes at once, the others are cut short
-    engines.frozen = True
+    engines = ScriptedEngines({g: 3 for g in range(1, 8)}, 1)  # group 0 finishes at once, the others run on
     streaming = _pipeline(engines, _sampler(), 1)
     engines.publish(0)
+    for step in range(1, steps_before + 1):
+        streaming.next_batch(step, step - 1, Timer())
+        engines.publish(step)
+    engines.frozen = True
     monkeypatch.setattr(admission, "stop_requested", lambda: True)
-    assert streaming.next_batch(1, 0, Timer()) is None
-    state = json.loads(json.dumps(streaming.stop_state()))
-    assert len(state["groups"]) == 4
+    assert streaming.next_batch(steps_before + 1, steps_before, Timer()) is None
+    monkeypatch.setattr(admission, "stop_requested", lambda: False)
+    return json.loads(json.dumps(streaming.stop_state()))
+
+
+def test_a_colocated_resume_of_a_streaming_stop_continues_one_round_and_says_what_is_generated_anew(
+        monkeypatch, capsys):
+    """A streaming run keeps up to (eta + 1) rounds of groups; synchronous rounds (colocated) train one round at a
+    time. The resume said "4 kept group(s) continue" and then overfilled the round's buffer: the line counts what the
+    restore does (a round's worth continues, the rest is generated anew, first) and the steps train exactly that."""
+    state = _streaming_stop(monkeypatch, 0)
+    assert [(g["prompt"]["id"], g["version"]) for g in state["groups"]] == [(str(i), 0) for i in range(4)]
     capsys.readouterr()
-    rounds = _rounds(SeededEngines({}, 0))
+    engines = SeededEngines({}, 0, overlaps=False)
+    rounds = _rounds(engines)
     rounds.restore(state, 0)
     assert capsys.readouterr().out.splitlines() == [
-        "justrl-train: work in flight: 4 kept group(s) continue where they stopped"]
-    assert rounds._counts.resumed_groups == 4 and rounds._counts.discarded_at_resume == 0
+        "justrl-train: work in flight: 2 kept group(s) continue where they stopped; 2 kept group(s) are generated "
+        "anew, their 4 sampled token(s) dropped (more than the 2 group(s) this run admits at once)"]
+    engines.publish(0)
+    first = rounds.next_batch(1, 0, Timer())
+    assert [p.id for p in first.batch.prompts] == ["0", "1"] and [g for g, *_ in engines.resumed] == [0, 1]
+    figures = first.sampling_stats.metrics()
+    assert figures["rollout/resumed_groups"] == 2 and figures["rollout/discarded_at_resume"] == 2
+    engines.publish(1)
+    assert [p.id for p in rounds.next_batch(2, 1, Timer()).batch.prompts] == ["2", "3"]  # their prompts, next
+
+
+def test_kept_groups_older_than_the_resumed_runs_bound_are_generated_anew_in_the_resume_line(monkeypatch, capsys):
+    """Groups a streaming run admitted at weights 0 and kept at a stop in step 2 are one update old when the run
+    resumes at weights 1: synchronous rounds (max_staleness 0) cannot train them, so the line says they are
+    generated anew (it said they continue), and the groups admitted at weights 1 go on."""
+    state = _streaming_stop(monkeypatch, 1)
+    assert [(g["prompt"]["id"], g["version"]) for g in state["groups"]] == [("2", 0), ("3", 0), ("4", 1), ("5", 1)]
+    capsys.readouterr()
+    engines = SeededEngines({}, 0, overlaps=False)
+    rounds = _rounds(engines)
+    rounds.restore(state, 1)
+    assert capsys.readouterr().out.splitlines() == [
+        "justrl-train: work in flight: 2 kept group(s) continue where they stopped; 2 kept group(s) are generated "
+        "anew, their 4 sampled token(s) dropped (rollout.max_staleness=0: admitted more than 0 update(s) before the "
+        "resumed weights 1)"]
+    engines.publish(1)
+    first = rounds.next_batch(2, 1, Timer())
+    assert [p.id for p in first.batch.prompts] == ["4", "5"] and [v for *_, v in engines.resumed] == [1, 1]
+    figures = first.sampling_stats.metrics()
+    assert figures["rollout/resumed_groups"] == 2 and figures["rollout/discarded_at_resume"] == 2
+    engines.publish(2)
+    assert [p.id for p in rounds.next_batch(3, 2, Timer()).batch.prompts] == ["2", "3"]
 
 
 def _mode(mode, engines, n):
@@ -326,3 +369,4 @@ def test_every_mode_regenerates_what_a_stop_kept_when_the_resume_changes_the_gro
     assert len(scored.batch.rollouts) == 2 * 3  # every trained group has this run's 3 samples
     figures = scored.sampling_stats.metrics()
     assert figures["rollout/discarded_at_resume"] == len(kept) and figures["rollout/resumed_groups"] == 0
+

@@ -326,8 +326,9 @@ class GroupSource:
         """Take back what `state` or `stop_state` saved, for a run that resumes with weights `version`: groups with
         samples are continued first (under their admission's version), the others generated anew before any newly
         drawn prompt. Groups sampled under other settings than this run's, or too old for its staleness bound, are
-        carried or generated anew as the rule above `_ANEW` says; one line (trainer rank 0) says what was continued
-        and what was not, why, and how many sampled tokens that threw away."""
+        carried or generated anew as the rule above `_ANEW` says; so are those beyond what its policy admits at once
+        (`capacity`: synchronous rounds after a streaming run), which would wait and age. One line (trainer rank 0)
+        says what was continued and what was not, why, and how many sampled tokens that threw away."""
         if not state:
             return
         then = state.get("drawn_with")  # None: saved before the settings were kept (only n and lengths can be told)
@@ -348,6 +349,8 @@ class GroupSource:
             too_old = kept.version < version - self.eta
             why = "; ".join(changed) or self._unfit(samples, then) or (
                 _TOO_OLD.format(eta=self.eta, version=version) if too_old else None)
+            if not why and self._counts.resumed_groups - resumed_before >= self.capacity:
+                why = f"more than the {self.capacity} group(s) this run admits at once"
             if why:
                 fresh.append(kept.prompt)
                 groups, tokens = anew.get(why, (0, 0))
