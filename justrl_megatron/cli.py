@@ -43,9 +43,14 @@ def train_main() -> None:
     quiet_console(verbose=verbose_requested(sys.argv[1:]))  # before the libraries are imported: their import warnings
     import justrl_megatron.compat  # noqa: F401
 
+    from .lifeline import await_the_launcher_if_a_peer_died
     from .train_entry import main
 
-    main()
+    try:
+        main()
+    except Exception as exc:
+        await_the_launcher_if_a_peer_died(exc)
+        raise
 
 
 def convert_main(argv: list[str] | None = None) -> None:

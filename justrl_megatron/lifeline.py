@@ -219,15 +219,32 @@ def _is_torchrun(pid: int) -> bool:
     return any(a == "torch.distributed.run" or a.endswith(("/torchrun", "torch/distributed/run.py")) for a in args[:4])
 
 
+_WATCHED: list[int] = []  # the launcher this rank dies with (watch_launcher)
+
+
 def watch_launcher() -> bool:
     """In a rank: SIGKILL this process when its launcher (justrl's launcher, JUSTRL_LAUNCHER_PID, or torchrun's agent:
     its parent) exits; at once when it is already gone. Returns whether a watch was started."""
     parent = os.getppid()
     launcher = os.environ.pop(LAUNCHER_ENV, "")  # helpers this rank starts must not take it for theirs
     if launcher.isdigit():  # (its parent, or above it when JUSTRL_ENTRY is a wrapper); already gone: dies at once
+        _WATCHED.append(int(launcher))
         _die_with(int(launcher))
         return True
     if os.environ.get("LOCAL_RANK") is not None and _is_torchrun(parent):
         _die_with(parent)
         return True
     return False
+
+
+# what gloo says in a collective whose peer process is gone
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def await_the_launcher_if_a_peer_died(exc: BaseException, grace_s: float = 10.0) -> None:
+    """In a rank of justrl's launcher, on an error escaping the rank: when it is a collective that lost its peer, the
+    peer died, and its launcher names that rank in one line and SIGKILLs this one (within a second; across nodes at
+    node 0's launcher's word). This rank's own traceback, printed first, would only name the wrong rank: wait for the
+    launcher instead, `grace_s` at most (then the caller raises as usual)."""
+    if _WATCHED and any(text in str(exc) for text in PEER_GONE):
+        time.sleep(grace_s)

@@ -375,6 +375,24 @@ def test_slurm_job_from_env():
     assert not outside.in_slurm and outside.restart_count == 0 and describe(outside) == "not running under slurm"
 
 
+def test_a_rank_whose_collective_lost_its_peer_waits_for_its_launcher_instead_of_a_traceback(monkeypatch):
+    """The race behind the killed-rank test: a survivor's gloo collective fails the moment its peer dies, before the
+    launcher's SIGKILL; under justrl's launcher it waits for that (the launcher's line names the dead rank), and
+    anything else, or outside a launcher, raises at once."""
+    from justrl_megatron import lifeline
+
+    slept = []
+    monkeypatch.setattr(lifeline.time, "sleep", slept.append)
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18593")
+    monkeypatch.setattr(lifeline, "_WATCHED", [])
+    lifeline.await_the_launcher_if_a_peer_died(lost)  # not a launched rank
+    monkeypatch.setattr(lifeline, "_WATCHED", [12345])
+    lifeline.await_the_launcher_if_a_peer_died(ValueError("a bug"))
+    assert slept == []
+    lifeline.await_the_launcher_if_a_peer_died(lost, grace_s=7.0)
+    assert slept == [7.0]
+
+
 def test_stop_signal_sets_a_flag_and_restores_handlers():
     import signal
 

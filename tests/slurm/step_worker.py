@@ -75,5 +75,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from justrl_megatron.lifeline import await_the_launcher_if_a_peer_died
+
+    try:
+        main()
+    except Exception as exc:  # a collective that lost its peer: the launcher's line, not this rank's traceback
+        await_the_launcher_if_a_peer_died(exc)
+        raise
     dist.destroy_process_group()
