@@ -24,14 +24,13 @@ Works on megatron-core 0.16.1 and 0.19.x: it patches torch and one megatron modu
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import sys
 import threading
 import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .import_hooks import after_import
 
 _applied = False
 _lock = threading.Lock()
@@ -203,33 +202,8 @@ def _patch_torch_cuda():
 
 # --- 7: megatron's fusers (torch.compile) off on the CPU ---------------------------------------------------------------
 
-_JIT = "megatron.core.jit"
-
-
-class _FusersOffAtImport(importlib.abc.MetaPathFinder):
-    """Finds megatron.core.jit as the path finder would, and turns its fuser off right after the module runs."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _JIT:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_disable(module):
-            exec_module(module)
-            module.disable_jit_fuser()
-
-        spec.loader.exec_module = exec_then_disable
-        return spec
-
-
 def _megatron_fusers_off():
-    if _JIT in sys.modules:  # imported before this module: functions decorated from now on stay uncompiled
-        sys.modules[_JIT].disable_jit_fuser()
-    elif not any(isinstance(f, _FusersOffAtImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _FusersOffAtImport())
+    after_import("megatron.core.jit", lambda jit: jit.disable_jit_fuser())
 
 
 # --- 6: MoE token dispatch ------------------------------------------------------------------------------------------

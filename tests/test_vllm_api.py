@@ -240,10 +240,11 @@ def test_a_stale_hint_is_reported():
     assert any("HINTS names rollout/vllm_engine.py:span_versions, which does not exist" in p for p in problems), problems
 
 
-def test_on_cpu_vllm_queue_readers_wait_on_their_socket_without_spinning(tmp_path):
+def test_on_cpu_vllm_queue_readers_wait_on_their_socket_without_spinning(tmp_path, monkeypatch):
     """rollout/vllm_plugin.py is registered as a vLLM general plugin (vLLM runs it in its engine core and workers),
     and once run a reader of vLLM's shared-memory queue sleeps at once instead of spinning for a second, and looks at
-    the queue every 20 ms while it sleeps (a lost notification cost it 5 s before)."""
+    the queue every 20 ms while it sleeps (a lost notification cost it 5 s before); vLLM's CPU worker, once
+    imported, freezes its heap after warm-up as its GPU worker does."""
     from importlib.metadata import entry_points
 
     import zmq
@@ -265,3 +266,20 @@ def test_on_cpu_vllm_queue_readers_wait_on_their_socket_without_spinning(tmp_pat
         assert MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False).timeout_ms() == RECHECK_MS == 20
     finally:
         context.destroy(linger=0)
+    import types
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    from justrl_megatron.rollout import vllm_plugin
+
+    assert CPUWorker.compile_or_warm_up_model.__name__ == "warm_up_then_freeze"  # wrapped as the module loaded
+    calls = []
+
+    class Worker:
+        def compile_or_warm_up_model(self):
+            calls.append("warm up")
+            return "times"
+
+    monkeypatch.setattr("vllm.utils.gc_utils.freeze_gc_heap", lambda: calls.append("freeze"))
+    vllm_plugin._freeze_the_heap_after_warm_up(types.SimpleNamespace(CPUWorker=Worker))
+    assert Worker().compile_or_warm_up_model() == "times" and calls == ["warm up", "freeze"]

@@ -11,10 +11,15 @@ PUB socket with a send high-water mark of 1 drops one when the loaded machine ha
 along); vLLM then finds the message only at its periodic re-check of the queue, every 5 s. Spinning hid that; without
 it an engine in a child process started 10 s late (two start-up messages found by the re-check). So readers here
 re-check every 20 ms: a lost notification costs at most that, and an idle reader's 50 flag checks a second cost
-nothing measurable. Nothing else changes; on GPU, or a vLLM without that queue, the plugin does nothing.
+nothing measurable. And vLLM's CPU worker freezes its heap after warm-up, as its GPU worker does
+(`freeze_gc_heap`): the garbage collector then leaves the model and the start-up's objects alone, while the engine
+generates and when the worker exits (its final collection took 4-4.6 s, long enough for vLLM to kill the engine core
+at its 5 s shutdown limit). Nothing else changes; on GPU, or a vLLM without that queue, the plugin does nothing.
 """
 
 from __future__ import annotations
+
+from justrl_megatron.import_hooks import after_import
 
 
 RECHECK_MS = 20  # how often a waiting reader looks at the queue without a notification (vLLM: 5,000)
@@ -41,3 +46,17 @@ def register() -> None:
 
     SpinCondition.__init__ = init_without_busy_loop
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
+    after_import("vllm.v1.worker.cpu_worker", _freeze_the_heap_after_warm_up)  # imported by the worker process only
+
+
+def _freeze_the_heap_after_warm_up(cpu_worker) -> None:
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    warm_up = cpu_worker.CPUWorker.compile_or_warm_up_model
+
+    def warm_up_then_freeze(self, *args, **kwargs):
+        result = warm_up(self, *args, **kwargs)
+        freeze_gc_heap()
+        return result
+
+    cpu_worker.CPUWorker.compile_or_warm_up_model = warm_up_then_freeze
