@@ -18,7 +18,7 @@ functions, which imports torch's compiler stack (~2 s of every process' start). 
 fusion switches are off, model/hf_config.py) and the few decorated functions our models can reach (e.g. GroupedMLP's
 activation) would compile C++ kernels with inductor on first call, so the fuser is megatron's own no-op there
 (`megatron.core.jit.disable_jit_fuser`, called as that module loads, before anything is decorated).
-Works on megatron-core 0.16.1 and 0.19.x: it patches torch and one megatron module (the RNG tracker), not call sites.
+Works on megatron-core 0.16.1 and 0.19.x: it patches torch and two megatron modules (the RNG tracker, the fuser), not call sites.
 """
 
 from __future__ import annotations
@@ -200,12 +200,6 @@ def _patch_torch_cuda():
     cuda.empty_cache = lambda *a, **k: None
 
 
-# --- 7: megatron's fusers (torch.compile) off on the CPU ---------------------------------------------------------------
-
-def _megatron_fusers_off():
-    after_import("megatron.core.jit", lambda jit: jit.disable_jit_fuser())
-
-
 # --- 6: MoE token dispatch ------------------------------------------------------------------------------------------
 
 def moe_dispatch_on_cpu() -> None:
@@ -228,6 +222,12 @@ def moe_dispatch_on_cpu() -> None:
     to_host._justrl_cpu = True
     moe_utils.maybe_move_tensor_to_cpu = to_host
     token_dispatcher.maybe_move_tensor_to_cpu = to_host  # imported there by name
+
+
+# --- 7: megatron's fusers (torch.compile) off on the CPU ---------------------------------------------------------------
+
+def _megatron_fusers_off():
+    after_import("megatron.core.jit", lambda jit: jit.disable_jit_fuser())
 
 
 _mode: CudaToCpuMode | None = None

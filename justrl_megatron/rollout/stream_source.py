@@ -236,6 +236,11 @@ class GroupSource:
             self._queue.extend(self.sampler.next_batch())
         return self._queue.popleft()
 
+    def _too_old(self, kept: Admitted, version: int) -> bool:
+        """A kept group admitted more than eta updates before weights `version` may not be trained with them (at the
+        resume, and again when it waited for admission room)."""
+        return kept.version < version - self.eta
+
     def _admit(self, count: int, version: int, *, step: int | None = None, seed: int | None = None) -> list[int]:
         """`count` groups: the kept ones first (continued under their own admission's version, unless one waited
         for admission room past the bound, as more kept groups than the policy admits at once may: then generated
@@ -249,7 +254,7 @@ class GroupSource:
             group_seed = None if seed is None else seed + i * self.n
             if self._resumed:
                 kept, samples = self._resumed.popleft()
-                if kept.version >= version - self.eta:
+                if not self._too_old(kept, version):
                     self._admitted[gid] = dataclasses.replace(kept, step=step)
                     resumed.append((gid, kept.prompt.ids, samples, kept.version))
                     continue
@@ -346,9 +351,8 @@ class GroupSource:
                 unstarted += not g.get("lost")
                 continue
             samples = Rollouts(**g["samples"])
-            too_old = kept.version < version - self.eta
             why = "; ".join(changed) or self._unfit(samples, then) or (
-                _TOO_OLD.format(eta=self.eta, version=version) if too_old else None)
+                _TOO_OLD.format(eta=self.eta, version=version) if self._too_old(kept, version) else None)
             if not why and self._counts.resumed_groups - resumed_before >= self.capacity:
                 why = f"more than the {self.capacity} group(s) this run admits at once"
             if why:
