@@ -3,8 +3,8 @@
 Split placement (rollout.placement=split, `init_split`): the first `world - num_rollout_ranks` ranks train, the rest
 host vLLM engines. Megatron's `initialize_model_parallel` (0.16.1) builds its TP/PP/DP groups over the whole default
 group and has no rank-subset option (its `order` / sizes all multiply up to `get_world_size()`), and so do our own
-collectives (checkpoint barriers, the loop's broadcasts). So the job rendezvouses ONCE through the usual env://
-store (torchrun's agent store, the same under the Slurm scripts) and builds three groups on prefixes of that store:
+collectives (checkpoint barriers, the loop's broadcasts). So the job rendezvouses ONCE through its env:// store
+(`job_store`; the same under the Slurm scripts) and builds three groups on prefixes of that store:
 
     default group  the trainer ranks only (on a trainer) / the rollout ranks only (on a rollout rank)
     control        a gloo `ObjectChannel`: trainer rank 0 (channel rank 0) + every rollout rank (1 ..), for prompts,
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compat
-from .ports import free_port
+from .ports import STORE_FD_ENV, held_port, job_store
 
 
 def backend() -> str:
@@ -39,10 +39,16 @@ def init_distributed(timeout_minutes: int = 30) -> tuple[int, int]:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if "MASTER_PORT" not in os.environ:  # one process on its own: it holds a port for its store as a launcher does
+            held = held_port()
+            os.environ["MASTER_PORT"] = str(held.getsockname()[1])
+            os.environ[STORE_FD_ENV] = str(held.detach())
         if compat.cuda_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store, rank, world = job_store(timeout)
+        dist.init_process_group(backend(), store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
+                                timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -78,7 +84,7 @@ def init_split(num_rollout_ranks: int, timeout_minutes: int = 30) -> SplitRoles:
     if dist.is_initialized():
         raise RuntimeError("init_split must run before torch.distributed is initialised (it builds the default group)")
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world = job_store(timeout)
     if not 1 <= num_rollout_ranks < world:
         raise ValueError(f"rollout.placement=split needs 1 <= rollout.num_rollout_ranks < world size {world}, "
                          f"got {num_rollout_ranks}")

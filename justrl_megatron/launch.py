@@ -8,7 +8,8 @@ traceback after waiting up to 30 s for the ranks to stop. This launcher, in orde
    exit 2, nothing started, nothing written. The locked descriptor is inherited by every rank (rank 0 holds the lock
    through it), so the lock lives until the last process of the launch has exited;
 2. starts N ranks (`python -m justrl_megatron.cli train OVERRIDES`, torchrun's environment: RANK, LOCAL_RANK,
-   WORLD_SIZE, MASTER_ADDR/PORT) in its own process group; each rank dies with it (lifeline.watch_launcher), so a
+   WORLD_SIZE, MASTER_ADDR/PORT; MASTER_PORT held from the moment it is chosen: rank 0 serves the job's store on the
+   listening socket it inherits, ports.py) in its own process group; each rank dies with it (lifeline.watch_launcher), so a
    SIGKILLed launcher leaves nothing behind;
 3. forwards SIGTERM, SIGUSR1 and SIGINT to every rank (they finish the step, save and exit 0; the ranks count the
    terminal's and the launcher's copy of one Ctrl-C as one press) and waits as long as they take;
@@ -29,16 +30,20 @@ import os
 import select
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from .early_interrupt import STOP_SIGNALS
+from .ports import STORE_FD_ENV, held_port
 
 FORWARDED = (*STOP_SIGNALS, signal.SIGINT)
 OWN_CODES = (2, 130)  # a rank that exits with these has printed its own line (refused config / run dir, abort)
 GRACE_S = 20.0  # how long the other ranks get to end on their own after one exits with one of OWN_CODES
-ENTRY_ENV = "JUSTRL_ENTRY"  # what each rank runs instead of the trainer (a program with the same stop contract)
+# what each rank runs instead of the trainer: a program with the same stop contract that meets the other ranks through
+# ports.job_store (rank 0 serves the job's store on the port the launcher held for it)
+ENTRY_ENV = "JUSTRL_ENTRY"
 
 
 def split_nproc(args: list[str]) -> tuple[int | None, list[str]]:
@@ -121,15 +126,22 @@ def _inherited_env() -> dict:
     return env
 
 
-def _rank_env(rank: int, world: int, port: int, lock_fd: int | None) -> dict:
+def _rank_env(rank: int, world: int, store: socket.socket, lock_fd: int | None) -> dict:
     env = _inherited_env()
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
+    if rank == 0:
+        env[STORE_FD_ENV] = str(store.fileno())
     if lock_fd is not None:
         from .run_lock import LOCK_FD_ENV
 
         env[LOCK_FD_ENV] = str(lock_fd)
     return env
+
+
+def _passed_fds(rank: int, store: socket.socket | None, lock_fd: int | None) -> tuple[int, ...]:
+    """The descriptors a rank inherits: the run dir's lock, and for rank 0 the listening rendezvous socket."""
+    return (*(() if lock_fd is None else (lock_fd,)), *((store.fileno(),) if rank == 0 and store else ()))
 
 
 def _kill_all(ranks: dict) -> None:
@@ -149,12 +161,10 @@ def _ignore_usr1() -> None:
 
 def launch(nproc: int, overrides: list[str]) -> int:
     """Run `nproc` ranks of the trainer (or JUSTRL_ENTRY) on this machine; the launch's exit code."""
-    from .ports import free_port
-
     lock_fd, run_dir, created = _lock_for_the_launch(overrides)
     print(f"justrl-train: {nproc} process(es) on this machine", file=sys.stderr, flush=True)
     entry = _entry()
-    port = free_port()
+    store = held_port()  # MASTER_PORT, listening until rank 0 serves the job's store on it (ports.py)
     ranks: dict[int, subprocess.Popen] = {}
     received: list[int] = []
 
@@ -165,9 +175,9 @@ def launch(nproc: int, overrides: list[str]) -> int:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     for rank in range(nproc):
-        ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides],
-                                       env=_rank_env(rank, nproc, port, lock_fd),
-                                       pass_fds=() if lock_fd is None else (lock_fd,), preexec_fn=_ignore_usr1)
+        ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=_rank_env(rank, nproc, store, lock_fd),
+                                       pass_fds=_passed_fds(rank, store, lock_fd), preexec_fn=_ignore_usr1)
+    store.close()  # rank 0's copy holds the port
     failed: tuple[int, int] | None = None  # (rank, returncode) of the first rank that failed
     kill_at = None  # when the ranks still running are SIGKILLed
     pids = {proc.pid: rank for rank, proc in ranks.items()}
@@ -257,8 +267,6 @@ class _Link:
     exit CODE without a word; node 0 prints the line)."""
 
     def __init__(self, node_rank: int, nnodes: int, addr: str, port: int):
-        import socket
-
         self.node_rank, self.nnodes, self.addr, self.port = node_rank, nnodes, addr, port
         self.server = self.conn = None
         self.peers: dict[object, dict] = {}  # node 0: socket -> {"node", "host", "done", "buf"}
@@ -276,8 +284,6 @@ class _Link:
         return [self.conn] if self.conn is not None else []
 
     def try_connect(self) -> None:
-        import socket
-
         if self.server is not None or self.conn is not None or time.monotonic() < self.next_try:
             return
         self.next_try = time.monotonic() + 0.2
@@ -326,8 +332,6 @@ class _Link:
 
 
 def _host() -> str:
-    import socket
-
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
@@ -344,15 +348,26 @@ def launch_node(nproc: int, overrides: list[str], nnodes: int, node_rank: int, m
         print(f"justrl-train: {nnodes} node(s) x {nproc} process(es)", file=sys.stderr, flush=True)
     entry = _entry()
     node = _Node(nproc, nnodes, node_rank, master_addr, _link_the_nodes(node_rank, nnodes, master_addr, master_port))
+    store = _hold_the_rendezvous_port(master_port) if node_rank == 0 else None
     for sig in FORWARDED:
         signal.signal(sig, node.forward)
-    node.start_ranks(entry, overrides, master_port, run_id)
+    node.start_ranks(entry, overrides, master_port, run_id, store)
     while not node.over():
         ready = node.wait()
         node.reap()
         for sock in ready:
             node.hear(sock)
     return node.exit_code()
+
+
+def _hold_the_rendezvous_port(master_port: int) -> socket.socket:
+    """Node 0: MASTER_PORT, listening until rank 0 serves the job's store on it (ports.py); one line and exit 1,
+    before any rank starts, when it is taken."""
+    try:
+        return held_port(master_port)
+    except OSError as exc:
+        _exit(1, f"error: node 0 cannot listen on MASTER_PORT {master_port} for the ranks' rendezvous "
+                 f"({exc.strerror or exc}); nothing was started: pick another MASTER_PORT")
 
 
 def _link_the_nodes(node_rank: int, nnodes: int, master_addr: str, master_port: int) -> _Link:
@@ -403,13 +418,19 @@ class _Node:
         if self.verdict is None:
             _signal_running(self.ranks, signum)
 
-    def start_ranks(self, entry: list[str], overrides: list[str], master_port: int, run_id: str | None) -> None:
+    def start_ranks(self, entry: list[str], overrides: list[str], master_port: int, run_id: str | None,
+                    store: socket.socket | None) -> None:
+        """`store`: node 0's listening MASTER_PORT socket, for rank 0 (closed here once rank 0 has its copy)."""
         for local in range(self.nproc):
             rank = self.node_rank * self.nproc + local
             env = _node_rank_env(rank, local, self.nproc, self.nnodes, self.node_rank, self.master_addr, master_port,
                                  run_id)
+            if rank == 0 and store is not None:
+                env[STORE_FD_ENV] = str(store.fileno())
             self.ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=env,
-                                                preexec_fn=_ignore_usr1)
+                                                pass_fds=_passed_fds(rank, store, None), preexec_fn=_ignore_usr1)
+        if store is not None:
+            store.close()
         self.pids = {proc.pid: rank for rank, proc in self.ranks.items()}
         for proc in self.ranks.values():
             try:

@@ -76,6 +76,48 @@ def test_a_failing_rank_stops_the_others_at_once_in_one_line(tmp_path, how, code
     assert not _alive(rank0)
 
 
+# a rank for the launcher: rank 0 lets a stranger try MASTER_PORT before it starts the job's store (a stranger that
+# gets the port keeps it for a minute, as a process on a shared node would), then both ranks rendezvous and all-reduce
+STRANGER = """
+import socket, sys, time
+s = socket.socket()
+try:
+    s.bind(("", int(sys.argv[1])))
+    s.listen()
+except OSError as exc:
+    print(exc.errno, flush=True)
+    sys.exit()
+print("taken", flush=True)
+time.sleep(60)
+"""
+RENDEZVOUS_AFTER_A_STRANGER = ("-c", "import os, subprocess, sys\n"
+                               "if os.environ['RANK'] == '0':\n"
+                               "    stranger = subprocess.Popen([sys.executable, '-c', sys.argv[1], "
+                               "os.environ['MASTER_PORT']], stdout=subprocess.PIPE, text=True)\n"
+                               "    print('stranger:', stranger.stdout.readline().strip(), flush=True)\n"
+                               "import torch, torch.distributed as dist\n"
+                               "from justrl_megatron.distributed import init_distributed\n"
+                               "rank, world = init_distributed()\n"
+                               "total = torch.ones(1); dist.all_reduce(total)\n"
+                               "print(f'rank {rank} of {world}: sum {total.item()}', flush=True)")
+
+
+def test_the_rendezvous_port_cannot_be_taken_between_the_launcher_and_rank_0():
+    """The launcher chooses MASTER_PORT before any rank exists and rank 0 binds its store seconds later, after its
+    imports: a process that tries the port in between finds it taken (the launcher held it and rank 0 inherited the
+    listening socket), and the ranks still meet. With a port that was merely free a moment ago, the stranger got it and
+    rank 0 failed with EADDRINUSE after loading."""
+    import errno
+
+    env = {**ENV, "JUSTRL_ENTRY": shlex.join(RENDEZVOUS_AFTER_A_STRANGER)}
+    proc = subprocess.run([*TRAIN, "--nproc-per-node=2", STRANGER], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert f"stranger: {errno.EADDRINUSE}\n" in proc.stdout, proc.stdout
+    for rank in (0, 1):  # (the two ranks' lines may interleave at their ends)
+        assert f"rank {rank} of 2: sum 2.0" in proc.stdout, proc.stdout
+
+
 def test_a_refused_launch_touches_nothing_on_any_rank(tmp_path):
     """A live holder of the run dir: justrl's launcher refuses before any rank starts (one line, exit 2); under bare
     torchrun rank 0 refuses in one line and rank 1 waits for the lock's decision and writes nothing either."""

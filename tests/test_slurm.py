@@ -364,6 +364,28 @@ def test_node_launchers_a_lost_node_ends_the_others_in_one_line(tmp_path):
     assert "ended without a word" in lines[0] and "Traceback" not in out and "exiting for requeue" not in out
 
 
+def test_node_0_refuses_a_taken_master_port_in_one_line_before_any_rank_starts(tmp_path):
+    """Node 0's launcher holds MASTER_PORT for rank 0's store from the start (justrl_megatron/ports.py): a port another
+    process already listens on is one line and exit 1, nothing started (not a rank's EADDRINUSE after loading)."""
+    from justrl_megatron.ports import held_port
+
+    taken = held_port()
+    port = taken.getsockname()[1]
+    try:
+        out = subprocess.run([sys.executable, "-m", "justrl_megatron.launch", "--nproc-per-node=1", "--nnodes=2",
+                              "--node-rank=0", "--master-addr=127.0.0.1", f"--master-port={port}",
+                              f"trainer.run_dir={tmp_path / 'run'}"],
+                             env={**os.environ, "JUSTRL_ENTRY": "-c pass"}, cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+    finally:
+        taken.close()
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"justrl-train: error: node 0 cannot listen on MASTER_PORT {port} for the ranks' rendezvous (Address already "
+        f"in use); nothing was started: pick another MASTER_PORT"), out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_slurm_job_from_env():
     from justrl_megatron.slurm import current_job, describe
 

@@ -11,6 +11,7 @@ self_signal=RANK:STEP (that rank alone sends itself SIGUSR1 during that step: th
 Plain torch.distributed, no megatron (so no justrl_megatron.compat import): the launcher tests skip its 5 s import.
 """
 
+import datetime
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from justrl_megatron.ports import job_store
 from justrl_megatron.slurm import StopSignal, current_job, describe, requeue_message
 
 
@@ -32,8 +34,8 @@ def main() -> None:
     total = int(args.get("trainer.total_steps", 8))
     step_seconds = float(args.get("step_seconds", 1.0))
     signal_rank, signal_step = (int(v) for v in args.get("self_signal", "-1:-1").split(":"))
-    dist.init_process_group("gloo")  # from torchrun's env
-    rank, world = dist.get_rank(), dist.get_world_size()
+    store, rank, world = job_store(datetime.timedelta(minutes=30))  # the launcher's env (justrl's or torchrun's)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     job = current_job()
     ckpt = run_dir / "checkpoint.json"
     start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
