@@ -36,11 +36,14 @@ import sys
 import time
 
 from .early_interrupt import STOP_SIGNALS
+from .lifeline import SAID_AND_FAILED
 from .ports import STORE_FD_ENV, held_port
 
 FORWARDED = (*STOP_SIGNALS, signal.SIGINT)
-OWN_CODES = (2, 130)  # a rank that exits with these has printed its own line (refused config / run dir, abort)
-GRACE_S = 20.0  # how long the other ranks get to end on their own after one exits with one of OWN_CODES
+# a rank that exits with these has printed the run's line (refused config / run dir, abort, a failure named by rank 0)
+OWN_CODES = (2, 130, SAID_AND_FAILED)
+GRACEFUL = (2, 130)  # ... and every rank ends so by itself: the others get GRACE_S to do it (rank 0 to say why)
+GRACE_S = 20.0
 # what each rank runs instead of the trainer: a program with the same stop contract that meets the other ranks through
 # ports.job_store (rank 0 serves the job's store on the port the launcher held for it)
 ENTRY_ENV = "JUSTRL_ENTRY"
@@ -199,7 +202,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
             failed = (rank, code)
             # without this rank the others cannot finish a step: at once, unless it ended the way every rank will
             # (a refused config, Ctrl-C), so that rank 0 gets to say why
-            kill_at = time.monotonic() + (GRACE_S if code in OWN_CODES else 0.0)
+            kill_at = time.monotonic() + (GRACE_S if code in GRACEFUL else 0.0)
     if failed is None:
         return 0
     rank, code = failed
@@ -209,7 +212,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
         remove_unused(run_dir, created)
     line = failure_line(rank, code, nproc, received)
     if line is None:
-        return code
+        return _exit_code(code, received)
     _exit(_exit_code(code, received), line)
 
 
@@ -253,9 +256,11 @@ def failure_line(rank: int, code: int, world: int, received: list[int], node: st
 
 def _exit_code(code: int, received=()) -> int:
     """The launch's exit code for a rank's: a stop (SIGTERM, SIGUSR1) before training started exits 0, as a stop
-    during training does (the ranks had nothing to save); a Ctrl-C 130."""
+    during training does (the ranks had nothing to save); a Ctrl-C 130; a failure rank 0 named 1."""
     if code < 0 and -code in received and -code in STOP_SIGNALS:
         return 0
+    if code == SAID_AND_FAILED:
+        return 1
     return 128 - code if code < 0 else code
 
 
@@ -501,7 +506,7 @@ class _Node:
 
     def _rank_failed(self, rank: int, code: int) -> None:
         self.failed = (rank, code)
-        grace = code in OWN_CODES
+        grace = code in GRACEFUL
         self.kill_at = time.monotonic() + (GRACE_S if grace else 0.0)
         if not grace:
             _kill_all(self.ranks)  # at once: they cannot finish a step without it

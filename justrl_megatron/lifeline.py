@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -239,6 +240,26 @@ def watch_launcher() -> bool:
 
 # what gloo says in a collective whose peer process is gone
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+# The exit code of a rank of justrl's launcher whose failure the run's one line has named already (rank 0's: a rollout
+# rank that stopped answering, a full disk; or the rank's own, liveness.exit_process): the launcher adds no line and
+# stops the other ranks at once (launch.py); the launch exits 1.
+SAID_AND_FAILED = 3
+
+
+def said_and_failed_code() -> int:
+    """SAID_AND_FAILED in a rank of justrl's launcher; 1 alone or under torchrun (whose agent names nothing)."""
+    return SAID_AND_FAILED if _WATCHED else 1
+
+
+def end_after_rank_0_said(is_rank_0: bool, grace_s: float = 10.0) -> None:
+    """Exit (said_and_failed_code) after an error every rank raised at the same point and rank 0 has just named in one
+    line. The other ranks of justrl's launcher wait for rank 0's exit, `grace_s` at most (their launcher SIGKILLs them
+    then): the launcher stops everyone at the first exit it sees, and rank 0 must not be killed before its line."""
+    if not is_rank_0 and _WATCHED:
+        time.sleep(grace_s)
+    sys.exit(said_and_failed_code())
 
 
 def await_the_launcher_if_a_peer_died(exc: BaseException, grace_s: float = 10.0) -> None:

@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Callable
 
+from .lifeline import said_and_failed_code
+
 BEAT, WHO, WHY = "beat/", "who/", "why/"  # store keys: a rank's counter, its pid and node, why it fell silent
 
 
@@ -69,7 +71,7 @@ def exit_process(line: str) -> None:
     """End this process at once, after the one line (for a process with nothing to save: what it started dies with
     it, lifeline.py)."""
     os.write(2, f"justrl-train: error: {line}\n".encode())
-    os._exit(1)
+    os._exit(said_and_failed_code())  # (justrl's launcher adds no line of its own)
 
 
 class Liveness:

@@ -359,7 +359,7 @@ def _hydra_main(cfg) -> None:
         # (every rank raises it; the checkpoints already there are kept)
         if _is_rank0():
             print(f"justrl-train: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        lifeline.end_after_rank_0_said(_is_rank0())
     except PeerLost as exc:  # a rollout rank stopped answering (every trainer rank raises it at the same point)
         commit_pending()  # the save being written when it happened is kept
         if _is_rank0():
@@ -369,7 +369,7 @@ def _hydra_main(cfg) -> None:
             kept = f"latest checkpoint: step {latest}" if latest is not None else "no checkpoint yet"
             print(f"justrl-train: error: {exc}; the run ends as for a dead rank ({kept})", file=sys.stderr,
                   flush=True)
-        sys.exit(1)
+        lifeline.end_after_rank_0_said(_is_rank0())
 
 
 def keep_hydra_record(cfg) -> None:

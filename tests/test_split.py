@@ -347,6 +347,8 @@ def test_a_stopped_rollout_rank_ends_the_run_in_one_line_and_its_checkpoint_is_c
     assert len(named) == 1 and re.fullmatch(
         r"justrl-train: error: rollout rank 1 \(pid \d+, node \S+\) has not answered for \d+ s; the run ends as "
         rf"for a dead rank \(latest checkpoint: step {logged}\)", named[0]), out[-3000:]
+    # the one line: the launcher adds none of its own (rank 0 exits lifeline.SAID_AND_FAILED after saying it)
+    assert [line for line in out.splitlines() if line.startswith("justrl-train: error")] == named, out[-3000:]
     assert "Traceback" not in out, out[-5000:]
     assert not left  # the stopped rank and its engine's processes too
     assert latest_step(run_dir) == logged and checkpoint_problem(step_dir(run_dir, logged)) is None
