@@ -587,6 +587,28 @@ def _fake_bench_step(*, overrides, repeats, **_):
     return {"records": records, "prompts": prompts, "process_wall_s": t}
 
 
+def test_drawn_groups_are_whole_prompts_of_a_resampled_sample():
+    """The check's draws (sample_groups): a group is one prompt's whole group of the initial sample, from a resample
+    of the sample's prompts made once per draw (so draws differ in their mix, as another 16 prompts would); without
+    it, or when the sample is not n per prompt, each length is drawn alone."""
+    from justrl_megatron.bench.plan import _Lengths
+
+    sample = [5, 6, 7, 8, 100, 101, 102, 103, 640, 640, 9, 10]  # 3 prompts x 4, the cap 640
+    groups = [sample[k:k + 4] for k in range(0, 12, 4)]
+    mixes = set()
+    for seed in range(20):
+        draw = _Lengths(sample, 640, seed, sample_groups=4)
+        assert len(draw.groups) == 3 and all(g in groups for g in draw.groups)
+        mixes.add(tuple(map(tuple, draw.groups)))
+        for _ in range(10):
+            assert draw.group(4) in draw.groups
+    assert len(mixes) > 1
+    alone = _Lengths(sample, 640, 0)
+    assert alone.groups is None and all(x in sample for x in alone.group(4))
+    assert _Lengths(sample[:10], 640, 0, sample_groups=4).groups is None  # not 4 per prompt: drawn alone
+    assert _Lengths(sample, 640, 0, trace=[[3, 4]], sample_groups=4).group(2) == [3, 4]  # a trace comes first
+
+
 def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     """The check's whole path with the runs and measurements made up (the real ones are a benchmark): the loop's
     calibration read from its runs (sync, scoring, the rest, the colocated switch, the old-logprob pass), the inputs
@@ -619,6 +641,7 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     assert list(entry["modes"]) == ["colocated sync", "split sync", "one-step-off", "streaming eta=1",
                                     "streaming eta=3"]
     assert all(len(m["records"]) == 4 and m["warmup"] == 1 for m in entry["modes"].values())
+    assert "trainer.lr=1e-12" in entry["workload"]  # the modes ran a policy that does not move (STILL_POLICY)
     assert set(entry["scores"]) == set(entry["modes"]) and entry["scores"] == report["shapes"]["heldout-minibatch"][
         "scores"]
     again = rescore(str(out))

@@ -182,26 +182,40 @@ class _Router:
 
 class _Lengths:
     """Each started group's response lengths: the next of `trace` (a run's own groups in the order it started them;
-    None for a group its engine aborted), else n draws from the distribution."""
+    None for a group its engine aborted), else n draws from the distribution.
 
-    def __init__(self, lengths: list[int], cap: int, seed: int, trace: list | None = None):
+    `sample_groups`: `lengths` is a sample of the initial model, prompt by prompt (groups of that many responses),
+    and a draw should carry what such a sample leaves unknown: a group is one prompt's whole group (the responses
+    to one prompt are alike: one that rambles to the cap rarely rambles alone), drawn from a resample (bootstrap)
+    of the sample's groups made once per draw (16 prompts pin a long-tail mean only loosely)."""
+
+    def __init__(self, lengths: list[int], cap: int, seed: int, trace: list | None = None,
+                 sample_groups: int | None = None):
         self.lengths, self.cap, self.rng = [min(int(x), cap) for x in lengths], cap, random.Random(seed)
         self.trace, self.started = trace or [], 0
+        self.groups = None
+        if sample_groups and len(self.lengths) % sample_groups == 0:
+            whole = [self.lengths[k:k + sample_groups] for k in range(0, len(self.lengths), sample_groups)]
+            self.groups = [self.rng.choice(whole) for _ in whole]
 
     def group(self, n: int) -> list[int]:
         i, self.started = self.started, self.started + 1
         if i < len(self.trace) and self.trace[i] is not None:
             return [min(int(x), self.cap) for x in self.trace[i]]
+        if self.groups is not None and len(self.groups[0]) == n:
+            return list(self.rng.choice(self.groups))
         return [self.rng.choice(self.lengths) for _ in range(n)]
 
 
 def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 1, eta: int = 1, steps: int = 40,
-            warmup: int = 4, seed: int = 0, run_ends: bool = False, trace: list | None = None) -> dict:
+            warmup: int = 4, seed: int = 0, run_ends: bool = False, trace: list | None = None,
+            sample_groups: bool = False) -> dict:
     """Simulate `steps` steps of `mode` and summarise the ones after `warmup`. colocated sync: `trainers` devices
     do both jobs (engines = trainers). `run_ends`: the run's last step is `steps` (trainer.total_steps), so nothing
     is generated beyond it, as the batch sources do: one-step-off submits no batch after the last, streaming admits
     no more groups than the remaining steps take (the engines run dry in the last steps); without it, the steady
-    state of an endless run. `trace`: replay a run's own response lengths (_Lengths) instead of drawing them."""
+    state of an endless run. `trace`: replay a run's own response lengths (_Lengths) instead of drawing them.
+    `sample_groups`: the lengths are the initial model's sample, n per prompt, drawn as _Lengths says."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode == "streaming" and eta < 1:
@@ -209,7 +223,7 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
     if mode == "colocated sync":
         engines = trainers
     x = inputs
-    draw = _Lengths(x.lengths, x.max_response_length, seed, trace)
+    draw = _Lengths(x.lengths, x.max_response_length, seed, trace, x.n if sample_groups else None)
     pool = [Engine(x.decode, x.engine_max_seqs, x.n) for _ in range(engines)]
     run = _stream if mode == "streaming" else _rounds
     records = run(x, mode, pool, draw, trainers, eta, steps, steps if run_ends else None)

@@ -5,7 +5,8 @@
 
 Per shape (bench/longtail.py's SHAPES, or key=value on the command line), one after the other: the machine's speed,
 the planner's inputs measured for it (bench/plan_calibrate.py), the machine's speed again, every mode of the shape
-run with justrl-train (`warmup` untimed + `repeats` timed steps), the machine's speed after, one batch of the initial
+run with justrl-train (`warmup` untimed + `repeats` timed steps, on a policy that does not move: `STILL_POLICY`),
+the machine's speed after, one batch of the initial
 model sampled for the response lengths a plan draws from, and the score (bench/plan_score.py). The JSON (the format
 is plan_score's) is rewritten after each shape, so a check cut short keeps what it finished; `--plan-rescore` scores
 it again.
@@ -22,6 +23,14 @@ from .plan_calibrate import (fit_update_cost, machine_speed, measure_decode, mea
                              speed_drift)
 from .plan_inputs import PlanInputs
 from .plan_score import FORMAT, score_shape
+
+
+# The modes' runs train with a learning rate too small to change an fp32 weight (Adam moves each by ~lr; the update,
+# the sync and every cost stay as they are): the planner predicts throughput at the lengths it is given, the initial
+# model's, and the demo's policy otherwise learns to stop rambling within a few steps (on `heldout-wide`, 2026-11-29:
+# 11% of the initial sample capped, 5% of the trained steps; mean response 127 tokens in the sample, 84 in the run),
+# a drift a real run makes over thousands of steps, not five.
+STILL_POLICY = ("trainer.lr=1e-12",)
 
 
 def measure_plan_inputs(model: str | None, shape: Shape) -> dict:
@@ -77,9 +86,10 @@ def plan_check(shapes: list[Shape], *, model: str | None = None, warmup: int = 1
         measured = measure_plan_inputs(model, shape)
         plan_inputs_for(measured, shape, [shape.cap], assignment)  # a measurement the planner refuses stops it before the runs
         speed["before"] = machine_speed()
-        raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, shape=shape, progress=progress)
+        raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, shape=shape, progress=progress,
+                             steps_override=STILL_POLICY)
         speed["after"] = machine_speed()
-        entry = {"shape": asdict(shape), "inputs": plan_inputs_for(measured, shape, raw["lengths"], assignment),
+        entry = {"shape": asdict(shape), "workload": raw["workload"], "inputs": plan_inputs_for(measured, shape, raw["lengths"], assignment),
                  "calibration": measured, "speed": speed, "histogram": raw["histogram"],
                  "load_end": list(os.getloadavg()),
                  "modes": {name: {k: m[k] for k in ("plan", "warmup", "records", "process_wall_s")}

@@ -1,8 +1,8 @@
 """The planner scored against real runs, and `justrl-bench --plan-rescore FILE`: a check's JSON scored again.
 
-The score is the plan a user has before a run: response lengths drawn from the initial model's sample, `DRAWS`
-draws of a run of the measured length (a cold start, its warm-up steps untimed, its timed steps), each draw's mean
-step seconds. A mode passes when the measured mean step lies inside the draws' p10-p90 and the draws' median is
+The score is the plan a user has before a run: response lengths drawn from the initial model's sample (whole
+prompts' groups, from a resample of the sample's prompts per draw: bench/plan._Lengths), `DRAWS` draws of a run of
+the measured length (a cold start, its warm-up steps untimed, its timed steps), each draw's mean step seconds. A mode passes when the measured mean step lies inside the draws' p10-p90 and the draws' median is
 within `TOLERANCE` of it. Replaying the run's own response lengths (`run_trace`) is shown beside as a diagnostic:
 it tells a wrong cost model from an unlucky draw of lengths, but a user never has it.
 
@@ -45,7 +45,7 @@ def score_mode(inputs: PlanInputs, entry: dict, draws: int = DRAWS) -> dict:
     mean = statistics.mean(measured)
     layout = dict(trainers=plan["trainers"], engines=plan["engines"], eta=plan["eta"], warmup=warmup,
                   timed=len(measured))
-    drawn = predict_window(inputs, plan["mode"], draws=draws, **layout)
+    drawn = predict_window(inputs, plan["mode"], draws=draws, sample_groups=True, **layout)
     replayed = predict_window(inputs, plan["mode"], draws=draws, trace=run_trace(entry["records"], inputs.n),
                               **layout)
     p10, median, p90 = drawn["step_s_p10"], drawn["step_s_median"], drawn["step_s_p90"]
