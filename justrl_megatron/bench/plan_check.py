@@ -1,6 +1,6 @@
 """`justrl-bench --plan-check SHAPE...`: the planner scored against the real loop on this machine, shape by shape.
 
-    justrl-bench --plan-check heldout-wide heldout-minibatch --json docs/plan/check.json
+    justrl-bench --plan-check heldout-narrow heldout-deep --json docs/plan/check.json
     justrl-bench --plan-check "prompts=4,n=8,cap=640,mini_batch=2,etas=2,ranks=1+1"   # the shape a user cares about
 
 Per shape (bench/longtail.py's SHAPES, or key=value on the command line), one after the other: the machine's speed,
