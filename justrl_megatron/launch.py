@@ -9,8 +9,8 @@ traceback after waiting up to 30 s for the ranks to stop. This launcher, in orde
    through it), so the lock lives until the last process of the launch has exited;
 2. starts N ranks (`python -m justrl_megatron.cli train OVERRIDES`, torchrun's environment: RANK, LOCAL_RANK,
    WORLD_SIZE, MASTER_ADDR/PORT; MASTER_PORT held from the moment it is chosen: rank 0 serves the job's store on the
-   listening socket it inherits, ports.py) in its own process group; each rank dies with it (lifeline.watch_launcher), so a
-   SIGKILLed launcher leaves nothing behind;
+   listening socket it inherits, ports.py) in its own process group; each rank dies with it
+   (lifeline.watch_launcher), so a SIGKILLed launcher leaves nothing behind;
 3. forwards SIGTERM, SIGUSR1 and SIGINT to every rank (they finish the step, save and exit 0; the ranks count the
    terminal's and the launcher's copy of one Ctrl-C as one press) and waits as long as they take;
 4. when a rank fails, SIGKILLs the others at once (they cannot finish a step without it) and exits with that rank's

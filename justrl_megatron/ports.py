@@ -6,7 +6,8 @@ shared node took it in between). Where the port is announced to other processes 
 `held_port` keeps the socket bound and listening until its owner hands it over (distributed.listening_store binds
 its store on the port it announces, with nothing in between). The job's rendezvous port is held so too: justrl's
 launcher binds MASTER_PORT before any rank exists and rank 0 inherits the listening socket (`STORE_FD_ENV`), on which
-it serves the job's store (`job_store`, which every rank calls in place of torch's env:// rendezvous); a process that tries the port in between finds it taken.
+it serves the job's store (`job_store`, which every rank calls in place of torch's env:// rendezvous); a process
+that tries the port in between finds it taken.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def plan_check(shapes: list[Shape], *, model: str | None = None, warmup: int = 1
         raw = bench_longtail(model=model, warmup=warmup, repeats=repeats, shape=shape, progress=progress,
                              steps_override=STILL_POLICY)
         speed["after"] = machine_speed()
-        entry = {"shape": asdict(shape), "workload": raw["workload"], "inputs": plan_inputs_for(measured, shape, raw["lengths"], assignment),
+        entry = {"shape": asdict(shape), "workload": raw["workload"],
+                 "inputs": plan_inputs_for(measured, shape, raw["lengths"], assignment),
                  "calibration": measured, "speed": speed, "histogram": raw["histogram"],
                  "load_end": list(os.getloadavg()),
                  "modes": {name: {k: m[k] for k in ("plan", "warmup", "records", "process_wall_s")}

@@ -2,9 +2,10 @@
 
 The score is the plan a user has before a run: response lengths drawn from the initial model's sample (whole
 prompts' groups, from a resample of the sample's prompts per draw: bench/plan._Lengths), `DRAWS` draws of a run of
-the measured length (a cold start, its warm-up steps untimed, its timed steps), each draw's mean step seconds. A mode passes when the measured mean step lies inside the draws' p10-p90 and the draws' median is
-within `TOLERANCE` of it. Replaying the run's own response lengths (`run_trace`) is shown beside as a diagnostic:
-it tells a wrong cost model from an unlucky draw of lengths, but a user never has it.
+the measured length (a cold start, its warm-up steps untimed, its timed steps), each draw's mean step seconds. A
+mode passes when the measured mean step lies inside the draws' p10-p90 and the draws' median is within
+`TOLERANCE` of it. Replaying the run's own response lengths (`run_trace`) is shown beside as a diagnostic: it tells
+a wrong cost model from an unlucky draw of lengths, but a user never has it.
 
 A check's JSON (`FORMAT`; bench/plan_check.py writes it):
 
