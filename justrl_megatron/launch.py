@@ -129,12 +129,10 @@ def _inherited_env() -> dict:
     return env
 
 
-def _rank_env(rank: int, world: int, store: socket.socket, lock_fd: int | None) -> dict:
+def _rank_env(rank: int, world: int, port: int, lock_fd: int | None) -> dict:
     env = _inherited_env()
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
-    if rank == 0:
-        env[STORE_FD_ENV] = str(store.fileno())
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if lock_fd is not None:
         from .run_lock import LOCK_FD_ENV
 
@@ -142,9 +140,12 @@ def _rank_env(rank: int, world: int, store: socket.socket, lock_fd: int | None) 
     return env
 
 
-def _passed_fds(rank: int, store: socket.socket | None, lock_fd: int | None) -> tuple[int, ...]:
-    """The descriptors a rank inherits: the run dir's lock, and for rank 0 the listening rendezvous socket."""
-    return (*(() if lock_fd is None else (lock_fd,)), *((store.fileno(),) if rank == 0 and store else ()))
+def _store_handover(rank: int, store: socket.socket | None) -> tuple[dict, tuple[int, ...]]:
+    """(environment, descriptors) by which global rank 0 inherits the held MASTER_PORT socket to serve the job's
+    store on (ports.job_store); nothing for the other ranks, or where this launcher holds no socket."""
+    if rank != 0 or store is None:
+        return {}, ()
+    return {STORE_FD_ENV: str(store.fileno())}, (store.fileno(),)
 
 
 def _kill_all(ranks: dict) -> None:
@@ -168,6 +169,7 @@ def launch(nproc: int, overrides: list[str]) -> int:
     print(f"justrl-train: {nproc} process(es) on this machine", file=sys.stderr, flush=True)
     entry = _entry()
     store = held_port()  # MASTER_PORT, listening until rank 0 serves the job's store on it (ports.py)
+    port = store.getsockname()[1]
     ranks: dict[int, subprocess.Popen] = {}
     received: list[int] = []
 
@@ -178,8 +180,11 @@ def launch(nproc: int, overrides: list[str]) -> int:
     for sig in FORWARDED:
         signal.signal(sig, forward)
     for rank in range(nproc):
-        ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=_rank_env(rank, nproc, store, lock_fd),
-                                       pass_fds=_passed_fds(rank, store, lock_fd), preexec_fn=_ignore_usr1)
+        handed_env, handed_fds = _store_handover(rank, store)
+        ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides],
+                                       env={**_rank_env(rank, nproc, port, lock_fd), **handed_env},
+                                       pass_fds=(*(() if lock_fd is None else (lock_fd,)), *handed_fds),
+                                       preexec_fn=_ignore_usr1)
     store.close()  # rank 0's copy holds the port
     failed: tuple[int, int] | None = None  # (rank, returncode) of the first rank that failed
     kill_at = None  # when the ranks still running are SIGKILLed
@@ -430,10 +435,9 @@ class _Node:
             rank = self.node_rank * self.nproc + local
             env = _node_rank_env(rank, local, self.nproc, self.nnodes, self.node_rank, self.master_addr, master_port,
                                  run_id)
-            if rank == 0 and store is not None:
-                env[STORE_FD_ENV] = str(store.fileno())
-            self.ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env=env,
-                                                pass_fds=_passed_fds(rank, store, None), preexec_fn=_ignore_usr1)
+            handed_env, handed_fds = _store_handover(rank, store)
+            self.ranks[rank] = subprocess.Popen([sys.executable, *entry, *overrides], env={**env, **handed_env},
+                                                pass_fds=handed_fds, preexec_fn=_ignore_usr1)
         if store is not None:
             store.close()
         self.pids = {proc.pid: rank for rank, proc in self.ranks.items()}

@@ -129,8 +129,8 @@ SHAPES = {s.name: s for s in (
     Shape("longtail", prompts=8, n=4, cap=LONGTAIL_TOKENS, mini_batch=8, colocated=False, tuned=True),
     Shape("rollout-bound", prompts=2, n=4, cap=1024, mini_batch=2, etas=(4, 2), colocated=False,
           batch_modes=("one-step-off",), tuned=True),
-    # held out until their check of 2026-11-29 (docs/plan/check_heldout.json), which revised how the check draws
-    # lengths and holds the policy still (bench/plan_score.py, plan_check.STILL_POLICY)
+    # held out until their first check (docs/plan/check_heldout.json), which revised how the check draws lengths and
+    # holds the policy still (bench/plan_score.py, plan_check.STILL_POLICY)
     Shape("heldout-wide", prompts=4, n=8, cap=640, mini_batch=4, etas=(2,), tuned=True),
     Shape("heldout-minibatch", prompts=6, n=4, cap=512, mini_batch=2, etas=(1, 3), tuned=True),
     # held out: never used to revise the planner. Every mode, colocated sync included; the first with 2 optimizer

@@ -27,9 +27,8 @@ from .plan_score import FORMAT, score_shape
 
 # The modes' runs train with a learning rate too small to change an fp32 weight (Adam moves each by ~lr; the update,
 # the sync and every cost stay as they are): the planner predicts throughput at the lengths it is given, the initial
-# model's, and the demo's policy otherwise learns to stop rambling within a few steps (on `heldout-wide`, 2026-11-29:
-# 11% of the initial sample capped, 5% of the trained steps; mean response 127 tokens in the sample, 84 in the run),
-# a drift a real run makes over thousands of steps, not five.
+# model's, and the demo's policy otherwise learns to stop rambling within a few steps (measured in
+# docs/benchmarks.md, "The first held-out check"), a drift a real run makes over thousands of steps, not five.
 STILL_POLICY = ("trainer.lr=1e-12",)
 
 

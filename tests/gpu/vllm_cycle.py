@@ -23,23 +23,15 @@ def free_bytes():
     return torch.cuda.mem_get_info()[0]
 
 
-def main(hf_dir, out):
+def generate_update_sync(engine, policy, shape, sample, v: dict) -> None:
+    """generate -> sleep -> GRPO update -> sync -> wake on `engine` and `policy` (bf16), recording into `v` the
+    versions, free GPU memory around sleep / wake, the gaps before and after the update and the sync's size (also
+    the exact mode's cycle, tests/gpu/vllm_exact.py)."""
     from justrl_megatron.algo.grpo import group_advantages
     from justrl_megatron.convert.export import export_hf_stream
-    from justrl_megatron.rollout import SamplingConfig, logprob_gap
-    from justrl_megatron.rollout.vllm_engine import VLLMEngine
+    from justrl_megatron.rollout import logprob_gap
     from justrl_megatron.train.batching import Sample
     from justrl_megatron.train.step import compute_logprobs, grpo_update
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_util import hf_policy
-
-    v = {}
-    # the engine first (it joins torch.distributed's WORLD as external_launcher), then the policy, as the loop does
-    engine = VLLMEngine(hf_dir, dtype="bf16", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
-                        enforce_eager=True, enable_sleep=True, sleep_level=2)
-    shape, policy = hf_policy(hf_dir, "bf16", lr=2e-2, grad_clip=0.0, distributed_optimizer=False)
-    sample = SamplingConfig(max_tokens=STEPS)
 
     r0 = engine.generate(PROMPTS, N, sample, seed=7)
     v["v0_version"] = r0.weight_version
@@ -67,6 +59,24 @@ def main(hf_dir, out):
         export_hf_stream(policy.chunks, shape, bucket_bytes=1 << 20, include_tied_lm_head=True), version=1)
     engine.wake_up()
     v["asleep_after_wake"] = sorted(engine._asleep)
+
+
+def main(hf_dir, out):
+    from justrl_megatron.rollout import SamplingConfig, logprob_gap
+    from justrl_megatron.rollout.vllm_engine import VLLMEngine
+    from justrl_megatron.train.batching import Sample
+    from justrl_megatron.train.step import compute_logprobs
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_util import hf_policy
+
+    v = {}
+    # the engine first (it joins torch.distributed's WORLD as external_launcher), then the policy, as the loop does
+    engine = VLLMEngine(hf_dir, dtype="bf16", seed=0, max_model_len=256, gpu_memory_utilization=0.3,
+                        enforce_eager=True, enable_sleep=True, sleep_level=2)
+    shape, policy = hf_policy(hf_dir, "bf16", lr=2e-2, grad_clip=0.0, distributed_optimizer=False)
+    sample = SamplingConfig(max_tokens=STEPS)
+    generate_update_sync(engine, policy, shape, sample, v)
     r1 = engine.generate(PROMPTS, N, sample, seed=8)
     v["v1_version"] = r1.weight_version
     trainer = compute_logprobs(policy, [Sample(PROMPTS[i], t, 0.0, group=i) for i, t in

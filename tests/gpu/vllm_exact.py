@@ -15,19 +15,14 @@ import json
 import os
 import sys
 
-PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 301]]
-N, STEPS = 4, 12
+from vllm_cycle import N, PROMPTS, STEPS, generate_update_sync  # (this folder: the script's own)
 
 
 def main(hf_dir, out):
-    import torch
-
-    from justrl_megatron.algo.grpo import group_advantages
-    from justrl_megatron.convert.export import export_hf_stream
     from justrl_megatron.rollout import SamplingConfig, logprob_gap
     from justrl_megatron.rollout.vllm_engine import VLLMEngine
     from justrl_megatron.train.batching import Sample
-    from justrl_megatron.train.step import compute_logprobs, grpo_update
+    from justrl_megatron.train.step import compute_logprobs
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_util import hf_policy
@@ -39,22 +34,7 @@ def main(hf_dir, out):
     shape, policy = hf_policy(hf_dir, "bf16", lr=2e-2, grad_clip=0.0, distributed_optimizer=False, exact=True)
     v["deterministic_mode"] = bool(getattr(policy.config, "deterministic_mode", False))
     sample = SamplingConfig(max_tokens=STEPS)
-
-    r0 = engine.generate(PROMPTS, N, sample, seed=7)
-    samples = [Sample(PROMPTS[i], t, 0.0, rollout_logprobs=lp, group=i)
-               for i, t, lp in zip(r0.prompt_index, r0.token_ids, r0.logprobs)]
-    old = compute_logprobs(policy, samples, max_tokens_per_micro_batch=512)
-    engine.sleep()
-    torch.cuda.empty_cache()
-    rewards = torch.tensor([1.0 if sum(t) % 3 == 0 else -1.0 for t in r0.token_ids])
-    samples = [Sample(s.prompt_ids, s.response_ids, float(a), rollout_logprobs=s.rollout_logprobs, group=s.group)
-               for s, a in zip(samples, group_advantages(rewards, N))]
-    v["grad_norm"] = grpo_update(policy, samples, old, mini_batch_size=len(samples),
-                                 max_tokens_per_micro_batch=512)["grad_norm"]
-    torch.cuda.empty_cache()
-    engine.update_weights(export_hf_stream(policy.chunks, shape, bucket_bytes=1 << 20, include_tied_lm_head=True),
-                          version=1)
-    engine.wake_up()
+    generate_update_sync(engine, policy, shape, sample, v)
 
     batch = engine.generate(PROMPTS, N, sample, seed=8)
     # each prompt's group again, alone in the engine, seeded as at its place in the batch (the same tokens)
