@@ -38,6 +38,40 @@ def test_plan_colocated_sync_is_the_sum_of_its_phases():
     assert shared["tokens_per_step"] == tokens  # the trained tokens still count every sample's prompt
 
 
+def test_plan_colocated_sync_with_its_own_measured_costs():
+    """Where the colocated layout was measured (`colocated`), its step takes that update, handover and engine
+    speed; the split modes keep theirs; colocated_switch_s still adds on top of the handover."""
+    from justrl_megatron.bench.plan import engine_cost, predict
+    from justrl_megatron.bench.plan_inputs import ColocatedCost
+
+    own = ColocatedCost(update_fixed_s=3.0, update_s_per_token=0.002, sync_s=0.2, decode_factor=1.5)
+    x = _plan_inputs(colocated_switch_s=0.3, colocated=own)
+    rollout = 1.5 * 50 * (0.1 + 0.01 * 8)
+    tokens = 8 * (10 + 50)
+    p = predict(x, "colocated sync", trainers=1)
+    assert p["step_s"] == pytest.approx(rollout + 4 * 0.25 + 3.0 + 0.002 * tokens + 0.5 + 0.3 + 0.2)
+    assert predict(x, "split sync")["step_s"] == pytest.approx(predict(_plan_inputs(), "split sync")["step_s"])
+    assert engine_cost(x, "split sync") is x.decode and engine_cost(x, "colocated sync").base_s(8) == \
+        pytest.approx(1.5 * x.decode.base_s(8))
+    two = predict(x, "colocated sync", trainers=2)  # the work per token halves on two devices, the fixed cost not
+    assert two["tokens_per_step"] == tokens and two["step_s"] < p["step_s"]
+
+
+def test_plan_colocated_decode_factor_from_a_runs_rollouts():
+    """The colocated engines' speed against the one-engine decode measurement: the median ratio of the rollout a
+    colocated run waited for to the planner's rollout of the same batch (its first step warms up, left out)."""
+    from justrl_megatron.bench.plan import batch_rollout_s
+    from justrl_megatron.bench.plan_calibrate import colocated_decode_factor
+
+    x = _plan_inputs(lengths=[5, 50, 100])
+    batches = [[5, 50, 100, 7, 9, 11, 13, 15], [100, 100, 3, 3, 20, 20, 40, 40], [1, 2, 3, 4, 5, 6, 7, 8]]
+    factors = [9.0, 1.2, 1.6, 1.4]
+    records = [{"response/lengths": b, "time/wait_rollout_s": f * batch_rollout_s(x, [b[i:i + 2] for i in range(
+        0, 8, 2)], 2)} for b, f in zip([batches[0], *batches], factors)]
+    assert colocated_decode_factor(x, records, 2) == pytest.approx(1.4)
+    assert batch_rollout_s(x, [[100, 1]], 1) == pytest.approx((0.1 + 0.01 * 2) + 99 * (0.1 + 0.01))  # 2, then 1
+
+
 def test_plan_window_of_a_bench_run_against_the_steady_state():
     """predict_window: what a run of warmup + timed steps from a cold start measures, over several length draws.
     One draw of the default window is `predict` itself; streaming eta=4's first steps (the bound not reached yet)
@@ -299,6 +333,14 @@ BAD_INPUTS = {  # case -> (fields changed, what the one line must say)
                                   "`lengths.lognormal.sigma`"),
     "log-normal unknown key": ({"lengths": {"lognormal": {"median": 50, "mu": 1}}}, "`lengths.lognormal.mu`"),
     "unknown assignment": ({"engine_assignment": "random"}, "`engine_assignment` must be one of static, load"),
+    "colocated not an object": ({"colocated": 2.0}, "`colocated` must be a JSON object of costs or null"),
+    "colocated without its sync": ({"colocated": {"update_fixed_s": 1.0, "update_s_per_token": 0.001}},
+                                   "missing field `colocated.sync_s`"),
+    "colocated unknown field": ({"colocated": {"update_fixed_s": 1.0, "update_s_per_token": 0.001, "sync_s": 0.5,
+                                               "decode_factr": 1.2}}, "unknown field `colocated.decode_factr`"),
+    "colocated zero decode factor": ({"colocated": {"update_fixed_s": 1.0, "update_s_per_token": 0.001,
+                                                    "sync_s": 0.5, "decode_factor": 0}},
+                                     "`colocated.decode_factor` must be a finite number of seconds > 0, got 0"),
 }
 
 
@@ -470,16 +512,20 @@ def test_plan_check_shapes_held_out_every_mode():
 
 def test_plan_calibration_runs_cover_the_shape():
     """The loop's calibration: short responses, the shape's own cap (the lengths its plan extrapolates to), a
-    2-prompt update (the fixed cost), and for a colocated shape a colocated run (the switch)."""
+    2-prompt update (the fixed cost), and for a colocated shape colocated runs short and at the cap (its own update,
+    handover, switch and engine speed)."""
     from justrl_megatron.bench.longtail import SHAPES
     from justrl_megatron.bench.plan_calibrate import loop_runs
 
     runs = {label: (extra, nproc) for label, extra, nproc in loop_runs(SHAPES["heldout-wide"])}
-    assert set(runs) == {"short", "cap", "two prompts", "colocated"}
+    assert set(runs) == {"short", "cap", "two prompts", "colocated short", "colocated cap"}
     assert "rollout.max_response_length=640" in runs["cap"][0]
     assert "trainer.prompts_per_step=2" in runs["two prompts"][0]
-    assert "rollout.placement=colocated" in runs["colocated"][0] and runs["colocated"][1] == 2
-    assert "colocated" not in {label for label, *_ in loop_runs(SHAPES["longtail"])}
+    for label, length in (("colocated short", 8), ("colocated cap", 640)):
+        extra, nproc = runs[label]
+        assert "rollout.placement=colocated" in extra and f"rollout.max_response_length={length}" in extra
+        assert nproc == 2
+    assert not any(label.startswith("colocated") for label, *_ in loop_runs(SHAPES["longtail"]))
 
 
 def test_plan_inputs_from_the_calibration_are_checked():
@@ -498,6 +544,18 @@ def test_plan_inputs_from_the_calibration_are_checked():
     assert (d["prompts_per_step"], d["n"], d["max_response_length"], d["optimizer_steps"]) == (6, 4, 512, 3)
     assert d["decode"]["fixed_s"] == 0.0 and d["decode"]["by_seqs"] == {"1": 0.03, "4": 0.035}
     assert (d["logprob_s_per_token"], d["colocated_switch_s"], d["prompt_len"]) == (0.002, 0.7, 55)
+    assert d["colocated"] is None  # not measured: the split's costs
+    lengths = [40] * 24
+    measured["loop"]["colocated"] = {"update_fixed_s": 2.0, "update_s_per_token": 0.004, "sync_s": 0.3,
+                                     "update_s_per_response_token": 0.0, "logprob_s_per_token": 0.003}
+    measured["loop"]["runs"] = {"colocated cap": [{"response/lengths": lengths, "time/wait_rollout_s": 99.0}] * 3}
+    d = plan_inputs_for(measured, shape, [3, 40, 512])
+    from justrl_megatron.bench.plan import batch_rollout_s
+    from justrl_megatron.bench.plan_inputs import PlanInputs
+
+    split = PlanInputs.from_dict({**d, "colocated": None})
+    rollout = batch_rollout_s(split, [lengths[i:i + 4] for i in range(0, 24, 4)], 2)
+    assert d["colocated"] == {**measured["loop"]["colocated"], "decode_factor": pytest.approx(99.0 / rollout)}
 
 
 # --- sensitivity and the robust split ---------------------------------------------------------------------------------
@@ -635,9 +693,11 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     assert x["sync_s"] == 0.5 and x["reward_s_per_group"] == pytest.approx(0.1 / 6)
     assert x["overhead_s"] == pytest.approx(3.0 - 1.1 - 0.5)  # the step beside the batch's wait, update and sync
     assert x["colocated_switch_s"] == pytest.approx(2.0)  # what a colocated step costs beyond the split one
+    own = x["colocated"]  # the colocated layout's own costs, from its two runs (every rank a trainer)
+    assert own["sync_s"] == 0.5 and own["update_s_per_token"] > 0 and own["decode_factor"] > 0
     assert x["logprob_s_per_token"] > 0 and x["update_s_per_token"] > 0 and x["decode"]["fixed_s"] == 0.0
     assert x["engine_assignment"] == "static"  # the engine path today; --plan-assignment load once it feeds by load
-    assert set(loop["runs"]) == {"short", "cap", "two prompts", "colocated"}
+    assert set(loop["runs"]) == {"short", "cap", "two prompts", "colocated short", "colocated cap"}
     assert list(entry["modes"]) == ["colocated sync", "split sync", "one-step-off", "streaming eta=1",
                                     "streaming eta=3"]
     assert all(len(m["records"]) == 4 and m["warmup"] == 1 for m in entry["modes"].values())

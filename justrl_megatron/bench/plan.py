@@ -224,7 +224,7 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
         engines = trainers
     x = inputs
     draw = _Lengths(x.lengths, x.max_response_length, seed, trace, x.n if sample_groups else None)
-    pool = [Engine(x.decode, x.engine_max_seqs, x.n) for _ in range(engines)]
+    pool = [Engine(engine_cost(x, mode), x.engine_max_seqs, x.n) for _ in range(engines)]
     run = _stream if mode == "streaming" else _rounds
     records = run(x, mode, pool, draw, trainers, eta, steps, steps if run_ends else None)
     timed = records[warmup:]
@@ -246,6 +246,21 @@ def predict(inputs: PlanInputs, mode: str, *, trainers: int = 1, engines: int = 
             "engine_idle_spread": max(each_idle) - min(each_idle), "assignment": x.engine_assignment,
             "staleness_max": max(r["staleness"] for r in timed),
             "dropped_groups": sum(r.get("dropped", 0) for r in timed)}
+
+
+def engine_cost(x: PlanInputs, mode: str) -> DecodeCost:
+    """An engine's decode cost in `mode`: colocated engines' as measured on their layout, where it was."""
+    if mode == "colocated sync" and x.colocated:
+        return x.decode.scaled(x.colocated.decode_factor)
+    return x.decode
+
+
+def batch_rollout_s(x: PlanInputs, groups: list[list[int]], engines: int) -> float:
+    """The seconds `engines` engines (x.decode's cost each) take to generate one batch of `groups` (their response
+    lengths), spread by the router from a cold start."""
+    pool = [Engine(x.decode, x.engine_max_seqs, x.n) for _ in range(engines)]
+    _Router(pool, x).place(list(enumerate(groups)), 0.0)
+    return max([t for e in pool for _, t in e.drain()] + [e.t for e in pool])
 
 
 def predict_window(inputs: PlanInputs, mode: str, *, warmup: int, timed: int, draws: int = 32, **kw) -> dict:
@@ -299,17 +314,18 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         t = max(t, ready)
         staleness = version - gen_version
         tokens, response = _tokens(x, groups)
-        update = x.update_s(groups, trainers)
+        colocated = mode == "colocated sync"
+        update = x.update_s(groups, trainers, colocated)
         prefetch = ahead and (last_step is None or step < last_step)
         if prefetch:  # step k+1's batch starts now, with the current weights
             groups, gen_version = submit(t), version
         reward = x.reward_s_per_group * x.prompts_per_step
-        t += update + x.overhead_s + (x.colocated_switch_s if mode == "colocated sync" else 0.0)
+        t += update + x.overhead_s
         if prefetch:
             done = finish()
             t = max(t, done)  # the sync waits for the batch in flight
             ready = done + reward
-        t += x.sync_s
+        t += x.handover_s(colocated)
         for e in pool:
             e.hold_until(t)  # the engines take the weights; nothing generates meanwhile
         version = step

@@ -115,16 +115,17 @@ def loop_runs(shape: Shape) -> list[tuple[str, list[str], int]]:
     tokens (the update's fixed cost against its cost per token: sizes of one prompt count alone cannot separate
     them, and a fit through the origin then charges a small update ~2 s too little, docs/benchmarks.md). With the
     shape's mini-batch below its prompts the runs take several optimizer steps, so the old-logprob pass is
-    measured too. A colocated shape adds a colocated run at 8 tokens (the sleep / wake and the in-process handover
-    against the split sync: `colocated_switch_s`)."""
+    measured too. A colocated shape adds colocated runs at 8 tokens and at the cap: the colocated layout's own update
+    and handover (`colocated`, the sleep / wake beyond it: `colocated_switch_s`)."""
     split = ["rollout.placement=split", f"rollout.num_rollout_ranks={shape.engines}", "rollout.max_staleness=0"]
     runs = [("short", [*split, "rollout.max_response_length=8"], shape.ranks),
             ("cap", [*split, f"rollout.max_response_length={shape.cap}"], shape.ranks),
             ("two prompts", [*split, "rollout.max_response_length=8", "trainer.prompts_per_step=2",
                              "trainer.mini_batch_size=2"], shape.ranks)]
     if shape.colocated:
-        runs.append(("colocated", ["rollout.placement=colocated", "rollout.max_staleness=0",
-                                   "rollout.max_response_length=8"], shape.ranks))
+        colocated = ["rollout.placement=colocated", "rollout.max_staleness=0"]
+        runs += [("colocated short", [*colocated, "rollout.max_response_length=8"], shape.ranks),
+                 ("colocated cap", [*colocated, f"rollout.max_response_length={shape.cap}"], shape.ranks)]
     return runs
 
 
@@ -172,41 +173,65 @@ def measure_loop(model: str | None, shape: Shape) -> dict:
     """The loop's own per-step costs from `loop_runs` (step 1 of each warms up): the weight sync, scoring per group
     and the rest of a step besides rollout, old logprobs, update and sync from the short run; the update's fixed
     cost per optimizer step and its costs per token fitted through every split run's steps, per trainer device;
-    the old-logprob pass per computed token where the shape takes several optimizer steps; the colocated switch.
+    the old-logprob pass per computed token where the shape takes several optimizer steps; the colocated layout's
+    own update (fitted the same way, per device, every rank a trainer), handover and switch.
     The loop's update is the planner's input, not the train phase's: on this CPU the two differ by 1.5-5x per token
     (docs/benchmarks.md, the planner's check), so only the loop's own update predicts the loop."""
     from .step import bench_step
 
     shared = workload_shared_prompt(shape)
-    out = {"shared_prompt": shared, "update_points": [], "runs": {}}
-    logprob = []  # (computed tokens per trainer, seconds)
+    out = {"shared_prompt": shared, "update_points": [], "colocated_update_points": [], "runs": {}}
+    logprob = {False: [], True: []}  # colocated or not: (computed tokens per trainer, seconds)
+    handover, switch = [], []
     for label, extra, nproc in loop_runs(shape):
         run = bench_step(model=model, warmup=0, repeats=3, nproc=nproc, progress=False, keep_records=True,
                          overrides=[*shape.overrides(), *extra])
         records, groups = run["records"], run["prompts"]
         out["runs"][label] = records
         timed = [(records[i - 1], records[i]) for i in range(1, len(records))]
-        if label == "colocated":
-            # what a colocated step costs beyond the split one's phases: sleep / wake, the in-process handover in
-            # place of the split sync, the rest of its step (0 at least: the planner adds it)
-            beyond = statistics.median(_unaccounted(p, r, ()) for p, r in timed)
-            out["colocated_beyond_split_s"] = beyond - out["sync_s"] - out["overhead_s"]
-            out["colocated_switch_s"] = max(0.0, out["colocated_beyond_split_s"])
-            continue
+        colocated = label.startswith("colocated")
+        trainers = shape.ranks if colocated else shape.trainers  # colocated: every rank trains
         steps = run["prompts"] // int(dict(o.split("=", 1) for o in [*shape.overrides(), *extra]
                                            )["trainer.mini_batch_size"])
         for _, r in timed:
             computed, response, seconds = loop_update_point(r, groups, shape.n, shared)
-            out["update_points"].append((computed / shape.trainers, response / shape.trainers, seconds, steps))
+            out["colocated_update_points" if colocated else "update_points"].append(
+                (computed / trainers, response / trainers, seconds, steps))
             if steps > 1:
-                logprob.append((computed / shape.trainers, r.get("time/old_logprob_s", 0.0)))
+                logprob[colocated].append((computed / trainers, r.get("time/old_logprob_s", 0.0)))
+        if colocated:
+            handover += [r["time/sync_s"] for _, r in timed]
         if label == "short":
             out.update(
                 sync_s=statistics.median(r["time/sync_s"] for _, r in timed),
                 reward_s_per_group=statistics.median(r.get("time/reward_s", 0.0) for _, r in timed) / groups,
                 overhead_s=statistics.median(max(0.0, _unaccounted(p, r, ("sync",))) for p, r in timed))
-    out["logprob_s_per_token"] = sum(s for _, s in logprob) / sum(c for c, _ in logprob) if logprob else 0.0
+        if label == "colocated short":
+            switch = [_unaccounted(p, r, ("sync",)) for p, r in timed]
+    rate = {k: sum(s for _, s in v) / sum(c for c, _ in v) if v else 0.0 for k, v in logprob.items()}
+    out["logprob_s_per_token"] = rate[False]
+    if handover:
+        fixed, per_token, per_response = fit_update_cost(out["colocated_update_points"])
+        out["colocated"] = {"update_fixed_s": fixed, "update_s_per_token": per_token,
+                            "update_s_per_response_token": per_response, "logprob_s_per_token": rate[True],
+                            "sync_s": statistics.median(handover)}
+        # the rest of a colocated step beyond the split's (the engine's sleep / wake; 0 at least: the planner adds
+        # it), the raw difference kept
+        out["colocated_beyond_split_s"] = statistics.median(switch) - out["overhead_s"]
+        out["colocated_switch_s"] = max(0.0, out["colocated_beyond_split_s"])
     return out
+
+
+def colocated_decode_factor(inputs, records: list[dict], engines: int) -> float:
+    """How much slower the colocated layout's engines generate than `inputs.decode` (measured on one engine) says:
+    the median, over the colocated run's timed steps (`records`, step 1 warms up), of the rollout waited for
+    against the planner's rollout of the same batch on `engines` engines."""
+    from .plan import batch_rollout_s
+
+    n = inputs.n
+    ratios = [r["time/wait_rollout_s"] / batch_rollout_s(inputs, [r["response/lengths"][i:i + n] for i in range(
+        0, len(r["response/lengths"]), n)], engines) for r in records[1:]]
+    return statistics.median(ratios)
 
 
 def _unaccounted(previous: dict, record: dict, also: tuple[str, ...]) -> float:

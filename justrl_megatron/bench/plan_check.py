@@ -19,8 +19,8 @@ import os
 from dataclasses import asdict
 
 from .longtail import Shape, bench_longtail
-from .plan_calibrate import (fit_update_cost, machine_speed, measure_decode, measure_loop, measure_update,
-                             speed_drift)
+from .plan_calibrate import (colocated_decode_factor, fit_update_cost, machine_speed, measure_decode, measure_loop,
+                             measure_update, speed_drift)
 from .plan_inputs import PlanInputs
 from .plan_score import FORMAT, score_shape
 
@@ -61,10 +61,15 @@ def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int], assignment
               "update_s_per_response_token": measured["update_s_per_response_token"],
               "logprob_s_per_token": loop["logprob_s_per_token"], "optimizer_steps": shape.optimizer_steps,
               "sync_s": loop["sync_s"], "colocated_switch_s": loop.get("colocated_switch_s", 0.0),
+              "colocated": loop.get("colocated"),
               "reward_s_per_group": loop["reward_s_per_group"], "overhead_s": loop["overhead_s"],
               "lengths": [min(max(1, int(x)), shape.cap) for x in lengths], "prompt_len": round(d["prompt_len"]),
               "prompts_per_step": shape.prompts, "n": shape.n, "max_response_length": shape.cap,
               "shared_prompt": loop["shared_prompt"], "engine_assignment": assignment}
+    if inputs["colocated"]:
+        split_decode = PlanInputs.from_dict({**inputs, "colocated": None})
+        factor = colocated_decode_factor(split_decode, loop["runs"]["colocated cap"], shape.ranks)
+        inputs["colocated"] = {**inputs["colocated"], "decode_factor": factor}
     return PlanInputs.from_dict(inputs).to_dict()
 
 

@@ -42,6 +42,12 @@ class DecodeCost:
     def step_s(self, seqs: int, context: float) -> float:
         return self.base_s(seqs) + self.per_context_token_s * context
 
+    def scaled(self, factor: float) -> "DecodeCost":
+        """Every cost times `factor`."""
+        return DecodeCost(self.fixed_s * factor, self.per_seq_s * factor, self.per_context_token_s * factor,
+                          self.prefill_s_per_token * factor,
+                          {b: s * factor for b, s in self.by_seqs.items()} if self.by_seqs else None)
+
     def base_s(self, seqs: int) -> float:
         """The table interpolated linearly (its first value below it, its last segment's line above it); the
         line fixed + per_seq without a table."""
@@ -52,6 +58,22 @@ class DecodeCost:
             return table[0][1]
         (b0, s0), (b1, s1) = next((pair for pair in zip(table, table[1:]) if seqs <= pair[1][0]), table[-2:])
         return s0 + (s1 - s0) * (seqs - b0) / (b1 - b0)
+
+
+@dataclass
+class ColocatedCost:
+    """The colocated layout's own costs, where measured on it: its update per trainer device (each device also holds
+    an engine; on the CPU the trainers share the machine's cores, which a split run's single trainer does not), its
+    weight handover, in place of `sync_s` (in-process: nothing crosses a network), and its engines' decode against
+    `decode` (measured on one engine: on the CPU the colocated engines decode at once on the cores). Absent: the
+    split's costs."""
+
+    update_fixed_s: float
+    update_s_per_token: float
+    sync_s: float
+    update_s_per_response_token: float = 0.0
+    logprob_s_per_token: float = 0.0
+    decode_factor: float = 1.0  # each engine step's seconds are `decode`'s times this
 
 
 @dataclass
@@ -82,16 +104,26 @@ class PlanInputs:
     # which engine a new group goes to: "static" (group id % engines) or "load" (the engine with the least
     # outstanding work: its running samples' expected remaining tokens and its queued groups'; bench/plan.py)
     engine_assignment: str = "static"
+    colocated: ColocatedCost | None = None
     notes: dict = field(default_factory=dict)
 
-    def update_s(self, groups: list[list[int]], trainers: int) -> float:
+    def update_s(self, groups: list[list[int]], trainers: int, colocated: bool = False) -> float:
         """One step's update of `groups` (their response lengths) on `trainers` devices. The layers run over every
-        response token and each prompt n times or, with the shared prompt, once per group; the head over responses."""
+        response token and each prompt n times or, with the shared prompt, once per group; the head over responses.
+        `colocated`: with the colocated layout's own costs where they were measured."""
+        cost = self.colocated if colocated and self.colocated else self
         response = sum(sum(g) for g in groups)
         computed = response + self.prompt_len * len(groups) * (1 if self.shared_prompt else self.n)
-        per_token = self.update_s_per_token + (self.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
-        work = per_token * computed + self.update_s_per_response_token * response
-        return self.optimizer_steps * self.update_fixed_s + work / trainers
+        per_token = cost.update_s_per_token + (cost.logprob_s_per_token if self.optimizer_steps > 1 else 0.0)
+        work = per_token * computed + cost.update_s_per_response_token * response
+        return self.optimizer_steps * cost.update_fixed_s + work / trainers
+
+    def handover_s(self, colocated: bool) -> float:
+        """The weight sync's seconds: the split's, or colocated's in-process handover and the engine's sleep / wake
+        (the split's sync plus `colocated_switch_s` where the colocated layout was not measured)."""
+        if not colocated:
+            return self.sync_s
+        return (self.colocated.sync_s if self.colocated else self.sync_s) + self.colocated_switch_s
 
     @classmethod
     def from_dict(cls, d) -> "PlanInputs":
@@ -100,6 +132,8 @@ class PlanInputs:
         check_inputs(d)
         d = dict(d)
         d["decode"] = DecodeCost(**d["decode"])
+        if d.get("colocated") is not None:
+            d["colocated"] = ColocatedCost(**d["colocated"])
         if isinstance(d["lengths"], dict):
             d["lengths"] = lognormal_lengths(cap=d["max_response_length"], **d["lengths"]["lognormal"])
         return cls(**d)
@@ -165,6 +199,7 @@ def check_inputs(d) -> None:
     if not isinstance(d.get("notes", {}), dict):
         raise PlanInputsError("plan inputs: `notes` must be a JSON object")
     _check_decode(d["decode"])
+    _check_colocated(d.get("colocated"))
     _check_lengths(d["lengths"], d["max_response_length"])
 
 
@@ -215,6 +250,18 @@ def _check_decode(d) -> None:
     elif d["fixed_s"] + d["per_seq_s"] <= 0:
         raise PlanInputsError("plan inputs: `decode.fixed_s` + `decode.per_seq_s` must be > 0: a free engine step "
                               "never advances the engine's clock")
+
+
+def _check_colocated(d) -> None:
+    if d is None:
+        return
+    if not isinstance(d, dict):
+        raise PlanInputsError(f"plan inputs: `colocated` must be a JSON object of costs or null, got {d!r:.60}")
+    known = {f.name for f in fields(ColocatedCost)}
+    _known_and_present(d, known, {"update_fixed_s", "update_s_per_token", "sync_s"}, "colocated.")
+    for name in known:
+        if name in d:
+            check_time(f"colocated.{name}", d[name], positive=name in {*_WORK_TIMES, "decode_factor"})
 
 
 def _check_lengths(lengths, cap: int) -> None:
