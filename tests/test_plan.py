@@ -239,6 +239,32 @@ def test_plan_check_measures_the_machine_speed_it_compares_against():
     assert speed_drift(now, now) == 0.0
 
 
+def test_plan_check_measures_the_inputs_again_when_the_machine_moved_meanwhile(tmp_path, monkeypatch):
+    """Speed 88 GFLOP/s before the inputs' measurement and 94 after (7% apart): the inputs are measured once more,
+    the runs scored against the second measurement, the first kept in the JSON with its speeds."""
+    from justrl_megatron.bench import longtail, plan_check
+
+    speeds = iter([88.0, 94.0, 94.5, 95.0])
+    monkeypatch.setattr(plan_check, "machine_speed", lambda: {"matmul_gflops": next(speeds), "steal_s": 0.0})
+    calls = []
+
+    def measure(model, shape):
+        calls.append(len(calls))
+        return {"n": len(calls)}
+
+    monkeypatch.setattr(plan_check, "measure_plan_inputs", measure)
+    monkeypatch.setattr(plan_check, "plan_inputs_for", lambda measured, *a: {"measured": measured["n"]})
+    monkeypatch.setattr(plan_check, "bench_longtail", lambda **kw: {"workload": [], "lengths": [3], "histogram": {},
+                                                                    "modes": {}})
+    monkeypatch.setattr(plan_check, "score_shape", lambda entry: {})
+    report = plan_check.plan_check([longtail.SHAPES["heldout-narrow"]], out=str(tmp_path / "c.json"), progress=False)
+    entry = report["shapes"]["heldout-narrow"]
+    assert calls == [0, 1] and entry["inputs"] == {"measured": 2}
+    assert entry["speed"]["inputs"]["matmul_gflops"] == 94.0 and entry["speed"]["before"]["matmul_gflops"] == 94.5
+    assert entry["first_inputs_drifted"]["calibration"] == {"n": 1}
+    assert entry["first_inputs_drifted"]["speed"]["inputs"]["matmul_gflops"] == 88.0
+
+
 # --- the engine assignment: static (group id % engines) or load-fed ------------------------------------------------
 
 def test_plan_load_assignment_sends_a_group_to_the_engine_with_the_least_outstanding_work():
