@@ -211,3 +211,27 @@ def test_engine_numerics_update_forward_is_the_log_prob_pass_and_its_gradient_th
     assert not torch.equal(forward(False), hidden.detach())  # the two paths do differ in bf16
     for a, b in zip(on, off):
         assert torch.isfinite(a).all() and (a.float() - b.float()).norm() <= 0.05 * b.float().norm() + 1e-6
+
+
+@pytest.mark.vllm
+def test_engine_numerics_shared_prompt_forward_is_each_samples_own():
+    """trainer.shared_prompt (a group's prompt computed once, its responses' RoPE rows per token) under the engine's
+    pieces: the log-probs are bitwise those of each sample packed alone, as the engine computes each request."""
+    from justrl_megatron.model.hf_config import ModelShape
+    from justrl_megatron.model.policy import Policy
+    from justrl_megatron.train.batching import Sample
+    from justrl_megatron.train.step import compute_logprobs
+
+    g = torch.Generator().manual_seed(4)
+    samples = []
+    for group, prompt_len in enumerate((5, 3)):
+        prompt = torch.randint(1, 120, (prompt_len,), generator=g).tolist()
+        samples += [Sample(prompt_ids=prompt, response_ids=torch.randint(1, 120, (n,), generator=g).tolist(),
+                           advantage=1.0, group=group) for n in (4, 9, 2)]
+    out = {}
+    for shared in ("on", "off"):
+        policy = Policy.build(ModelShape(**ENGINE_TINY), dtype="bf16", transformer_impl="local", lr=1e-3, seed=3,
+                              engine_numerics=True, shared_prompt=shared)
+        out[shared] = compute_logprobs(policy, samples, max_tokens_per_micro_batch=256)
+    for a, b in zip(out["on"], out["off"]):
+        assert torch.equal(a, b)
