@@ -131,7 +131,8 @@ def vllm_hooks(model, rec: Recorder, num_layers: int) -> None:
     rec.out(inner.norm, "final_norm")
 
 
-def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool, layers: bool = True) -> dict:
+def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool, layers: bool = True,
+              engine_numerics: bool = False) -> dict:
     import justrl_megatron.compat  # noqa: F401  (first: CPU redirections)
 
     import torch
@@ -152,14 +153,14 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool, laye
     hf_dir = model_dir or str(tiny_model(os.path.join(workdir, "tiny_qwen2"), "qwen2", **TINY))
     shape = model_shape(AutoConfig.from_pretrained(hf_dir))
     engine = VLLMEngine(hf_dir, dtype=dtype, seed=0, max_model_len=128, cpu_kvcache_gib=1, enforce_eager=True,
-                         exact=exact)
+                         exact=exact or engine_numerics)
     policy = Policy.build(shape, tp=1, dtype=dtype, transformer_impl="local", lr=1e-3, grad_clip=0.0,
-                          distributed_optimizer=False, seed=1234, exact=exact)
+                          distributed_optimizer=False, seed=1234, exact=exact, engine_numerics=engine_numerics)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
     engine.update_weights(export_hf_stream(policy.chunks, shape, include_tied_lm_head=True), version=0)
     llm = engine.llm
-    out = {"dtype": dtype, "exact": exact, "exact_off": os.environ.get("JUSTRL_EXACT_OFF", ""), "model": model_dir or f"tiny qwen2 {TINY}", "layers": shape.num_layers,
+    out = {"dtype": dtype, "exact": exact, "engine_numerics": engine_numerics, "exact_off": os.environ.get("JUSTRL_EXACT_OFF", ""), "model": model_dir or f"tiny qwen2 {TINY}", "layers": shape.num_layers,
            "torch_threads": torch.get_num_threads()}
 
     # headline: the rollout's own check over a batch of 20 samples
@@ -255,6 +256,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--model", default=None, help="an HF folder (default: a tiny random Qwen2)")
     ap.add_argument("--exact", action="store_true", help="the trainer in rollout.exact mode")
+    ap.add_argument("--engine-numerics", action="store_true", help="the trainer with model.engine_numerics=on")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--headline-only", action="store_true", help="the batch gaps only, no per-layer table")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one dtype, JSON to --out
@@ -263,7 +265,8 @@ def main(argv=None) -> int:
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="parity_")
     if args.one:
-        res = run_dtype(args.one, args.model, workdir, args.exact, layers=not args.headline_only)
+        res = run_dtype(args.one, args.model, workdir, args.exact, layers=not args.headline_only,
+                        engine_numerics=args.engine_numerics)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
         return 0
@@ -271,7 +274,8 @@ def main(argv=None) -> int:
     for dtype in args.dtypes.split(","):
         part = os.path.join(workdir, f"{dtype}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--one", dtype, "--out", part, "--workdir", workdir]
-        cmd += (["--model", args.model] if args.model else []) + (["--exact"] if args.exact else [])
+        cmd += (["--model", args.model] if args.model else []) + (["--exact"] if args.exact else []) \
+            + (["--engine-numerics"] if args.engine_numerics else [])
         cmd += ["--headline-only"] if args.headline_only else []
         subprocess.run(cmd, check=True)
         with open(part) as f:

@@ -80,6 +80,10 @@ class ModelConfig:
     # the decoder's linear layers in FP8 with rowwise scaling (torch._scaled_mm; model/fp8.py): Hopper GPUs only;
     # weights, optimizer and the weights sent to vLLM stay as model.dtype
     fp8: bool = False
+    # the trainer computes every pass with the vLLM engine's CPU kernels (forward) and its own backward, so the
+    # update's log-probs are the engine's (model/exact.py; docs/numerics.md): auto (on for a half-precision policy
+    # on the CPU with one rank's dense local-spec layers) | on | off
+    engine_numerics: str = "auto"
     fast_paths: FastPathsConfig = field(default_factory=FastPathsConfig)
 
 

@@ -13,7 +13,8 @@ fp8.py        FP8 linear layers with rowwise scaling (model.fp8, Hopper)
 fast_paths.py the GPU fast-path switches and attention backend, decided once per launch and recorded
 moe.py        MoE training glue: router losses' weights per mini-batch and logged values, router load, routing replay
 lora.py       LoRA adapters on the TP-parallel linears (frozen base), adapters on/off, merged weights
-exact.py      rollout.exact: the log-prob passes with the engine's own kernels and op order (CPU), batch-invariant
+exact.py      rollout.exact: the log-prob passes with the engine's own kernels and op order (CPU), batch-invariant;
+              model.engine_numerics: every pass (the update's forward too) with them, the trainer's own backward
 reference.py  reference-policy logprobs for the KL penalty: adapters off (LoRA) or a frozen copy of the weights
 
 `problems(cfg, ...)` collects every model feature's config refusals (each feature module owns its own).

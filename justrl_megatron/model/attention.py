@@ -29,7 +29,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .exact import engine_attention, piece_on
+from .exact import engine_attention, engine_pass, piece_on
 from .fast_paths import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -471,6 +471,27 @@ def packed_engine_attention(q, k, v, packed_seq_params, scale: float) -> torch.T
     return engine_attention(*rows, shared.row_cu, scale).index_select(0, shared.pick)
 
 
+class _EngineAttention(torch.autograd.Function):
+    """`packed_engine_attention` forward (model.engine_numerics: the update's own forward attends as the engine
+    does); backward: the gradient of `packed_attention` in fp32, recomputed from the saved q, k, v (the same
+    function up to fp32 rounding; the engine's kernel has no backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, packed_seq_params, scale, backend):
+        ctx.save_for_backward(q, k, v)
+        ctx.params, ctx.scale, ctx.backend = packed_seq_params, scale, backend
+        return packed_engine_attention(q, k, v, packed_seq_params, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+            out = packed_attention(*inputs, ctx.params, ctx.scale, backend=ctx.backend)
+            grads = torch.autograd.grad(out, inputs, grad.float())
+        return (*(g.to(x.dtype) for g, x in zip(grads, (q, k, v))), None, None, None)
+
+
 def shared_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shared, scale: float,
                             backend: str = "flash") -> torch.Tensor:
     """Attention of a row of shared-prompt units: q [t, np, hn], k/v [t, ng, hn] -> [t, np, hn]. `shared`
@@ -682,8 +703,6 @@ class SDPAttention(_Base):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.attn_mask_type = attn_mask_type
         self.backend = backend
-        # rollout.exact: log-prob passes (no autograd) attend with the engine's own kernel (model/exact.py)
-        self.exact = bool(getattr(config, "justrl_exact", False))
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError("SDPAttention runs without attention dropout (RL fine-tuning); set attention_dropout=0")
@@ -700,8 +719,12 @@ class SDPAttention(_Base):
                 cu = packed_seq_params.cu_seqlens_q if cu is None else cu
                 plan = context_parallel_plan(packed_seq_params, cu, self.cp_group)
                 out = context_parallel_attention(query, key, value, plan, self.cp_group, self.softmax_scale)
-            elif self.exact and not torch.is_grad_enabled() and not query.is_cuda and piece_on("attention"):
-                out = packed_engine_attention(query, key, value, packed_seq_params, self.softmax_scale)
+            elif engine_pass(self.config, query) and piece_on("attention"):  # the engine's kernel (model/exact.py)
+                if torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+                    out = _EngineAttention.apply(query, key, value, packed_seq_params, self.softmax_scale,
+                                                 self.backend)
+                else:
+                    out = packed_engine_attention(query, key, value, packed_seq_params, self.softmax_scale)
             else:
                 out = packed_attention(query, key, value, packed_seq_params, self.softmax_scale,
                                        backend=self.backend)

@@ -8,6 +8,13 @@ cache built for the packed micro-batch), with the KV split turned off on both si
 step's reduction order depends on the number of running requests; unsplit, a token's attention is the same whether
 it is computed in a prefill of the whole sequence (the trainer) or in a decode step (the engine).
 
+`model.engine_numerics` (auto: on for a half-precision policy on the CPU) takes the same pieces into every pass of
+the trainer, the update's own forward included: each piece's forward is the engine's kernel and its backward the
+gradient of the trainer's own op (attention: torch SDPA in fp32 recomputed; RoPE: the inverse rotation; a linear:
+its matmuls; the residual add and SiLU are differentiable as they are). In bf16 a single rounding that differs early
+grows to the whole gap by the last layer (docs/numerics.md), so the default path is only close where every piece is
+the engine's; in fp32 the gap is already at rounding level and the default stays megatron's kernels.
+
 On GPU the engine is put into vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1: Triton kernels with a fixed
 reduction order) and megatron into its deterministic settings (`engine_env`, `exact_config`); that pairing is wired
 but not verified here (no vLLM on the lent GPU). Forward only: the exact kernel has no backward, which is why the
@@ -37,6 +44,37 @@ def piece_on(name: str) -> bool:
 # K/V cache block size of the engine in exact mode (vllm_engine passes it; the kernel's tiling follows it)
 BLOCK_SIZE = 128
 
+ENGINE_NUMERICS = ("auto", "on", "off")  # model.engine_numerics
+
+
+def _layout_refusals(cfg, shape=None) -> list[str]:
+    """What the engine's pieces cannot mirror: they run on one rank's whole layers of a dense local-spec model."""
+    return [name for name, on in (
+        ("parallel.tensor > 1", cfg.parallel.tensor > 1), ("parallel.pipeline > 1", cfg.parallel.pipeline > 1),
+        ("parallel.context > 1", cfg.parallel.context > 1), ("parallel.expert > 1", cfg.parallel.expert > 1),
+        ("rollout.tensor_parallel > 1", cfg.rollout.tensor_parallel > 1),
+        ("model.lora", cfg.model.lora.enabled), ("model.fp8", cfg.model.fp8),
+        ("model.transformer_impl=te", cfg.model.transformer_impl == "te"),
+        ("an MoE model", bool(shape is not None and shape.num_experts))) if on]
+
+
+def resolve_engine_numerics(cfg, shape=None) -> bool:
+    """`model.engine_numerics`: on | off | auto (on where the trainer runs on the CPU in half precision, the layout
+    is one the pieces cover and vLLM's CPU ops are installed; fp32's default gap is at rounding level already).
+    Never on a GPU: the pieces are vLLM's CPU kernels."""
+    from .. import compat
+    from ..dtypes import resolve_dtype
+
+    choice = cfg.model.engine_numerics
+    if choice == "off" or compat.cuda_available():
+        return False
+    if choice == "on":
+        return True
+    import importlib.util
+
+    return (resolve_dtype(cfg.model.dtype) != torch.float32 and not _layout_refusals(cfg, shape)
+            and importlib.util.find_spec("vllm") is not None)
+
 
 def problems(cfg, shape=None) -> list[str]:
     """rollout.exact's refusals, one line, before any model is built: what it does not mirror op for op; a name in
@@ -44,24 +82,25 @@ def problems(cfg, shape=None) -> list[str]:
     unknown = sorted(_off() - set(PIECES))
     if unknown:
         return [f"{OFF_ENV}={os.environ[OFF_ENV]!r}: unknown piece(s) {unknown}; known: {', '.join(PIECES)}"]
+    choice = cfg.model.engine_numerics
+    if choice not in ENGINE_NUMERICS:
+        return [f"model.engine_numerics must be one of {', '.join(ENGINE_NUMERICS)}, got {choice!r}"]
+    problems = []
+    if choice == "on" and _layout_refusals(cfg, shape):
+        problems.append(f"model.engine_numerics=on runs the engine's kernels on one rank with a dense local-spec "
+                        f"model only; not with {', '.join(_layout_refusals(cfg, shape))} (set auto or off)")
     if not cfg.rollout.exact:
-        return []
-    refused = [name for name, on in (
-        ("parallel.tensor > 1", cfg.parallel.tensor > 1), ("parallel.pipeline > 1", cfg.parallel.pipeline > 1),
-        ("parallel.context > 1", cfg.parallel.context > 1), ("parallel.expert > 1", cfg.parallel.expert > 1),
-        ("rollout.tensor_parallel > 1", cfg.rollout.tensor_parallel > 1),
+        return problems
+    refused = _layout_refusals(cfg, shape) + [name for name, on in (
         ("rollout.placement=split", cfg.rollout.placement == "split"), ("rollout.streaming", cfg.rollout.streaming),
-        ("model.lora", cfg.model.lora.enabled), ("model.fp8", cfg.model.fp8),
-        ("model.transformer_impl=te", cfg.model.transformer_impl == "te"),
         ("trainer.shared_prompt=on", cfg.trainer.shared_prompt == "on"),
         # one optimizer step per batch takes the old log-probs from the update's own forward (megatron's kernels)
         ("trainer.old_logprobs=auto on the one-step path (set recompute)",
-         cfg.trainer.old_logprobs == "auto" and cfg.trainer.mini_batch_size >= cfg.trainer.prompts_per_step),
-        ("an MoE model", bool(shape is not None and shape.num_experts))) if on]
+         cfg.trainer.old_logprobs == "auto" and cfg.trainer.mini_batch_size >= cfg.trainer.prompts_per_step)) if on]
     if refused:
-        return [f"rollout.exact=true mirrors the engine on one rank with a dense local-spec model only; "
-                f"not with {', '.join(refused)}"]
-    return []
+        return problems + [f"rollout.exact=true mirrors the engine on one rank with a dense local-spec model only; "
+                           f"not with {', '.join(refused)}"]
+    return problems
 
 
 def engine_env(on_gpu: bool) -> dict[str, str]:
@@ -124,7 +163,36 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def engine_active(x: torch.Tensor) -> bool:
+    """rollout.exact's log-prob passes: no autograd, on the CPU."""
     return not torch.is_grad_enabled() and not x.is_cuda
+
+
+def engine_pass(config, x: torch.Tensor) -> bool:
+    """Whether this pass over `x` computes with the engine's pieces: every pass under model.engine_numerics, the
+    log-prob passes under rollout.exact; on the CPU only."""
+    if x.is_cuda:
+        return False
+    return bool(getattr(config, "justrl_engine_numerics", False)) or (
+        bool(getattr(config, "justrl_exact", False)) and not torch.is_grad_enabled())
+
+
+class _EngineLinear(torch.autograd.Function):
+    """`engine_linear` forward; the backward of x @ w^T + b (the matmuls any linear's backward computes)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return engine_linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.size(-1))
+        grad_x = (rows @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = rows.t() @ x.reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
 
 
 def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -146,11 +214,15 @@ def _exact_forward(layer, original):
     exact mode refuses TP > 1, so there is nothing to gather or reduce)."""
 
     def forward(input_, *args, **kwargs):
-        if not engine_active(input_) or args or kwargs.get("weight") is not None or not piece_on("linear"):
+        if not engine_pass(layer.config, input_) or args or kwargs.get("weight") is not None \
+                or not piece_on("linear"):
             return original(input_, *args, **kwargs)
         bias = getattr(layer, "bias", None)
         fused = None if layer.skip_bias_add else bias
-        out = engine_linear(input_, layer.weight, fused)
+        if torch.is_grad_enabled():
+            out = _EngineLinear.apply(input_, layer.weight, fused)
+        else:
+            out = engine_linear(input_, layer.weight, fused)
         return out, (bias if layer.skip_bias_add else None)
 
     return forward
@@ -163,17 +235,20 @@ def _exact_forward(layer, original):
 GRAIN = 32768
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """F.silu, row-invariant in log-prob passes: rows in calls of at most GRAIN elements (one thread each). Its
-    input is the gate half of the fc1 output (a strided view: torch runs each row as its own vector loop, as for
-    the engine's `x[..., :d]`)."""
+def row_invariant_silu(config):
+    """F.silu, row-invariant in the engine's passes (`engine_pass`): rows in calls of at most GRAIN elements (one
+    thread each). Its input is the gate half of the fc1 output (a strided view: torch runs each row as its own
+    vector loop, as for the engine's `x[..., :d]`). Differentiable as it is."""
     import torch.nn.functional as F
 
-    if not engine_active(x) or x.numel() <= GRAIN or not piece_on("silu"):
-        return F.silu(x)
-    rows = x.reshape(-1, x.size(-1))
-    step = max(1, GRAIN // x.size(-1))
-    return torch.cat([F.silu(rows[i:i + step]) for i in range(0, rows.size(0), step)]).reshape(x.shape)
+    def silu(x: torch.Tensor) -> torch.Tensor:
+        if not engine_pass(config, x) or x.numel() <= GRAIN or not piece_on("silu"):
+            return F.silu(x)
+        rows = x.reshape(-1, x.size(-1))
+        step = max(1, GRAIN // x.size(-1))
+        return torch.cat([F.silu(rows[i:i + step]) for i in range(0, rows.size(0), step)]).reshape(x.shape)
+
+    return silu
 
 
 def rope_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -184,25 +259,50 @@ def rope_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def engine_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """RoPE of packed rows t [T, heads, d] with vLLM's CPU kernel (NeoX style, in place on a copy): in bf16 it rotates
-    in fp32 and rounds once, where megatron's `t * cos + rotate(t) * sin` rounds each product."""
+def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """Each of n packed tokens' position within its cu_seqlens segment."""
+    cu = cu_seqlens.to(torch.int64).cpu()
+    seq_of = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    return torch.arange(n) - cu[:-1][seq_of]
+
+
+def engine_rope(t: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """RoPE of packed rows t [T, heads, d] at `positions` with vLLM's CPU kernel (NeoX style, in place on a copy): in
+    bf16 it rotates in fp32 and rounds once, where megatron's `t * cos + rotate(t) * sin` rounds each product.
+    Differentiable: the gradient of a rotation is the rotation back (the same kernel, sin negated)."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        return _EngineRope.apply(t, positions, cache)
+    return _rotate(t, positions, cache)
+
+
+def _rotate(t: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     from vllm import _custom_ops as ops
 
     n, heads, d = t.shape
-    cu = cu_seqlens.to(torch.int64).cpu()
-    seq_of = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
-    positions = torch.arange(n) - cu[:-1][seq_of]
-    rows = t.reshape(n, heads * d).clone()
-    ops.rotary_embedding(positions, rows, None, d, cache.to(t.dtype), True)
+    rows = t.detach().reshape(n, heads * d).clone()
+    ops.rotary_embedding(positions.to(torch.int64).cpu(), rows, None, d, cache.to(t.dtype), True)
     return rows.view(n, heads, d)
+
+
+class _EngineRope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, positions, cache):
+        ctx.save_for_backward(positions, cache)
+        return _rotate(t, positions, cache)
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, cache = ctx.saved_tensors
+        half = cache.size(-1) // 2
+        back = torch.cat((cache[:, :half], -cache[:, half:]), dim=-1)  # cos | -sin: the rotation by -angle
+        return _rotate(grad.contiguous(), positions, back), None, None
 
 
 FP32_SUM = "_justrl_fp32_sum"  # on a residual-stream tensor made by `_exact_bda`: the sum before it was rounded
 
 
-def _exact_bda(make):
-    """A TransformerLayer's bias-dropout-add as vLLM's fused add + RMSNorm does it in log-prob passes: the sum in
+def _exact_bda(make, config):
+    """A TransformerLayer's bias-dropout-add as vLLM's fused add + RMSNorm does it in the engine's passes: the sum in
     fp32, rounded once for the residual stream, and the fp32 sum kept on the result for the next norm (vLLM
     normalises the unrounded sum; megatron's norm would see the rounded one, which differs in bf16)."""
 
@@ -211,9 +311,12 @@ def _exact_bda(make):
 
         def bda(x_with_bias, residual, prob):
             out, bias = x_with_bias
-            # megatron runs the add under enable_grad(): a log-prob pass shows as activations without autograd
-            if residual.requires_grad or out.requires_grad or residual.is_cuda or bias is not None or (
-                    training and prob) or not piece_on("residual"):
+            # megatron runs the add under enable_grad(): rollout.exact's log-prob pass shows as activations without
+            # autograd; under model.engine_numerics every pass takes it (the fp32 sum is differentiable)
+            no_grad = not (residual.requires_grad or out.requires_grad)
+            engine = getattr(config, "justrl_engine_numerics", False) or (
+                getattr(config, "justrl_exact", False) and no_grad)
+            if not engine or residual.is_cuda or bias is not None or (training and prob) or not piece_on("residual"):
                 return add(x_with_bias, residual, prob)
             total = out.float() + residual.float()
             result = total.to(residual.dtype)
@@ -229,16 +332,18 @@ def _exact_bda(make):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """vLLM's native RMSNorm (`vllm.ir.ops.rms_norm` / `fused_add_rms_norm`, the CPU's implementation) of x, or of
-    the fp32 sum `_exact_bda` kept on it."""
+    the fp32 sum `_exact_bda` kept on it. A sum made without autograd on a tensor that has it (the output of a
+    recomputed block: its forward ran without) is not used: the gradient would not reach the block."""
     x32 = getattr(x, FP32_SUM, None)
-    x32 = x.float() if x32 is None else x32
+    x32 = x.float() if x32 is None or (x.requires_grad and not x32.requires_grad) else x32
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x32.to(weight.dtype) * weight).to(x.dtype)
 
 
 def install(modules) -> None:
-    """Route the decoder's linears through `engine_linear` in log-prob passes (the output layer is the log-prob
-    head's: `engine_logprobs`), its gated MLPs' SiLU through `silu`, its residual adds through `_exact_bda`."""
+    """Route the decoder's linears through `engine_linear` in the engine's passes (`engine_pass`; the output layer
+    is the log-prob head's: `engine_logprobs`), its gated MLPs' SiLU through `row_invariant_silu`, its residual
+    adds through `_exact_bda`."""
     import torch.nn.functional as F
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP
@@ -252,9 +357,11 @@ def install(modules) -> None:
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not name.endswith("output_layer"):
                 m.forward = _exact_forward(m, m.forward)
             if isinstance(m, TransformerLayer):
-                m.self_attn_bda, m.mlp_bda = _exact_bda(m.self_attn_bda), _exact_bda(m.mlp_bda)
+                m.self_attn_bda = _exact_bda(m.self_attn_bda, m.config)
+                m.mlp_bda = _exact_bda(m.mlp_bda, m.config)
             if isinstance(m, MLP) and m.config.activation_func is F.silu:
-                m.config.activation_func = silu  # the glu reads it per call (megatron 0.16 / 0.19, unfused path)
+                # the glu reads it per call (megatron 0.16 / 0.19, unfused path)
+                m.config.activation_func = row_invariant_silu(m.config)
 
 
 def engine_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,

@@ -40,6 +40,7 @@ from .attention import attention_backend as decide_attention_backend, resolve_sh
 from .build import build_model_chunks
 from .exact import exact_config
 from .exact import install as install_exact
+from .exact import resolve_engine_numerics
 from .lora import apply_lora
 from .hf_config import ModelShape, padded_vocab_size, require_parallel_layout, transformer_config
 from .memory import resolve_recompute
@@ -144,7 +145,7 @@ class Policy:
               cp: int = 1, moe_aux_loss_coef: float | None = None, moe_z_loss_coef: float | None = None,
               moe_permute_fusion: bool | None = None, routing_replay: str = "off",
               attention_backend: str = "auto", fast_paths=None, moe_grouped_gemm: bool = False,
-              fp8: bool = False, exact: bool = False) -> "Policy":
+              fp8: bool = False, exact: bool = False, engine_numerics: bool = False) -> "Policy":
         """`lora` (rank, alpha, dropout, targets): adapters on the base weights, which are frozen before DDP and the
         optimizer are built, so they get neither gradient buffers nor optimizer state (model/lora.py).
         `shared_prompt` auto | on | off (`resolve_shared_prompt`). `cp`: context-parallel size (the batch split is
@@ -156,7 +157,8 @@ class Policy:
         `fast_paths`: the model.fast_paths section (None: all on), JUSTRL_FAST_PATHS_OFF applied on top
         (model/fast_paths.py). `moe_grouped_gemm`: MoE experts as grouped GEMMs (model/grouped_experts.py); `fp8`:
         the decoder's linears in FP8 (model/fp8.py, Hopper only). `exact` (rollout.exact): the log-prob passes compute
-        what the vLLM engine computes (model/exact.py)."""
+        what the vLLM engine computes (model/exact.py); `engine_numerics` (model.engine_numerics, resolved): every
+        pass does, with the trainer's own backward."""
         replay = routing_replay != "off" and bool(shape.num_experts)
         if lora and transformer_impl == "auto":
             transformer_impl = "local"  # LoRA wraps megatron's local linears (TE fuses the norm into them)
@@ -197,7 +199,8 @@ class Policy:
             **_pipeline_options(pp, vpp), **gpu_fusions(impl), **_context_parallel_options(cp, impl),
             **_aux_loss(shape, moe_aux_loss_coef), **_moe_options(shape, impl, moe_z_loss_coef, moe_permute_fusion))
         config.finalize_model_grads_func = finalize_grads_without_token_scaling
-        config.justrl_exact = exact  # read by model/attention.SDPAttention
+        config.justrl_exact = exact  # read by model/exact.engine_pass
+        config.justrl_engine_numerics = engine_numerics
         if exact:
             exact_config(config)
         modules = build_model_chunks(shape, config, transformer_impl=impl, max_sequence_length=max_sequence_length,
@@ -205,7 +208,7 @@ class Policy:
                                      moe_grouped_gemm=moe_grouped_gemm, fp8=fp8,
                                      attention_backend=fast.attention_backend)
         modules = [m.to(device) for m in modules]
-        if exact:
+        if exact or engine_numerics:
             install_exact(modules)
         prepare_routers(modules)
         install_route_slots(modules)  # a recomputed MoE layer routes as its forward did (model/moe.RouteSlot)
@@ -264,7 +267,7 @@ class Policy:
             moe_z_loss_coef=model.moe_z_loss_coef, moe_permute_fusion=model.moe_permute_fusion,
             routing_replay=cfg.algo.routing_replay, attention_backend=model.attention_backend,
             fast_paths=model.fast_paths, moe_grouped_gemm=model.moe_grouped_gemm, fp8=model.fp8,
-            exact=cfg.rollout.exact)
+            exact=cfg.rollout.exact, engine_numerics=resolve_engine_numerics(cfg, shape))
         if int(os.environ.get("RANK", "0")) == 0:  # rank 0 decides, as for the launch's other checks
             from ..run_history import record_resolved
 

@@ -13,10 +13,11 @@ import math
 
 import torch
 
-from .exact import engine_active, engine_rope, piece_on
+from .exact import engine_pass, engine_rope, packed_positions, piece_on
 from .hf_config import ModelShape
 
 PER_TOKEN_ROWS = "_justrl_rope_rows_per_token"  # set on a freqs tensor that holds one rotation row per packed token
+ROW_POSITIONS = "_justrl_rope_row_positions"  # beside it: the positions those rows rotate by (the engine's RoPE)
 
 
 def inv_freq(shape: ModelShape, device=None) -> torch.Tensor:
@@ -68,6 +69,7 @@ def rope_at_positions(model, positions):
     def per_token(module, args, output):
         rows = output.index_select(0, positions)
         setattr(rows, PER_TOKEN_ROWS, True)  # apply_packed_rope applies them as they are: no boundaries read
+        setattr(rows, ROW_POSITIONS, positions)
         return rows
 
     handle = rotary.register_forward_hook(per_token)
@@ -79,12 +81,14 @@ def rope_at_positions(model, positions):
 
 def _apply_packed_rope(megatron_apply):
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
-        cache = getattr(config, "justrl_rope_cache", None)  # rollout.exact: the engine's kernel (model/exact.py)
-        if (cache is not None and cu_seqlens is not None and engine_active(t) and piece_on("rope") and mscale == 1.0
-                and not kwargs
-                and not getattr(freqs, PER_TOKEN_ROWS, False) and not config.rotary_interleaved
+        cache = getattr(config, "justrl_rope_cache", None)  # the engine's kernel (model/exact.py)
+        if (cache is not None and cu_seqlens is not None and engine_pass(config, t) and piece_on("rope")
+                and mscale == 1.0 and not kwargs and not config.rotary_interleaved
                 and (cp_group is None or cp_group.size() == 1)):
-            return engine_rope(t, cu_seqlens, cache)
+            positions = getattr(freqs, ROW_POSITIONS, None) if getattr(freqs, PER_TOKEN_ROWS, False) else \
+                packed_positions(cu_seqlens, t.size(0))
+            if positions is not None and positions.numel() == t.size(0):
+                return engine_rope(t, positions, cache)
         if (cu_seqlens is not None and getattr(freqs, PER_TOKEN_ROWS, False) and freqs.size(0) == t.size(0)
                 and not config.apply_rope_fusion and not kwargs and (cp_group is None or cp_group.size() == 1)):
             from megatron.core.models.common.embeddings import rope_utils

@@ -672,5 +672,6 @@ def make_engine(cfg, model_dir, *, seed: int = 0, in_process: bool = True):
         weight_sync_backend=ro.weight_sync_backend, bucket_bytes=int(ro.weight_sync_bucket_mb) << 20,
         return_routed_experts=cfg.algo.routing_replay == "rollout",
         prefix_caching=not ro.streaming,  # streaming: prompt blocks cached under older weights would be relabelled
-        exact=ro.exact,
+        # rollout.exact, model.engine_numerics: the kernel settings the trainer's pieces mirror (model/exact.py)
+        exact=ro.exact or exact_mod.resolve_engine_numerics(cfg),
     )
