@@ -107,7 +107,7 @@ def test_exact_silu_and_logprobs_do_not_depend_on_the_rows_beside_them():
     assert (ent.double() + (ref.exp() * ref).sum(-1)).abs().max() < 1e-4
 
 
-# --- model.engine_numerics: the engine's pieces in every pass, with the trainer's own backward --------------------------
+# --- model.engine_numerics: the engine's pieces in every pass, with the trainer's own backward ------------------------
 
 def test_engine_numerics_is_on_for_half_precision_on_the_cpu_and_refuses_what_it_cannot_mirror():
     from justrl_megatron.model.exact import resolve_engine_numerics

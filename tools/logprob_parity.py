@@ -160,7 +160,9 @@ def run_dtype(dtype: str, model_dir: str | None, workdir: str, exact: bool, laye
     policy.optimizer.reload_model_params()
     engine.update_weights(export_hf_stream(policy.chunks, shape, include_tied_lm_head=True), version=0)
     llm = engine.llm
-    out = {"dtype": dtype, "exact": exact, "engine_numerics": engine_numerics, "exact_off": os.environ.get("JUSTRL_EXACT_OFF", ""), "model": model_dir or f"tiny qwen2 {TINY}", "layers": shape.num_layers,
+    out = {"dtype": dtype, "exact": exact, "engine_numerics": engine_numerics,
+           "exact_off": os.environ.get("JUSTRL_EXACT_OFF", ""), "model": model_dir or f"tiny qwen2 {TINY}",
+           "layers": shape.num_layers,
            "torch_threads": torch.get_num_threads()}
 
     # headline: the rollout's own check over a batch of 20 samples
