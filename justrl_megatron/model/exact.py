@@ -85,13 +85,13 @@ def problems(cfg, shape=None) -> list[str]:
     choice = cfg.model.engine_numerics
     if choice not in ENGINE_NUMERICS:
         return [f"model.engine_numerics must be one of {', '.join(ENGINE_NUMERICS)}, got {choice!r}"]
-    problems = []
-    if choice == "on" and _layout_refusals(cfg, shape):
+    problems, layout = [], _layout_refusals(cfg, shape)
+    if choice == "on" and layout:
         problems.append(f"model.engine_numerics=on runs the engine's kernels on one rank with a dense local-spec "
-                        f"model only; not with {', '.join(_layout_refusals(cfg, shape))} (set auto or off)")
+                        f"model only; not with {', '.join(layout)} (set auto or off)")
     if not cfg.rollout.exact:
         return problems
-    refused = _layout_refusals(cfg, shape) + [name for name, on in (
+    refused = layout + [name for name, on in (
         ("rollout.placement=split", cfg.rollout.placement == "split"), ("rollout.streaming", cfg.rollout.streaming),
         ("trainer.shared_prompt=on", cfg.trainer.shared_prompt == "on"),
         # one optimizer step per batch takes the old log-probs from the update's own forward (megatron's kernels)
@@ -167,13 +167,14 @@ def engine_active(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and not x.is_cuda
 
 
-def engine_pass(config, x: torch.Tensor) -> bool:
+def engine_pass(config, x: torch.Tensor, autograd: bool | None = None) -> bool:
     """Whether this pass over `x` computes with the engine's pieces: every pass under model.engine_numerics, the
-    log-prob passes under rollout.exact; on the CPU only."""
+    log-prob passes (no autograd: `autograd`, else the grad mode) under rollout.exact; on the CPU only."""
     if x.is_cuda:
         return False
+    autograd = torch.is_grad_enabled() if autograd is None else autograd
     return bool(getattr(config, "justrl_engine_numerics", False)) or (
-        bool(getattr(config, "justrl_exact", False)) and not torch.is_grad_enabled())
+        bool(getattr(config, "justrl_exact", False)) and not autograd)
 
 
 class _EngineLinear(torch.autograd.Function):
@@ -313,10 +314,9 @@ def _exact_bda(make, config):
             out, bias = x_with_bias
             # megatron runs the add under enable_grad(): rollout.exact's log-prob pass shows as activations without
             # autograd; under model.engine_numerics every pass takes it (the fp32 sum is differentiable)
-            no_grad = not (residual.requires_grad or out.requires_grad)
-            engine = getattr(config, "justrl_engine_numerics", False) or (
-                getattr(config, "justrl_exact", False) and no_grad)
-            if not engine or residual.is_cuda or bias is not None or (training and prob) or not piece_on("residual"):
+            autograd = residual.requires_grad or out.requires_grad
+            if not engine_pass(config, residual, autograd) or bias is not None or (training and prob) \
+                    or not piece_on("residual"):
                 return add(x_with_bias, residual, prob)
             total = out.float() + residual.float()
             result = total.to(residual.dtype)
