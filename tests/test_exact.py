@@ -168,6 +168,23 @@ def test_engine_pieces_have_the_trainers_gradients():
     ref = torch.autograd.grad((packed_attention(*ref_in, params, scale) * up).sum(), ref_in)
     assert all(a.dtype == torch.bfloat16 and torch.equal(a, r.to(torch.bfloat16)) for a, r in zip(mine, ref))
 
+    # the head (the vocabulary padded past its 120 real tokens): model/logprobs.py's gradient, row chunks invisible
+    from justrl_megatron.model.exact import engine_logprobs
+    from justrl_megatron.model.logprobs import logprobs_from_hidden
+
+    h = torch.randn(30, 64, generator=g, requires_grad=True)
+    w = (torch.randn(136, 64, generator=g) * 0.3).requires_grad_()
+    t, up_lp, up_ent = torch.randint(0, 120, (30,), generator=g), torch.randn(30, generator=g), torch.randn(30)
+    lp, ent = engine_logprobs(h, w, t, 120, True, chunk_size=7)
+    mine = torch.autograd.grad((lp * up_lp + ent * up_ent).sum(), (h, w))
+    ref_lp, ref_ent = logprobs_from_hidden(h, w, t, vocab_size=120, with_entropy=True)
+    ref = torch.autograd.grad((ref_lp * up_lp + ref_ent * up_ent).sum(), (h, w))
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-5)
+    assert all(torch.allclose(a, r, atol=1e-5, rtol=1e-4) for a, r in zip(mine, ref))
+    assert torch.equal(mine[1][120:], torch.zeros(16, 64))  # padding is no token
+    with torch.no_grad():
+        assert torch.equal(engine_logprobs(h, w, t, 120, False)[0], lp.detach())  # one chunk: the same bits
+
 
 ENGINE_TINY = dict(family="qwen2", num_layers=2, hidden_size=128, ffn_hidden_size=200, num_attention_heads=4,
                    num_query_groups=2, head_dim=32, vocab_size=120, max_position_embeddings=64, rope_theta=10000.0,

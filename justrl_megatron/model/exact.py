@@ -11,14 +11,15 @@ it is computed in a prefill of the whole sequence (the trainer) or in a decode s
 `model.engine_numerics` (auto: on for a half-precision policy on the CPU) takes the same pieces into every pass of
 the trainer, the update's own forward included: each piece's forward is the engine's kernel and its backward the
 gradient of the trainer's own op (attention: torch SDPA in fp32 recomputed; RoPE: the inverse rotation; a linear:
-its matmuls; the residual add and SiLU are differentiable as they are). In bf16 a single rounding that differs early
-grows to the whole gap by the last layer (docs/numerics.md), so the default path is only close where every piece is
-the engine's; in fp32 the gap is already at rounding level and the default stays megatron's kernels.
+its matmuls; the head: log-softmax's gradient through its matmuls; the residual add and SiLU are differentiable as
+they are). In bf16 a single rounding that differs early grows to the whole gap by the last layer (docs/numerics.md),
+so the default path is only close where every piece is the engine's; in fp32 the gap is already at rounding level and
+the default stays megatron's kernels.
 
 On GPU the engine is put into vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1: Triton kernels with a fixed
 reduction order) and megatron into its deterministic settings (`engine_env`, `exact_config`); that pairing is wired
-but not verified here (no vLLM on the lent GPU). Forward only: the exact kernel has no backward, which is why the
-mode covers the log-prob passes (old log-probs, the rollout check), not the update's own forward.
+but not verified here (no vLLM on the lent GPU). rollout.exact's paged-cache attention has no backward, which is why
+that mode covers the log-prob passes (old log-probs, the rollout check), not the update's own forward.
 """
 
 from __future__ import annotations
@@ -162,11 +163,6 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
-def engine_active(x: torch.Tensor) -> bool:
-    """rollout.exact's log-prob passes: no autograd, on the CPU."""
-    return not torch.is_grad_enabled() and not x.is_cuda
-
-
 def engine_pass(config, x: torch.Tensor, autograd: bool | None = None) -> bool:
     """Whether this pass over `x` computes with the engine's pieces: every pass under model.engine_numerics, the
     log-prob passes (no autograd: `autograd`, else the grad mode) under rollout.exact; on the CPU only."""
@@ -200,14 +196,24 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x @ weight^T (+ bias) as vLLM's CPU linear computes it: vLLM's own dispatch (`dispatch_cpu_unquantized_gemm`:
     oneDNN's matmul with the bias fused where this CPU has it for the dtype, SGL's AMX kernel, zentorch, else
     F.linear) run on a stand-in layer. Made per call: the optimizer changes the weight in place between passes."""
+    return _engine_layer(weight, bias)(x)
+
+
+def _engine_layer(weight: torch.Tensor, bias: torch.Tensor | None):
+    """vLLM's CPU linear for `weight` (and `bias`) as a function of x [..., in] (one stand-in layer: its GEMM handle
+    serves every call, e.g. every row chunk of the head)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
     layer.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
     dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    rows = x.reshape(-1, x.size(-1)).contiguous()
-    return layer.cpu_linear(rows, layer.weight, layer.bias).reshape(*x.shape[:-1], weight.size(0))
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.size(-1)).contiguous()
+        return layer.cpu_linear(rows, layer.weight, layer.bias).reshape(*x.shape[:-1], weight.size(0))
+
+    return linear
 
 
 def _exact_forward(layer, original):
@@ -365,12 +371,58 @@ def install(modules) -> None:
 
 
 def engine_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                    with_entropy: bool):
+                    with_entropy: bool, chunk_size: int | None = None):
     """Target log-probs (and entropy) as the engine's sampler gets them: logits by the engine's linear in the model's
     dtype, the padded vocabulary cut off, then `log_softmax(dtype=float32)` (not the chunked max + log-sum-exp of
-    model/logprobs.py, which rounds in another order)."""
-    logits = engine_linear(hidden, weight, None)[:, :vocab_size]
-    logp_all = logits.log_softmax(dim=-1, dtype=torch.float32)
-    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    return logp, entropy
+    model/logprobs.py, which sums the vocabulary in another order). Row chunks bound the fp32 logits alive (a row's
+    values do not depend on its chunk); differentiable (`_EngineHead`), so the update's forward takes it too."""
+    from .logprobs import chunk_rows
+
+    rows = chunk_rows(vocab_size, chunk_size)
+    logp, ent = _EngineHead.apply(hidden, weight, targets, vocab_size, rows, with_entropy)
+    return logp, (ent if with_entropy else None)
+
+
+class _EngineHead(torch.autograd.Function):
+    """Forward: per row chunk, the engine's logits and fp32 log-softmax. Backward: the gradient of the target's
+    log-prob and the entropy w.r.t. the logits (model/logprobs.py's, from the chunk's logits recomputed by a plain
+    matmul: a gradient need not be the engine's bits), then through the head's matmuls."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_size, rows, with_entropy):
+        linear = _engine_layer(weight, None)
+        logp = torch.empty(hidden.size(0), dtype=torch.float32)
+        ent = torch.empty(hidden.size(0) if with_entropy else 0, dtype=torch.float32)
+        for a in range(0, hidden.size(0), rows):
+            logp_all = linear(hidden[a:a + rows])[:, :vocab_size].log_softmax(dim=-1, dtype=torch.float32)
+            logp[a:a + rows] = logp_all.gather(-1, targets[a:a + rows].long().unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                ent[a:a + rows] = -(logp_all.exp() * logp_all).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets, ent)
+        ctx.meta = (vocab_size, rows, with_entropy)
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        from .logprobs import _chunk_grad_logits
+
+        hidden, weight, targets, ent = ctx.saved_tensors
+        vocab_size, rows, with_entropy = ctx.meta
+        g_ent = g_ent if with_entropy else None
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None
+        w = weight[:vocab_size]  # padded rows are no token: their gradient stays 0
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for a in range(0, hidden.size(0), rows):
+            h, b = hidden[a:a + rows], slice(a, a + rows)
+            z = (h @ w.t()).float()
+            gz = _chunk_grad_logits(z, targets[b], 0, torch.logsumexp(z, -1), ent[b] if g_ent is not None else None,
+                                    None if g_logp is None else g_logp[b], None if g_ent is None else g_ent[b])
+            gz = gz.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[b] = gz @ w
+            if grad_w is not None:
+                grad_w[:vocab_size] += (gz.t() @ h).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None

@@ -197,8 +197,8 @@ def _run_schedule(policy, micro_batches: list[MicroBatch], loss_fn: Callable, *,
 
 def _target_logprobs(policy, mb: MicroBatch, model, output: torch.Tensor, with_entropy: bool):
     hidden = output[0].index_select(0, mb.logit_positions)  # [N, h] positions that predict response tokens
-    if getattr(policy.config, "justrl_exact", False) and exact.engine_active(hidden) and exact.piece_on("head"):
-        # rollout.exact: the engine's head and log-softmax (model/exact.py)
+    if exact.engine_pass(policy.config, hidden) and exact.piece_on("head"):
+        # rollout.exact's log-prob passes and every pass under model.engine_numerics: the engine's head (model/exact.py)
         return exact.engine_logprobs(hidden, output_weight(model), mb.targets, policy.shape.vocab_size, with_entropy)
     return logprobs_from_hidden(hidden, output_weight(model), mb.targets, vocab_size=policy.shape.vocab_size,
                                 with_entropy=with_entropy, group=_tp_group(),

@@ -30,12 +30,13 @@ PROMPTS = [[11, 12, 13, 14, 15], [201, 7, 42], [5, 6, 7, 8, 9, 10, 11], [300, 30
 N, STEPS = 4, 10
 
 
-def build_policy(shape, hf_dir, tp, cp=1, exact=False):
+def build_policy(shape, hf_dir, tp, cp=1, exact=False, engine_numerics=False):
     from justrl_megatron.convert.load import load_hf_weights
     from justrl_megatron.model.policy import Policy
 
     policy = Policy.build(shape, tp=tp, cp=cp, dtype="fp32", transformer_impl="local", lr=2e-2, grad_clip=0.0,
-                          distributed_optimizer=False, seed=1234, exact=exact)
+                          distributed_optimizer=False, seed=1234, exact=exact,
+                          engine_numerics=engine_numerics)
     load_hf_weights(policy.chunks, hf_dir, progress=False)
     policy.optimizer.reload_model_params()
     return policy
@@ -113,13 +114,15 @@ def main(hf_dir, out):
     dist.all_gather(both, digest)
     v["batch"]["same_on_all_ranks"] = all(torch.equal(both[0], b) for b in both)
     # rollout.exact (model/exact.py): a policy holding the stepped weights, its log-prob pass as the engine computes
-    exact = build_policy(shape, hf_dir, tp=1, exact=True)
-    with torch.no_grad():
-        for mine, theirs in zip(exact.chunks[0].module.parameters(), policy.chunks[0].module.parameters()):
-            mine.copy_(theirs)
-    v["gap_exact_v1"] = logprob_gap(r1.logprobs, compute_logprobs(exact, samples_of(r1),
-                                                                   max_tokens_per_micro_batch=256))
-    del policy, exact
+    # and model.engine_numerics=on (the engine's pieces in every pass, the update's included) on the same weights
+    for key, kw in (("gap_exact_v1", dict(exact=True)), ("gap_engine_numerics_v1", dict(engine_numerics=True))):
+        mirror = build_policy(shape, hf_dir, tp=1, **kw)
+        with torch.no_grad():
+            for mine, theirs in zip(mirror.chunks[0].module.parameters(), policy.chunks[0].module.parameters()):
+                mine.copy_(theirs)
+        v[key] = logprob_gap(r1.logprobs, compute_logprobs(mirror, samples_of(r1), max_tokens_per_micro_batch=256))
+        del mirror
+    del policy
 
     # --- phase B: Megatron TP2 streams the original weights into the same engines ----------------------------------
     policy = build_policy(shape, hf_dir, tp=2)
