@@ -118,10 +118,34 @@ def exact_config(config) -> None:
             setattr(config, name, True)
 
 
-def _isa(dtype: torch.dtype, head_dim: int) -> str:
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+_VLLM: dict[tuple[str, str], object] = {}
 
-    return _get_attn_isa(dtype, BLOCK_SIZE, head_dim)
+
+def _vllm(module: str, name: str):
+    """`from module import name` of vLLM, imported once and on a thread of its own: vLLM's import keeps an exception
+    whose traceback holds every frame below the import alive for good. Imported from a caller's stack, that kept the
+    caller's tensors, and the first stand-in linear's oneDNN handle, until the interpreter's exit, whose collection
+    then runs the handle's destructor without imports (a traceback printed at every exit)."""
+    if (module, name) not in _VLLM:
+        import importlib
+        import threading
+
+        def load():
+            parent = importlib.import_module(module)
+            found = getattr(parent, name, None)  # a submodule (vllm._custom_ops) is no attribute until imported
+            _VLLM[(module, name)] = importlib.import_module(f"{module}.{name}") if found is None else found
+
+        thread = threading.Thread(target=load, name="justrl-import-vllm")
+        thread.start()
+        thread.join()
+        if (module, name) not in _VLLM:
+            raise ImportError(f"could not import {name} from {module}: model.engine_numerics and rollout.exact run "
+                              f"vLLM's CPU ops (is vllm installed?)")
+    return _VLLM[(module, name)]
+
+
+def _isa(dtype: torch.dtype, head_dim: int) -> str:
+    return _vllm("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa")(dtype, BLOCK_SIZE, head_dim)
 
 
 def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -129,7 +153,7 @@ def engine_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Causal attention of packed sequences with vLLM's CPU kernel: q [t, hq, d], k/v [t, hkv, d] -> [t, hq, d].
 
     Each sequence gets its own blocks of a private paged cache, written by the engine's own reshape_and_cache."""
-    from vllm import _custom_ops as ops
+    ops = _vllm("vllm", "_custom_ops")
 
     t, hq, d = q.shape
     hkv = k.size(1)
@@ -202,12 +226,11 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _engine_layer(weight: torch.Tensor, bias: torch.Tensor | None):
     """vLLM's CPU linear for `weight` (and `bias`) as a function of x [..., in] (one stand-in layer: its GEMM handle
     serves every call, e.g. every row chunk of the head)."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
+    dispatch = _vllm("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm")
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)
     layer.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    dispatch(layer, remove_weight=False)
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.size(-1)).contiguous()
@@ -283,7 +306,7 @@ def engine_rope(t: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -
 
 
 def _rotate(t: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    from vllm import _custom_ops as ops
+    ops = _vllm("vllm", "_custom_ops")
 
     n, heads, d = t.shape
     rows = t.detach().reshape(n, heads * d).clone()
