@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from .logprobs import _LogprobsFromHidden, chunk_rows
+
 # The pieces of the exact mode; JUSTRL_EXACT_OFF=attention,rope,... leaves those to the trainer's own kernels, which
 # is how tools/logprob_parity.py measures what each one contributes (docs/numerics.md).
 PIECES = ("attention", "linear", "rope", "residual", "silu", "head")
@@ -399,53 +401,31 @@ def engine_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     dtype, the padded vocabulary cut off, then `log_softmax(dtype=float32)` (not the chunked max + log-sum-exp of
     model/logprobs.py, which sums the vocabulary in another order). Row chunks bound the fp32 logits alive (a row's
     values do not depend on its chunk); differentiable (`_EngineHead`), so the update's forward takes it too."""
-    from .logprobs import chunk_rows
-
     rows = chunk_rows(vocab_size, chunk_size)
-    logp, ent = _EngineHead.apply(hidden, weight, targets, vocab_size, rows, with_entropy)
+    logp, ent = _EngineHead.apply(hidden, weight, targets, None, vocab_size, rows, with_entropy, False)
     return logp, (ent if with_entropy else None)
 
 
-class _EngineHead(torch.autograd.Function):
-    """Forward: per row chunk, the engine's logits and fp32 log-softmax. Backward: the gradient of the target's
-    log-prob and the entropy w.r.t. the logits (model/logprobs.py's, from the chunk's logits recomputed by a plain
-    matmul: a gradient need not be the engine's bits), then through the head's matmuls."""
+class _EngineHead(_LogprobsFromHidden):
+    """model/logprobs.py's fused head with the engine's forward. Its backward is the fused head's: the gradient of the
+    target's log-prob and the entropy from each chunk's logits recomputed by a plain matmul (a gradient need not be
+    the engine's bits), through the head's matmuls."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size, rows, with_entropy):
+    def forward(ctx, hidden, weight, targets, group, vocab_size, rows, with_entropy, compiled):
         linear = _engine_layer(weight, None)
-        logp = torch.empty(hidden.size(0), dtype=torch.float32)
-        ent = torch.empty(hidden.size(0) if with_entropy else 0, dtype=torch.float32)
-        for a in range(0, hidden.size(0), rows):
-            logp_all = linear(hidden[a:a + rows])[:, :vocab_size].log_softmax(dim=-1, dtype=torch.float32)
-            logp[a:a + rows] = logp_all.gather(-1, targets[a:a + rows].long().unsqueeze(-1)).squeeze(-1)
+        n = hidden.size(0)
+        logp, lse = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+        ent = torch.empty(n if with_entropy else 0, dtype=torch.float32)
+        for a in range(0, n, rows):
+            logits = linear(hidden[a:a + rows])[:, :vocab_size]
+            logp_all = logits.log_softmax(dim=-1, dtype=torch.float32)
+            target = targets[a:a + rows].long().unsqueeze(-1)
+            logp[a:a + rows] = logp_all.gather(-1, target).squeeze(-1)
+            lse[a:a + rows] = logits.gather(-1, target).squeeze(-1).float() - logp[a:a + rows]
             if with_entropy:
                 ent[a:a + rows] = -(logp_all.exp() * logp_all).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, ent)
-        ctx.meta = (vocab_size, rows, with_entropy)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.meta = (None, 0, vocab_size, rows, with_entropy, False)  # one rank: the whole vocabulary, eager kernels
         ctx.set_materialize_grads(False)
         return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        from .logprobs import _chunk_grad_logits
-
-        hidden, weight, targets, ent = ctx.saved_tensors
-        vocab_size, rows, with_entropy = ctx.meta
-        g_ent = g_ent if with_entropy else None
-        if g_logp is None and g_ent is None:
-            return None, None, None, None, None, None
-        w = weight[:vocab_size]  # padded rows are no token: their gradient stays 0
-        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for a in range(0, hidden.size(0), rows):
-            h, b = hidden[a:a + rows], slice(a, a + rows)
-            z = (h @ w.t()).float()
-            gz = _chunk_grad_logits(z, targets[b], 0, torch.logsumexp(z, -1), ent[b] if g_ent is not None else None,
-                                    None if g_logp is None else g_logp[b], None if g_ent is None else g_ent[b])
-            gz = gz.to(weight.dtype)
-            if grad_h is not None:
-                grad_h[b] = gz @ w
-            if grad_w is not None:
-                grad_w[:vocab_size] += (gz.t() @ h).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
