@@ -57,6 +57,41 @@ def test_plan_colocated_sync_with_its_own_measured_costs():
     assert two["tokens_per_step"] == tokens and two["step_s"] < p["step_s"]
 
 
+def test_plan_an_update_beside_decoding_engines_on_shared_cores():
+    """overlapped_update_factor / overlapped_decode_factor: where the trainer and the engines share cores, an update
+    runs that much slower while an engine decodes, and the engine's steps meanwhile too; the synchronous modes never
+    overlap the two. Figures by hand: an engine step of 8 sequences 0.18 s alone, 0.27 s beside the update."""
+    from justrl_megatron.bench.plan import DecodeCost, Engine, predict, shared_update_s
+
+    x = _plan_inputs(overlapped_update_factor=2.0)
+    assert shared_update_s(x, 3.0, 10.0, 20.0) == 6.0  # decoding throughout: twice as long
+    assert shared_update_s(x, 3.0, 10.0, 9.0) == 3.0  # the engines were done before it started
+    assert shared_update_s(x, 3.0, 10.0, 12.0) == pytest.approx(2.0 + 2.0)  # 1 s of work in 2 s, then 2 s alone
+
+    engine = Engine(DecodeCost(0.1, 0.01), 256, 2)  # 0.12 s a step of 2 sequences
+    engine.add(0, [10, 10], 0, 0.0)
+    engine.slow_until(0.9, 2.0)  # 4 steps of 0.24 s reach 0.96 s, then 6 of 0.12 s
+    assert engine.next_finish() == pytest.approx(1.68) and engine.drain() == [(0, pytest.approx(1.68))]
+
+    def step(mode, **kw):
+        return predict(_plan_inputs(**kw), mode, eta=2)["step_s"]
+
+    both = dict(overlapped_update_factor=2.0, overlapped_decode_factor=1.5)
+    # rollout-bound one-step-off (a 9 s batch beside a 2.48 s update, 4.96 s beside decoding): the sync waits for
+    # the batch, whose first 19 steps ran beside the update at 0.27 s and the other 31 at 0.18 s
+    assert step("one-step-off", **both) == pytest.approx(step("one-step-off") + 19 * 0.27 + 31 * 0.18 - 9.0)
+    # update-bound (a 26 s update): it runs at half speed while the batch decodes (9 s alone, 13.5 s beside it)
+    slow = dict(update_s_per_token=0.05)
+    assert step("one-step-off", **slow, overlapped_update_factor=2.0) == pytest.approx(step("one-step-off", **slow)
+                                                                                        + 9.0 / 2)
+    assert step("one-step-off", **slow, **both) == pytest.approx(step("one-step-off", **slow) + 13.5 / 2)
+    for mode in ("split sync", "colocated sync"):
+        assert step(mode, **both) == pytest.approx(step(mode))
+    for kw in ({}, slow):  # streaming: the engines decode while they hold admitted groups
+        alone, beside = step("streaming", **kw), step("streaming", **kw, overlapped_update_factor=1.5)
+        assert alone < beside < step("streaming", **kw, **both)
+
+
 def test_plan_colocated_decode_factor_from_a_runs_rollouts():
     """The colocated engines' speed against the one-engine decode measurement: the median ratio of the rollout a
     colocated run waited for to the planner's rollout of the same batch (its first step warms up, left out)."""
@@ -364,6 +399,8 @@ BAD_INPUTS = {  # case -> (fields changed, what the one line must say)
                                    "missing field `colocated.sync_s`"),
     "colocated unknown field": ({"colocated": {"update_fixed_s": 1.0, "update_s_per_token": 0.001, "sync_s": 0.5,
                                                "decode_factr": 1.2}}, "unknown field `colocated.decode_factr`"),
+    "zero overlap factor": ({"overlapped_update_factor": 0}, "`overlapped_update_factor` must be a finite factor > 0"),
+    "NaN overlap factor": ({"overlapped_decode_factor": NAN}, "`overlapped_decode_factor` must be a finite factor"),
     "colocated zero decode factor": ({"colocated": {"update_fixed_s": 1.0, "update_s_per_token": 0.001,
                                                     "sync_s": 0.5, "decode_factor": 0}},
                                      "`colocated.decode_factor` must be a finite number of seconds > 0, got 0"),
@@ -707,7 +744,9 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_check, "machine_speed", lambda: {"matmul_gflops": 90.0, "steal_s": 0.0})
     monkeypatch.setattr(plan_check, "measure_decode", lambda model, shape: {
         "fixed_s": -0.001, "per_seq_s": 0.001, "per_context_token_s": 1e-6, "prefill_s_per_token": 1e-5,
-        "by_seqs": {1: 0.02, 4: 0.025, 16: 0.04}, "prompt_len": 55.0})
+        "by_seqs": {1: 0.02, 4: 0.025, 16: 0.04}, "prompt_len": 55.0,
+        "beside_update": {"decode_alone_s": [1.0, 1.0, 1.1], "decode_beside_s": [1.2, 1.3, 1.25],
+                          "update_points": [(1000, 1.1), (2000, 2.3)]}})
     out = tmp_path / "check.json"
     shape = longtail.SHAPES["heldout-minibatch"]
     report = plan_check.plan_check([shape], warmup=1, repeats=3, out=str(out), progress=False)
@@ -723,6 +762,8 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
     assert own["sync_s"] == 0.5 and own["update_s_per_token"] > 0 and own["decode_factor"] > 0
     assert x["logprob_s_per_token"] > 0 and x["update_s_per_token"] > 0 and x["decode"]["fixed_s"] == 0.0
     assert x["engine_assignment"] == "static"  # the engine path today; --plan-assignment load once it feeds by load
+    assert x["overlapped_update_factor"] == pytest.approx(3.4 / 2.9)  # the update points beside decoding / alone
+    assert x["overlapped_decode_factor"] == pytest.approx(1.25)  # the decode call beside the update / alone
     assert set(loop["runs"]) == {"short", "cap", "two prompts", "colocated short", "colocated cap"}
     assert list(entry["modes"]) == ["colocated sync", "split sync", "one-step-off", "streaming eta=1",
                                     "streaming eta=3"]

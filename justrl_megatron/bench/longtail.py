@@ -133,12 +133,16 @@ SHAPES = {s.name: s for s in (
     # holds the policy still (bench/plan_score.py, plan_check.STILL_POLICY)
     Shape("heldout-wide", prompts=4, n=8, cap=640, mini_batch=4, etas=(2,), tuned=True),
     Shape("heldout-minibatch", prompts=6, n=4, cap=512, mini_batch=2, etas=(1, 3), tuned=True),
-    # held out: never used to revise the planner. Every mode, colocated sync included; the first with 2 optimizer
-    # steps per step (an old-logprob pass), the second with a longer cap than any shape before
-    Shape("heldout-narrow", prompts=8, n=2, cap=384, mini_batch=4, etas=(2,)),
+    # held out until its third check (docs/plan/check_heldout3_narrow.json), whose overlapped modes led to the
+    # update's cost beside a decoding engine (plan_inputs.PlanInputs.overlapped_update_factor)
+    Shape("heldout-narrow", prompts=8, n=2, cap=384, mini_batch=4, etas=(2,), tuned=True),
+    # held out: never used to revise the planner. Every mode, colocated sync included; the first with a longer cap
+    # than any shape before (checked once, docs/plan/check_heldout2.json: no revision drew on it), the second with 3
+    # optimizer steps per step (an old-logprob pass) and never run before its check
     Shape("heldout-deep", prompts=3, n=6, cap=768, mini_batch=3, etas=(1,)),
+    Shape("heldout-steps", prompts=6, n=3, cap=448, mini_batch=2, etas=(2,)),
 )}
-CHECKED_SHAPES = ("heldout-narrow", "heldout-deep")  # what `--plan-check` runs by default
+CHECKED_SHAPES = ("heldout-steps", "heldout-deep")  # what `--plan-check` runs by default
 
 
 def mode_figures(records: list[dict], warmup: int) -> dict[str, list[float]]:

@@ -3,7 +3,8 @@
     predict(inputs, "one-step-off", trainers=1, engines=1)   # step seconds, idle fractions, staleness, tokens/s/GPU
     best_split(inputs, "streaming", gpus=32, eta=2)           # the rollout:trainer split with the most tokens/s
 
-It replays what the code does (rollout/admission.py, stream_source.py, engines.py, engine_loop.py, split.py, train/loop.py):
+It replays what the code does (rollout/admission.py, stream_source.py, engines.py, engine_loop.py, split.py,
+train/loop.py):
 - an engine steps all its unfinished sequences at once; one step costs `decode.step_s(B, context tokens)` (measured
   on the machine, or given for a GPU), a started group first pays its prefill. A group holds its engine slot until
   all n samples are done (EngineLoop counts groups), while only unfinished samples cost decode time.
@@ -50,11 +51,25 @@ class Engine:
         self.waiting: deque = deque()  # (gid, lengths, prompt_len)
         self.started: dict[int, int] = {}  # gid -> engine step at which its samples started
         self.busy_s = 0.0
+        self.active_until = 0.0  # the end of its last step (or prefill)
+        self.slow_end, self.slow = -math.inf, 1.0  # steps before slow_end cost `slow` times theirs
         self._next: float | None = None  # next_finish's answer until the engine changes
 
     def hold_until(self, t: float) -> None:
         """Nothing generates before t (a weight sync)."""
         self.t, self._next = max(self.t, t), None
+
+    def slow_until(self, t: float, factor: float) -> None:
+        """Steps and prefills before t cost `factor` times theirs (a trainer computes beside it on shared cores)."""
+        self.slow_end, self.slow, self._next = t, factor, None
+
+    def rewind_idle(self, t: float) -> None:
+        """An idle engine's clock back to t at the earliest (it ran nothing after its last step)."""
+        if self.idle():
+            self.t, self._next = max(self.active_until, min(self.t, t)), None
+
+    def _factor(self) -> float:
+        return self.slow if self.t < self.slow_end else 1.0
 
     def add(self, gid: int, lengths: list[int], prompt_len: int, t: float) -> None:
         if self.idle():
@@ -70,23 +85,39 @@ class Engine:
             for x in lengths:
                 heapq.heappush(self.heap, (self.clock + max(1, x), gid, p + max(1, x)))
             self.context += p * len(lengths)
-            prefill = self.cost.prefill_s_per_token * p * len(lengths)
+            prefill = self._factor() * self.cost.prefill_s_per_token * p * len(lengths)
             self.t += prefill
             self.busy_s += prefill
+            self.active_until = self.t
 
     def _chunk(self, dt: float) -> tuple[int, float]:
-        """Steps until the next sample finishes, or fewer that reach dt; and their seconds."""
-        b = len(self.heap)
-        a, g = self.cost.step_s(b, self.context), self.cost.per_context_token_s * b  # step j costs a + g j
+        """Steps until the next sample finishes, or fewer that reach dt (or the end of a slow stretch); and their
+        seconds."""
+        b, factor = len(self.heap), self._factor()
+        if factor != 1.0:
+            dt = min(dt, self.slow_end - self.t)
+        a, g = self._step_cost(b, self.context, factor)  # step j costs a + g j
         k = _steps_to_reach(a, g, dt, self.heap[0][0] - self.clock)
         return k, k * a + g * k * (k - 1) / 2
+
+    def _step_cost(self, seqs: int, context: float, factor: float) -> tuple[float, float]:
+        return factor * self.cost.step_s(seqs, context), factor * self.cost.per_context_token_s * seqs
 
     def next_finish(self) -> float:
         """When the next sample finishes if nothing else happens (inf: nothing runs)."""
         if self._next is None:
             self._fill()
-            self._next = self.t + self._chunk(math.inf)[1] if self.heap else math.inf
+            self._next = self._finish_time() if self.heap else math.inf
         return self._next
+
+    def _finish_time(self) -> float:
+        k, dt = self._chunk(math.inf)
+        left = self.heap[0][0] - self.clock - k
+        if left <= 0:
+            return self.t + dt
+        b = len(self.heap)  # a slow stretch ended first: the rest at the engine's own speed
+        a, g = self._step_cost(b, self.context + k * b, 1.0)
+        return self.t + dt + left * a + g * left * (left - 1) / 2
 
     def run_until(self, t_end: float) -> list[tuple[int, float]]:
         """Step until the first step boundary at or after t_end (or until nothing runs); finished (gid, time)."""
@@ -101,6 +132,7 @@ class Engine:
             k, dt = self._chunk(t_end - self.t)
             self.t += dt
             self.busy_s += dt
+            self.active_until = self.t
             self.context += k * len(self.heap)
             self.clock += k
             while self.heap and self.heap[0][0] <= self.clock:
@@ -134,6 +166,14 @@ class Engine:
 
     def idle(self) -> bool:
         return not self.heap and not self.waiting
+
+
+def shared_update_s(x: PlanInputs, update: float, start: float, decoding_until: float) -> float:
+    """The seconds of an update that takes `update` alone, started at `start` while engines decode on the same
+    cores until `decoding_until`: it runs `x.overlapped_update_factor` times slower while they decode."""
+    factor = x.overlapped_update_factor
+    overlap = min(max(0.0, decoding_until - start), update * factor)
+    return overlap + update - overlap / factor
 
 
 def _steps_to_reach(a: float, g: float, dt: float, k_max: int) -> int:
@@ -317,12 +357,15 @@ def _rounds(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         colocated = mode == "colocated sync"
         update = x.update_s(groups, trainers, colocated)
         prefetch = ahead and (last_step is None or step < last_step)
-        if prefetch:  # step k+1's batch starts now, with the current weights
+        if prefetch:  # step k+1's batch starts now, with the current weights, and generates beside the update
             groups, gen_version = submit(t), version
+            for e in pool:
+                e.slow_until(t + update * x.overlapped_update_factor, x.overlapped_decode_factor)
+            done = finish()
+            update = shared_update_s(x, update, t, done)
         reward = x.reward_s_per_group * x.prompts_per_step
         t += update + x.overhead_s
         if prefetch:
-            done = finish()
             t = max(t, done)  # the sync waits for the batch in flight
             ready = done + reward
         t += x.handover_s(colocated)
@@ -402,8 +445,14 @@ def _stream(x: PlanInputs, mode, pool, draw, trainers, eta, steps, last_step) ->
         groups = [lengths for _, lengths in kept]
         staleness = max(version - v for v, _ in kept)
         tokens, response = _tokens(x, groups)
-        update = x.update_s(groups, trainers)
-        t += update + x.overhead_s
+        alone, began = x.update_s(groups, trainers), t  # the engines decode beside it while they have groups
+        for e in pool:
+            e.slow_until(began + alone * x.overlapped_update_factor, x.overlapped_decode_factor)
+        advance(began + alone * x.overlapped_update_factor, every=True)
+        update = shared_update_s(x, alone, began, max([began] + [e.active_until for e in pool]))
+        for e in pool:
+            e.rewind_idle(began + update)
+        t = began + update + x.overhead_s
         advance(t, every=True)
         sync_start = max([t] + [e.t for e in pool])  # an engine takes the weights between its steps
         advance(sync_start, every=True)

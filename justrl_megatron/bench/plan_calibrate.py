@@ -52,14 +52,16 @@ def measure_decode(model: str | None, shape: Shape) -> dict:
         engine.generate([p.ids for p in rows[:prompts]], each, SamplingConfig(max_tokens=tokens, ignore_eos=True))
         return time.perf_counter() - t
 
+    prompt_lens = {b: statistics.mean(len(p.ids) for p in rows[:layout(b)[0]]) for b in DECODE_BATCHES}
     try:
         timed(n, 4)  # warm-up
         first = {b: timed(b, 1) for b in DECODE_BATCHES}
         step = {b: (timed(b, 33) - first[b]) / 32 for b in DECODE_BATCHES}
         tail = (timed(1, tail_tokens) - first[1]) / (tail_tokens - 1)
+        overlap = _decode_beside_update(lambda: timed(_overlap_seqs(shape), 33),
+                                        round(prompt_lens[max(DECODE_BATCHES)]))
     finally:
         engine.shutdown()
-    prompt_lens = {b: statistics.mean(len(p.ids) for p in rows[:layout(b)[0]]) for b in DECODE_BATCHES}
     per_context = max(0.0, (tail - step[1]) / ((tail_tokens - 33) / 2))  # the mean context grows by half the tokens
     by_seqs = {b: step[b] - per_context * b * (prompt_lens[b] + 17) for b in DECODE_BATCHES}
     xs = [b for b in DECODE_BATCHES if b >= n]
@@ -67,7 +69,53 @@ def measure_decode(model: str | None, shape: Shape) -> dict:
     prefill = statistics.median(max(0.0, first[b] - step[b]) / (b * prompt_lens[b]) for b in DECODE_BATCHES)
     return {"fixed_s": intercept, "per_seq_s": slope, "per_context_token_s": per_context,
             "prefill_s_per_token": prefill, "by_seqs": by_seqs, "prompt_len": prompt_lens[max(DECODE_BATCHES)],
-            "raw": {"step_s": step, "first_token_s": first, f"step_s_1_at_{tail_tokens}": tail}}
+            "raw": {"step_s": step, "first_token_s": first, f"step_s_1_at_{tail_tokens}": tail},
+            "beside_update": overlap}
+
+
+def _overlap_seqs(shape: Shape) -> int:
+    """The running sequences of the decode timed beside an update: one step's batch (an engine in one-step-off
+    generates the next one while the trainer updates), whole groups, at most the largest measured batch."""
+    return max(shape.n, min(shape.prompts * shape.n, max(DECODE_BATCHES)) // shape.n * shape.n)
+
+
+def _decode_beside_update(decode, prompt_len: int, alone_repeats: int = 3) -> dict:
+    """On a machine whose cores the trainer and the engine share (this CPU), an update that runs while an engine
+    decodes takes longer than alone, and so does the decode. Measured here: `decode()` (a call of a fixed size)
+    timed alone, then called over and over while the update's cost points (`measure_update`'s child, one thread)
+    run beside it; the points come back to be set against the same points measured alone."""
+    import json
+    import subprocess
+    import tempfile
+
+    alone = [decode() for _ in range(alone_repeats)]
+    beside = []
+    with tempfile.TemporaryDirectory(prefix="justrl-plan-") as tmp:
+        out = os.path.join(tmp, "update.json")
+        argv, env = _one_thread_command("update", out, str(prompt_len))
+        child = subprocess.Popen(argv, env=env)
+        try:
+            while child.poll() is None:
+                seconds = decode()
+                if child.poll() is None:  # the call ran beside the update throughout
+                    beside.append(seconds)
+        finally:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+        if child.returncode:
+            raise RuntimeError(f"the update beside the decoding engine failed (exit {child.returncode})")
+        points = [tuple(p) for p in json.loads(open(out).read())]
+    if not beside:
+        raise RuntimeError("the update beside the decoding engine ended before one decode call did: nothing measured")
+    return {"decode_alone_s": alone, "decode_beside_s": beside, "update_points": points}
+
+
+def overlap_factors(beside: dict, alone_points) -> tuple[float, float]:
+    """(update, decode): how much longer each takes beside the other than alone (`_decode_beside_update`'s
+    measurement; `alone_points`: the same update points measured alone)."""
+    update = sum(s for _, s in beside["update_points"]) / sum(s for _, s in alone_points)
+    return update, statistics.median(beside["decode_beside_s"]) / statistics.median(beside["decode_alone_s"])
 
 
 UPDATE_SIZES = ((32, 64), (32, 160))  # (samples, tokens each): the update's cost per token, two points
@@ -89,10 +137,15 @@ def _one_thread_child(*args: str, capture: bool = False):
     """This module run in a fresh process on one thread (as each torchrun rank runs): the measurements that an
     engine built in this process (its thread binding) or this process's threads must not touch."""
     import subprocess
+
+    argv, env = _one_thread_command(*args)
+    return subprocess.run(argv, env=env, check=True, capture_output=capture, text=True)
+
+
+def _one_thread_command(*args: str) -> tuple[list[str], dict]:
     import sys
 
-    return subprocess.run([sys.executable, "-m", "justrl_megatron.bench.plan_calibrate", *args],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, capture_output=capture, text=True)
+    return [sys.executable, "-m", "justrl_megatron.bench.plan_calibrate", *args], {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _update_points(out: str, prompt_len: int) -> None:

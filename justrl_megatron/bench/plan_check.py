@@ -1,6 +1,6 @@
 """`justrl-bench --plan-check SHAPE...`: the planner scored against the real loop on this machine, shape by shape.
 
-    justrl-bench --plan-check heldout-narrow heldout-deep --json docs/plan/check.json
+    justrl-bench --plan-check heldout-steps heldout-deep --json docs/plan/check.json
     justrl-bench --plan-check "prompts=4,n=8,cap=640,mini_batch=2,etas=2,ranks=1+1"   # the shape a user cares about
 
 Per shape (bench/longtail.py's SHAPES, or key=value on the command line), one after the other: the machine's speed,
@@ -21,7 +21,7 @@ from dataclasses import asdict
 
 from .longtail import Shape, bench_longtail
 from .plan_calibrate import (colocated_decode_factor, fit_update_cost, machine_speed, measure_decode, measure_loop,
-                             measure_update, speed_drift)
+                             measure_update, overlap_factors, speed_drift)
 from .plan_inputs import PlanInputs
 from .plan_score import FORMAT, score_shape
 
@@ -49,9 +49,11 @@ def measure_plan_inputs(model: str | None, shape: Shape) -> dict:
     loop = measure_loop(model, shape)
     fixed, per_token, per_response = fit_update_cost(loop["update_points"])
     train_slope = statistics.linear_regression([t for t, _ in train_points], [s for _, s in train_points])[0]
+    update_factor, decode_factor = overlap_factors(decode["beside_update"], train_points)
     return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": fixed,
             "update_s_per_token": per_token, "update_s_per_response_token": per_response,
-            "train_phase_s_per_token": train_slope}
+            "train_phase_s_per_token": train_slope, "overlapped_update_factor": update_factor,
+            "overlapped_decode_factor": decode_factor}
 
 
 def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int], assignment: str = "static") -> dict:
@@ -71,7 +73,9 @@ def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int], assignment
               "reward_s_per_group": loop["reward_s_per_group"], "overhead_s": loop["overhead_s"],
               "lengths": [min(max(1, int(x)), shape.cap) for x in lengths], "prompt_len": round(d["prompt_len"]),
               "prompts_per_step": shape.prompts, "n": shape.n, "max_response_length": shape.cap,
-              "shared_prompt": loop["shared_prompt"], "engine_assignment": assignment}
+              "shared_prompt": loop["shared_prompt"], "engine_assignment": assignment,
+              "overlapped_update_factor": measured.get("overlapped_update_factor", 1.0),
+              "overlapped_decode_factor": measured.get("overlapped_decode_factor", 1.0)}
     if inputs["colocated"]:
         split_decode = PlanInputs.from_dict({**inputs, "colocated": None})
         factor = colocated_decode_factor(split_decode, loop["runs"]["colocated cap"], shape.ranks)
@@ -94,7 +98,7 @@ def plan_check(shapes: list[Shape], *, model: str | None = None, warmup: int = 1
     for shape in shapes:
         speed = {"inputs": machine_speed()}
         measured = measure_plan_inputs(model, shape)
-        plan_inputs_for(measured, shape, [shape.cap], assignment)  # a measurement the planner refuses stops it before the runs
+        plan_inputs_for(measured, shape, [shape.cap], assignment)  # refused inputs stop the check before the runs
         speed["before"] = machine_speed()
         first = None
         if abs(speed_drift(speed["inputs"], speed["before"])) > DRIFT_LIMIT:

@@ -104,6 +104,11 @@ class PlanInputs:
     # which engine a new group goes to: "static" (group id % engines) or "load" (the engine with the least
     # outstanding work: its running samples' expected remaining tokens and its queued groups'; bench/plan.py)
     engine_assignment: str = "static"
+    # where the trainer and the engines share the machine's cores (the CPU check), an update or old-logprob pass
+    # that runs while an engine decodes takes this many times its seconds alone, and the engine's steps meanwhile
+    # this many times theirs; 1 where each has devices of its own
+    overlapped_update_factor: float = 1.0
+    overlapped_decode_factor: float = 1.0
     colocated: ColocatedCost | None = None
     notes: dict = field(default_factory=dict)
 
@@ -170,6 +175,7 @@ def read_json(path: str, what: str):
 # times that are work (a zero makes the step free); the other times may be 0 (a cost the workload does not have)
 _WORK_TIMES = {"update_s_per_token", "sync_s"}
 _COUNTS = {"prompts_per_step", "n", "max_response_length", "optimizer_steps", "engine_max_seqs"}
+_FACTORS = {"overlapped_update_factor", "overlapped_decode_factor"}
 
 
 def check_inputs(d) -> None:
@@ -186,6 +192,8 @@ def check_inputs(d) -> None:
             check_count(f.name, value)
         elif f.name == "prompt_len":
             _check_int(f.name, value, low=0)
+        elif f.name in _FACTORS:
+            check_factor(f.name, value)
         elif f.type == "float":
             check_time(f.name, value, positive=f.name in _WORK_TIMES)
     if d["prompts_per_step"] % d.get("optimizer_steps", 1):
@@ -208,6 +216,11 @@ def check_time(name: str, value, *, positive: bool = False) -> None:
             or (positive and value == 0):
         need = "> 0" if positive else ">= 0"
         raise PlanInputsError(f"plan inputs: `{name}` must be a finite number of seconds {need}, got {value!r}")
+
+
+def check_factor(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PlanInputsError(f"plan inputs: `{name}` must be a finite factor > 0, got {value!r}")
 
 
 def check_count(name: str, value) -> None:
