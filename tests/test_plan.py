@@ -173,6 +173,13 @@ def test_plan_update_cost_fit_separates_response_tokens():
     # several optimizer steps per update: the fixed cost is per optimizer step (a 4th element; 1 where absent)
     steps = [(c, r, 3 * 2.5 + 0.007 * c + 0.004 * r, 3) for c, r in sizes[:4]] + points[4:]
     assert fit_update_cost(steps) == pytest.approx((2.5, 0.007, 0.004))
+    # heldout-steps' calibration (docs/plan/check_heldout4.json): the response extra comes out negative; the fixed
+    # cost is kept (3 optimizer steps: ~4.6 s of a short update) rather than charged to every token
+    measured = [(437, 143, 8.05, 3), (433, 138, 8.57, 3), (2014, 1720, 21.06, 3), (1066, 771, 12.80, 3),
+                (147, 48, 2.71, 1), (146, 48, 2.45, 1)]
+    fixed, per_token, extra = fit_update_cost(measured)
+    assert extra == 0.0 and fixed == pytest.approx(1.54, abs=0.01) and per_token == pytest.approx(0.00808, rel=0.01)
+    assert 3 * fixed + 2014 * per_token == pytest.approx(21.06, rel=0.05)  # one rate through the origin: +25%
 
 
 def test_plan_update_point_from_a_loop_step_counts_computed_tokens():
@@ -673,6 +680,7 @@ def test_plan_robust_split_has_the_best_worst_case():
 @pytest.mark.parametrize("argv, message", [
     (["--plan-check", "prompts=3,mini_batch=2"], "mini_batch=2 must divide prompts=3"),
     (["--plan-check", "heldout"], "unknown shape 'heldout'"),
+    (["--plan-refit"], "--plan-refit goes with --plan-rescore"),
     (["--plan-check", "--json", "/nonexistent/dir/check.json"], "no folder"),
     (["--plan-check", "--plan-assignment", "static", "load"], "give one --plan-assignment"),
 ])
@@ -773,6 +781,13 @@ def test_plan_check_end_to_end_on_made_up_runs(tmp_path, monkeypatch):
         "scores"]
     again = rescore(str(out))
     assert again["differs"] == [] and again["shapes"]["heldout-minibatch"] == entry["scores"]
+    # --plan-refit: the inputs made again from the stored calibration (not the stored inputs) give the same plan
+    entry["inputs"]["update_s_per_token"] *= 2  # stored inputs that the calibration does not give
+    out.write_text(json.dumps(written))
+    assert rescore(str(out))["differs"]
+    refit = rescore(str(out), inputs_of=plan_check.refit_inputs)
+    assert refit["differs"] == [] and refit["shapes"]["heldout-minibatch"] == report["shapes"]["heldout-minibatch"][
+        "scores"]
 
 
 # --- the 32-H100 figures docs/benchmarks.md prints, from the inputs it prints -----------------------------------------

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "etas=1+2,ranks=1+1; none: " + " ".join(CHECKED_SHAPES) + "), and score the drawn-length "
                    "predictions against the runs (bench/plan_check.py)")
     g.add_argument("--plan-rescore", metavar="CHECK.json", help="score a --plan-check JSON again (bench/plan_score.py)")
+    g.add_argument("--plan-refit", action="store_true",
+                   help="with --plan-rescore: plan from the check's calibration fitted again with this version's "
+                        "fits, not from the inputs stored in the file (bench/plan_check.refit_inputs)")
     p.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)  # one phase of a multi-phase run
     return p
@@ -118,7 +121,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown phase {bad}; choose from {', '.join(PHASES)}")
     a.phase = list(dict.fromkeys(a.phase))
-    if not a.phase and not a.vs and not a.child and not a.plan and a.plan_check is None and not a.plan_rescore:
+    if not a.phase and not a.vs and not a.child and not a.plan and a.plan_check is None and not a.plan_rescore \
+            and not a.plan_refit:
         parser.error("nothing to do: give --phase (one or more of " + ", ".join(PHASES) + ") and/or --vs trl")
     if a.warmup < 0 or a.repeats < 1:
         parser.error(f"--warmup must be >= 0 and --repeats >= 1 (got {a.warmup}, {a.repeats})")
@@ -453,6 +457,8 @@ def plan_problem(a) -> str | None:
         return f"--plan-steps must be >= 5 (the first 4 are untimed), got {a.plan_steps}"
     if a.plan_sensitivity and not (a.plan and a.plan_gpus):
         return "--plan-sensitivity needs --plan INPUTS.json and --plan-gpus N"
+    if a.plan_refit and not a.plan_rescore:
+        return "--plan-refit goes with --plan-rescore CHECK.json"
     return None
 
 
@@ -526,7 +532,9 @@ def _plan_check(a, argv) -> int:
 def _plan_rescore(a) -> int:
     from .plan_score import rescore, score_table
 
-    out = rescore(a.plan_rescore)
+    from .plan_check import refit_inputs
+
+    out = rescore(a.plan_rescore, inputs_of=refit_inputs if a.plan_refit else None)
     print(score_table(out["shapes"], out["tuned"]))
     for shape, mode, key, stored, now in out["differs"]:
         print(f"{shape}, {mode}: {key} was {stored} in the file, this planner gives {now}")
@@ -547,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"justrl-bench: under torchrun only the {' and '.join(MULTI_RANK_PHASES)} phases run; launch the "
               f"others without torchrun (step takes --nproc)", file=sys.stderr)
         return 2
-    if a.plan or a.plan_check is not None or a.plan_rescore:
+    if a.plan or a.plan_check is not None or a.plan_rescore or a.plan_refit:
         return run_plan(a, argv)
     machine = machine_info()
     isolate = len(a.phase) + bool(a.vs) > 1 and world == 1

@@ -191,13 +191,17 @@ def loop_update_point(record: dict, groups: int, n: int, shared_prompt: bool) ->
     return response + (prompts / n if shared_prompt else prompts), response, record["time/update_s"]
 
 
+UPDATE_FIT = ("update_fixed_s", "update_s_per_token", "update_s_per_response_token")  # fit_update_cost's, as stored
+
+
 def fit_update_cost(points) -> tuple[float, float, float]:
     """(fixed seconds per optimizer step, seconds per computed token, extra seconds per response token): least
     squares over (computed, response, seconds[, optimizer steps: 1 if not given]) points. A response token costs
     more than a prompt token (the log-prob head), so a per-token rate from short responses underestimates long ones.
-    Where the points cannot tell the three apart (one update size, or a negative term: noise), the fixed cost is 0
-    and the fit runs through the origin; where that still yields a negative extra cost (the response share does not
-    vary), one rate per computed token."""
+    Where the points cannot tell the three apart (one update size, or a term comes out negative: noise), the closer
+    of the two fits that leave one out (no extra per response token, or no fixed cost) among those with no negative
+    term; where neither has, one rate per computed token. Several optimizer steps make the fixed cost a large part
+    of a short update: a fit that drops it charges its seconds to every token, long updates too."""
     import numpy as np
 
     c, r, t = (np.array([p[i] for p in points], dtype=float) for i in range(3))
@@ -205,9 +209,14 @@ def fit_update_cost(points) -> tuple[float, float, float]:
     fit = _least_squares([k, c, r], t)
     if fit and fit[0] >= 0 and fit[1] > 0 and fit[2] >= 0:
         return fit[0], fit[1], fit[2]
-    fit = _least_squares([c, r], t)
-    if fit and fit[0] > 0 and fit[1] >= 0:
-        return 0.0, fit[0], fit[1]
+    fits = []
+    for columns, full in (([k, c], lambda f: (f[0], f[1], 0.0)), ([c, r], lambda f: (0.0, f[0], f[1]))):
+        fit = _least_squares(columns, t)
+        if fit and min(fit) >= 0 and full(fit)[1] > 0:
+            residual = float(np.sum((t - np.stack(columns, axis=1) @ np.array(fit)) ** 2))
+            fits.append((residual, full(fit)))
+    if fits:
+        return min(fits)[1]
     return 0.0, float(t.sum() / c.sum()), 0.0
 
 
@@ -264,10 +273,8 @@ def measure_loop(model: str | None, shape: Shape) -> dict:
     rate = {k: sum(s for _, s in v) / sum(c for c, _ in v) if v else 0.0 for k, v in logprob.items()}
     out["logprob_s_per_token"] = rate[False]
     if handover:
-        fixed, per_token, per_response = fit_update_cost(out["colocated_update_points"])
-        out["colocated"] = {"update_fixed_s": fixed, "update_s_per_token": per_token,
-                            "update_s_per_response_token": per_response, "logprob_s_per_token": rate[True],
-                            "sync_s": statistics.median(handover)}
+        out["colocated"] = {**dict(zip(UPDATE_FIT, fit_update_cost(out["colocated_update_points"]))),
+                            "logprob_s_per_token": rate[True], "sync_s": statistics.median(handover)}
         # the rest of a colocated step beyond the split's (the engine's sleep / wake; 0 at least: the planner adds
         # it), the raw difference kept
         out["colocated_beyond_split_s"] = statistics.median(switch) - out["overhead_s"]

@@ -1,6 +1,6 @@
 """`justrl-bench --plan-check SHAPE...`: the planner scored against the real loop on this machine, shape by shape.
 
-    justrl-bench --plan-check heldout-steps heldout-deep --json docs/plan/check.json
+    justrl-bench --plan-check heldout-short heldout-deep --json docs/plan/check.json
     justrl-bench --plan-check "prompts=4,n=8,cap=640,mini_batch=2,etas=2,ranks=1+1"   # the shape a user cares about
 
 Per shape (bench/longtail.py's SHAPES, or key=value on the command line), one after the other: the machine's speed,
@@ -20,8 +20,8 @@ import os
 from dataclasses import asdict
 
 from .longtail import Shape, bench_longtail
-from .plan_calibrate import (colocated_decode_factor, fit_update_cost, machine_speed, measure_decode, measure_loop,
-                             measure_update, overlap_factors, speed_drift)
+from .plan_calibrate import (UPDATE_FIT, colocated_decode_factor, fit_update_cost, machine_speed, measure_decode,
+                             measure_loop, measure_update, overlap_factors, speed_drift)
 from .plan_inputs import PlanInputs
 from .plan_score import FORMAT, score_shape
 
@@ -47,13 +47,28 @@ def measure_plan_inputs(model: str | None, shape: Shape) -> dict:
     decode = measure_decode(model, shape)
     train_points = measure_update(round(decode["prompt_len"]))
     loop = measure_loop(model, shape)
-    fixed, per_token, per_response = fit_update_cost(loop["update_points"])
     train_slope = statistics.linear_regression([t for t, _ in train_points], [s for _, s in train_points])[0]
     update_factor, decode_factor = overlap_factors(decode["beside_update"], train_points)
-    return {"decode": decode, "update_points": train_points, "loop": loop, "update_fixed_s": fixed,
-            "update_s_per_token": per_token, "update_s_per_response_token": per_response,
+    return {"decode": decode, "update_points": train_points, "loop": loop,
+            **dict(zip(UPDATE_FIT, fit_update_cost(loop["update_points"]))),
             "train_phase_s_per_token": train_slope, "overlapped_update_factor": update_factor,
             "overlapped_decode_factor": decode_factor}
+
+
+def refit_inputs(entry: dict) -> dict:
+    """A check's shape entry's planner inputs made again from its stored calibration with this module's fits (the
+    update's costs, split and colocated, from the loop runs' points): what the check would have planned with them.
+    Only what was measured before the runs goes in; the runs are not read."""
+    import copy
+
+    measured = copy.deepcopy(entry["calibration"])
+    loop = measured["loop"]
+    measured.update(zip(UPDATE_FIT, fit_update_cost(loop["update_points"])))
+    if loop.get("colocated"):
+        loop["colocated"].update(zip(UPDATE_FIT, fit_update_cost(loop["colocated_update_points"])))
+    shape = Shape(**{k: tuple(v) if isinstance(v, list) else v for k, v in entry["shape"].items()})
+    stored = entry["inputs"]
+    return plan_inputs_for(measured, shape, stored["lengths"], stored["engine_assignment"])
 
 
 def plan_inputs_for(measured: dict, shape: Shape, lengths: list[int], assignment: str = "static") -> dict:

@@ -55,21 +55,23 @@ def score_mode(inputs: PlanInputs, entry: dict, draws: int = DRAWS) -> dict:
             "trace_step_s": replayed["step_s"], "trace_error": replayed["step_s"] / mean - 1}
 
 
-def score_shape(shape_entry: dict, draws: int = DRAWS) -> dict:
-    inputs = PlanInputs.from_dict(shape_entry["inputs"])
-    return {name: score_mode(inputs, entry, draws) for name, entry in shape_entry["modes"].items()}
+def score_shape(shape_entry: dict, draws: int = DRAWS, inputs: dict | None = None) -> dict:
+    """The shape's modes scored against the plan from its stored inputs (or from `inputs`)."""
+    x = PlanInputs.from_dict(inputs or shape_entry["inputs"])
+    return {name: score_mode(x, entry, draws) for name, entry in shape_entry["modes"].items()}
 
 
-def rescore(path: str, draws: int = DRAWS) -> dict:
+def rescore(path: str, draws: int = DRAWS, inputs_of=None) -> dict:
     """A check's JSON scored again with this planner: {"shapes": {NAME: {MODE: row}}, "differs": [(shape, mode,
-    key, stored, now)] where the stored score is not what this planner gives, "tuned": {NAME: bool}}."""
+    key, stored, now)] where the stored score is not what this planner gives, "tuned": {NAME: bool}}.
+    `inputs_of(shape entry)`: the inputs to plan with in place of the stored ones (plan_check.refit_inputs)."""
     check = read_json(path, "--plan-rescore")
     if not isinstance(check, dict) or check.get("format") != FORMAT:
         raise PlanInputsError(f"--plan-rescore: {path} is not a planner check (its `format` must be {FORMAT!r})")
     out = {"shapes": {}, "differs": [], "tuned": {name: e["shape"].get("tuned", False)
                                                   for name, e in check["shapes"].items()}}
     for name, entry in check["shapes"].items():
-        rows = out["shapes"][name] = score_shape(entry, draws)
+        rows = out["shapes"][name] = score_shape(entry, draws, inputs_of(entry) if inputs_of else None)
         for mode, row in rows.items():
             stored = entry.get("scores", {}).get(mode, {})
             for key in ("predicted_step_s", "p10", "p90", "measured_mean_step_s", "passes"):
