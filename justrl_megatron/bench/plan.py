@@ -15,6 +15,9 @@ train/loop.py):
 - streaming eta: (eta + 1) x prompts_per_step groups admitted and not yet taken, topped up when a step starts (after
   the previous sync); a step takes first the groups admitted eta versions ago (waiting for them), then any others in
   the order they finished; the sync pauses every engine (requests kept) and drops groups the bound no longer allows.
+- where the trainer and the engines share cores (the CPU), an update that runs while engines decode (one-step-off,
+  streaming) takes `overlapped_update_factor` times its seconds for as long as they decode (shared_update_s), and
+  their steps meanwhile `overlapped_decode_factor` times theirs (Engine.slow_until); 1 where each has its devices.
 - a started group goes to one engine (`engine_assignment`): "static", group id % engines (split.py today), or
   "load", the engine with the least outstanding work in expected tokens (_Router).
 Response lengths are drawn per sample from a given distribution with a fixed seed, so a plan is deterministic, or
